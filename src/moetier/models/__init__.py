@@ -1,0 +1,1 @@
+"""models layer of the pipeline (see DESIGN.md)."""

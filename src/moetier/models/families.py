@@ -1,0 +1,133 @@
+"""Model families as data: one `Family` row per transformers MoE architecture.
+
+A row says where the MoE block sits in a decoder layer, what its router and shared
+experts are called, and where each canonical piece of an expert comes from in the
+checkpoint. A new family whose MoE block has one of these shapes is one more row.
+
+Canonical expert layout (what a pool slot holds, see store/layout.py):
+    gate [I, H], up [I, H]  -> stored together as w13 [2I, H] (gate rows first)
+    down [H, I]             -> w2
+    gate_bias [I], up_bias [I], down_bias [H]  (only for families with expert biases)
+
+An `ExpertSource` reads one piece either from a per-expert tensor (`{e}` in the name)
+or from a fused tensor with a leading expert dimension, then applies `op`:
+    copy   as stored
+    T      transposed ([I, H] stored as [H, I], i.e. `x @ W` convention)
+    T_even / T_odd   transpose, then every other row (gate/up interleaved in one tensor)
+    even / odd       every other element (interleaved biases)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetier.errors import UnknownArchitectureError
+
+OPS = ("copy", "T", "T_even", "T_odd", "even", "odd")
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    tensor: str  # relative to the checkpoint's MoE block prefix; `{e}` marks a per-expert tensor
+    op: str = "copy"
+
+    @property
+    def fused(self) -> bool:
+        return "{e}" not in self.tensor
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    sources: dict[str, ExpertSource]  # piece name -> source; pieces: gate, up, down, *_bias
+    intermediate_attr: str  # config attribute with the routed expert's intermediate size
+    expert_kind: str = "swiglu"  # "swiglu" (act(gate) * up) or "gptoss" (clamped, biased, alpha-sigmoid)
+    scoring: str = "softmax"  # how router logits become probabilities: softmax | sigmoid | topk_softmax
+    block_attr: str = "mlp"  # attribute of the decoder layer holding the MoE block
+    ckpt_block: str = "mlp"  # that block's name inside checkpoint tensor names
+    router_attr: str = "gate"  # router submodule of the MoE block (kept as is: exact by construction)
+    shared_attr: str | None = None  # shared-expert MLP submodule, added to every token's output
+    shared_gate_attr: str | None = None  # per-token sigmoid gate of the shared expert (Qwen2-MoE)
+    returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
+    lean_attention: str | None = None  # attention kind the engine's own decoder implements, or None
+    extra_renames: tuple[tuple[str, str], ...] = field(default=())  # checkpoint -> model name fragments
+
+    def __post_init__(self) -> None:
+        for piece, src in self.sources.items():
+            if src.op not in OPS:
+                raise ValueError(f"family {self.name}: piece {piece} has unknown op {src.op!r}")
+        for needed in ("gate", "up", "down"):
+            if needed not in self.sources:
+                raise ValueError(f"family {self.name}: no source for expert piece {needed!r}")
+
+
+def _per_expert(gate: str, up: str, down: str) -> dict[str, ExpertSource]:
+    return {
+        "gate": ExpertSource(f"experts.{{e}}.{gate}.weight"),
+        "up": ExpertSource(f"experts.{{e}}.{up}.weight"),
+        "down": ExpertSource(f"experts.{{e}}.{down}.weight"),
+    }
+
+
+_QWEN_STYLE = _per_expert("gate_proj", "up_proj", "down_proj")
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="mixtral", model_types=("mixtral",), architectures=("MixtralForCausalLM",),
+        sources=_per_expert("w1", "w3", "w2"), intermediate_attr="intermediate_size",
+        ckpt_block="block_sparse_moe", lean_attention="llama",
+    ),
+    Family(
+        name="qwen2_moe", model_types=("qwen2_moe",), architectures=("Qwen2MoeForCausalLM",),
+        sources=_QWEN_STYLE, intermediate_attr="moe_intermediate_size",
+        shared_attr="shared_expert", shared_gate_attr="shared_expert_gate", lean_attention="llama",
+    ),
+    Family(
+        name="qwen3_moe", model_types=("qwen3_moe",), architectures=("Qwen3MoeForCausalLM",),
+        sources=_QWEN_STYLE, intermediate_attr="moe_intermediate_size", lean_attention="llama",
+    ),
+    Family(
+        name="olmoe", model_types=("olmoe",), architectures=("OlmoeForCausalLM",),
+        sources=_QWEN_STYLE, intermediate_attr="intermediate_size", lean_attention="llama",
+    ),
+    Family(
+        name="deepseek_v2", model_types=("deepseek_v2",), architectures=("DeepseekV2ForCausalLM",),
+        sources=_QWEN_STYLE, intermediate_attr="moe_intermediate_size", shared_attr="shared_experts",
+    ),
+    Family(
+        name="deepseek_v3", model_types=("deepseek_v3",), architectures=("DeepseekV3ForCausalLM",),
+        sources=_QWEN_STYLE, intermediate_attr="moe_intermediate_size", shared_attr="shared_experts",
+        scoring="sigmoid",
+    ),
+    Family(
+        name="gpt_oss", model_types=("gpt_oss",), architectures=("GptOssForCausalLM",),
+        sources={
+            "gate": ExpertSource("experts.gate_up_proj", "T_even"),
+            "up": ExpertSource("experts.gate_up_proj", "T_odd"),
+            "down": ExpertSource("experts.down_proj", "T"),
+            "gate_bias": ExpertSource("experts.gate_up_proj_bias", "even"),
+            "up_bias": ExpertSource("experts.gate_up_proj_bias", "odd"),
+            "down_bias": ExpertSource("experts.down_proj_bias"),
+        },
+        intermediate_attr="intermediate_size", expert_kind="gptoss", scoring="topk_softmax",
+        router_attr="router", returns_router_scores=True,
+    ),
+)  # fmt: skip
+
+
+def find_family(model_type: str | None, architectures: list[str] | None) -> Family:
+    """The row for a checkpoint's config, by architecture name first, then model_type."""
+    for arch in architectures or []:
+        for fam in FAMILIES:
+            if arch in fam.architectures:
+                return fam
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    known = ", ".join(a for f in FAMILIES for a in f.architectures)
+    raise UnknownArchitectureError(
+        f"unsupported architecture {architectures or []} (model_type {model_type!r}); moetier knows: {known}. "
+        "A family whose MoE block has one of these shapes is added as a row in moetier/models/families.py"
+    )

@@ -1,0 +1,61 @@
+"""Tiny random checkpoints of every supported family, built from config.
+
+Used by the tests (exactness against transformers), the benchmarks and anyone who
+wants to try moetier without a download. Weights are random, seeded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+    max_position_embeddings=256, num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, initializer_range=0.2,
+)  # fmt: skip
+
+TINY: dict[str, dict[str, Any]] = {
+    "mixtral": dict(intermediate_size=48, num_local_experts=6),
+    "qwen2_moe": dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                      num_experts=6, norm_topk_prob=False),
+    "qwen3_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=6, head_dim=8,
+                      norm_topk_prob=True),
+    "olmoe": dict(intermediate_size=16, num_experts=6),
+    "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_hidden_layers=3,
+                        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    "deepseek_v3": dict(intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=2, topk_group=1,
+                        num_hidden_layers=3, routed_scaling_factor=2.5),
+    "gpt_oss": dict(intermediate_size=16, num_local_experts=6, head_dim=8, sliding_window=8),
+}  # fmt: skip
+
+
+def build_tiny_checkpoint(
+    model_type: str, out_dir: str | os.PathLike[str], seed: int = 0, dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:  # fmt: skip
+    """Write a random `model_type` checkpoint (config.json + model.safetensors) to out_dir."""
+    if model_type not in TINY:
+        raise KeyError(f"no tiny config for {model_type!r}; known: {sorted(TINY)}")
+    kwargs = {**_COMMON, **TINY[model_type], **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random, non-trivial router biases where a family has them
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.5, 0.5)
+        for name, p in model.named_parameters():
+            if "router.bias" in name or name.endswith("sinks") or "proj_bias" in name:
+                p.normal_(0, 0.5)
+    out = Path(out_dir)
+    model.to(dtype).save_pretrained(out)
+    return out

@@ -1,0 +1,27 @@
+"""Planning one MoE layer call: which experts, in which order, on which domain.
+
+Pure function over plain data. Resident experts go first so that the misses' loads
+(which may evict) never evict an expert this layer still needs before it runs; then
+misses in expert order. With a single slot this still works: each miss is loaded,
+computed and becomes evictable before the next one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from moetier.types import Domain, ExpertKey, ExpertTask, Plan
+
+
+def plan_layer(
+    layer: int,
+    token_counts: Mapping[int, int],
+    resident: Collection[ExpertKey],
+    domain: Domain = Domain.HOST,
+) -> Plan:
+    """token_counts: expert id -> number of tokens routed to it in this call (> 0)."""
+    keys = [ExpertKey(layer, e) for e in sorted(token_counts)]
+    hits = [k for k in keys if k in resident]
+    misses = [k for k in keys if k not in resident]
+    tasks = tuple(ExpertTask(key=k, tokens=token_counts[k.expert]) for k in hits + misses)
+    return Plan(tasks=tasks, domains=(domain,) * len(tasks))

@@ -1,0 +1,1 @@
+"""runtime layer of the pipeline (see DESIGN.md)."""

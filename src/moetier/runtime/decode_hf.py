@@ -1,0 +1,27 @@
+"""Decoder over the transformers modules themselves (every family; the fallback path).
+
+Attention, norms and embeddings are transformers' own; only the MoE blocks are ours.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+
+
+class HFDecoder:
+    def __init__(self, model: nn.Module, config: PretrainedConfig) -> None:
+        self.model, self.config = model, config
+        self.cache: DynamicCache | None = None
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """ids [1, T] appended to the cache -> logits [T, V] (all) or [1, V] (last)."""
+        if self.cache is None:
+            self.reset()
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits[0]

@@ -1,0 +1,246 @@
+"""Engine: a loaded model plus generation, perplexity and statistics.
+
+`moetier.load(path, config)` returns one. The engine picks its decoder: the lean
+decoder (runtime/lean.py) for families whose attention it implements, else the
+transformers modules with TieredMoE blocks (runtime/decode_hf.py). Both produce the
+reference model's logits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from moetier.config import EngineConfig, SamplingConfig
+from moetier.errors import CheckpointError, ConfigError
+from moetier.runtime.decode_hf import HFDecoder
+from moetier.runtime.loader import LoadedModel, ModelInfo, open_model
+from moetier.traces import TraceRecorder
+
+
+class Decoder(Protocol):
+    def reset(self) -> None: ...
+
+    def forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor: ...
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft_s: float
+    decode_tok_s: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    ppl: float
+    tokens: int
+    nll: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
+    """Open a local Hugging Face MoE checkpoint folder with tiered experts."""
+    return Engine(open_model(path, config or EngineConfig()), config or EngineConfig())
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded, self.config = loaded, config
+        self.info: ModelInfo = loaded.info
+        self.store = loaded.store
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.decoder: Decoder = self._pick_decoder()
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self.recorder: TraceRecorder | None = None
+        self._trace_path: Path | None = None
+
+    def _pick_decoder(self) -> Decoder:
+        if self.config.runtime.lean and self.loaded.family.lean_attention:
+            from moetier.runtime.lean import LeanDecoder, lean_supported
+
+            if lean_supported(self.loaded):
+                return LeanDecoder(self.loaded, self.config.runtime.max_seq_len)
+        return HFDecoder(self.loaded.model, self.loaded.config)
+
+    # -- tokenizer -------------------------------------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.info.path)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{self.info.path}: no usable tokenizer files ({exc})") from exc
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # -- tracing ---------------------------------------------------------------
+    def record_trace(self, path: str | os.PathLike[str], with_scores: bool = False) -> None:
+        """Record every MoE layer call's routing; written by save_trace() or close()."""
+        meta = {
+            "model": self.info.path, "family": self.info.family, "num_experts": self.info.num_experts,
+            "top_k": self.info.top_k, "hidden_size": self.info.hidden_size,
+            "moe_intermediate_size": self.info.expert_intermediate, "dtype": str(self.dtype).removeprefix("torch."),
+            "num_layers": self.info.num_layers, "moe_layers": list(self.info.moe_layers),
+        }  # fmt: skip
+        self.recorder = TraceRecorder(meta, with_scores=with_scores)
+        self._trace_path = Path(path)
+        scoring = self.loaded.family.scoring
+        recorder = self.recorder
+
+        def hook(layer: int, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> None:
+            scores = None
+            if recorder.with_scores:
+                probs = torch.sigmoid(logits.float()) if scoring == "sigmoid" else torch.softmax(logits.float(), -1)
+                scores = probs.tolist()
+            recorder.record(layer, ids.tolist(), weights.float().tolist(), scores)
+
+        for block in self.loaded.blocks:
+            block.on_route = hook
+
+    def save_trace(self) -> Path | None:
+        if self.recorder is None or self._trace_path is None:
+            return None
+        return self.recorder.save(self._trace_path)
+
+    def _set_step(self, step: int) -> None:
+        if self.recorder is not None:
+            self.recorder.step = step
+
+    # -- compute ---------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits [1, T, V] for a fresh sequence (no cache kept)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ConfigError(f"logits() takes input_ids of shape [1, T], got {list(input_ids.shape)}")
+        self.decoder.reset()
+        return self.decoder.forward(input_ids.to(self.device), all_logits=True).unsqueeze(0)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        on_token: Callable[[int, str], None] | None = None,
+        stop_at_eos: bool = True,
+    ) -> GenerationResult:
+        """Prefill the prompt, then decode up to max_new_tokens; `on_token(id, text)` streams."""
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        sampling = sampling or SamplingConfig()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty after tokenization")
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        eos = self._eos_ids() if stop_at_eos else set()
+        out: list[int] = []
+        self.decoder.reset()
+        t0 = time.perf_counter()
+        self._set_step(0)
+        logits = self.decoder.forward(torch.tensor([ids], device=self.device))[-1]  # [V]
+        ttft = 0.0
+        t_first = t0
+        for step in range(max_new_tokens):
+            tok = sample(logits, sampling, gen)
+            if step == 0:
+                t_first = time.perf_counter()
+                ttft = t_first - t0
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok, self.tokenizer.decode([tok]) if self._has_tokenizer() else "")
+            if tok in eos or step == max_new_tokens - 1:
+                break
+            self._set_step(step + 1)
+            logits = self.decoder.forward(torch.tensor([[tok]], device=self.device))[-1]
+        elapsed = time.perf_counter() - t_first
+        decode_tok_s = (len(out) - 1) / elapsed if len(out) > 1 and elapsed > 0 else 0.0
+        text = self.tokenizer.decode(out) if self._has_tokenizer() else ""
+        return GenerationResult(text, out, len(ids), ttft, decode_tok_s, self.stats())
+
+    @torch.inference_mode()
+    def perplexity(self, text: str | list[int], max_tokens: int | None = None, window: int = 0) -> EvalResult:
+        """Token-level perplexity over non-overlapping windows of `window` tokens (0: the context length)."""
+        ids = self.encode(text) if isinstance(text, str) else list(text)
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        if len(ids) < 2:
+            raise ConfigError(f"perplexity needs at least 2 tokens, got {len(ids)}")
+        window = window or min(int(getattr(self.loaded.config, "max_position_embeddings", 1024)), 1024)
+        nll, count = 0.0, 0
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start : start + window + 1]
+            if len(chunk) < 2:
+                break
+            self._set_step(start // window)
+            logits = self.logits(torch.tensor([chunk[:-1]]))[0].float()  # [T, V]
+            target = torch.tensor(chunk[1:], device=logits.device)
+            nll += F.cross_entropy(logits, target, reduction="sum").item()
+            count += len(chunk) - 1
+        return EvalResult(ppl=math.exp(nll / count), tokens=count, nll=nll / count, stats=self.stats())
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.loaded.config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {int(e) for e in eos} if isinstance(eos, list) else {int(eos)}
+
+    def _has_tokenizer(self) -> bool:
+        try:
+            return self.tokenizer is not None
+        except CheckpointError:
+            return False
+
+    # -- accounting --------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s = self.store.stats()
+        compute = s.get("accel", s["host"])
+        return {
+            "hits": compute["hits"],
+            "misses": compute["misses"],
+            "disk_bytes": s["disk_bytes"],
+            "h2d_bytes": s["h2d_bytes"],
+            "peak_host_expert_bytes": s["host"]["peak_resident_bytes"],
+            "peak_accel_expert_bytes": s["accel"]["peak_resident_bytes"] if "accel" in s else 0,
+            "staging_bytes": s["staging_bytes"],
+            "tiers": {k: v for k, v in s.items() if k in ("host", "accel")},
+            "decoder": type(self.decoder).__name__,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def close(self) -> None:
+        self.save_trace()
+        self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    """logits [V] -> token id: greedy at temperature 0, else temperature + nucleus (top-p)."""
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.float().cpu() / cfg.temperature, dim=-1)  # [V]
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -1,0 +1,169 @@
+"""Opens a checkpoint folder into a model whose MoE blocks are TieredMoE.
+
+The one place that wires config -> family -> checkpoint index -> store -> model.
+Steps are numbered in `open_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.activations import ACT2FN
+
+from moetier.config import EngineConfig
+from moetier.errors import CheckpointError, ConfigError, UnknownArchitectureError
+from moetier.models.base import (
+    MoESite,
+    build_skeleton,
+    check_all_consumed,
+    find_moe_sites,
+    load_non_experts,
+)
+from moetier.models.families import Family, find_family
+from moetier.runtime.experts import ExpertFn, GptOssGLU, SwiGLU
+from moetier.runtime.moe_block import TieredMoE
+from moetier.store.checkpoint import CheckpointIndex
+from moetier.store.layout import ExpertLayout
+from moetier.store.reader import ExpertReader
+from moetier.store.store import ExpertStore
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    family: str
+    architecture: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate: int
+    checkpoint_dtype: str
+    expert_bytes: int  # one routed expert as stored in the checkpoint
+    total_expert_bytes: int
+    non_expert_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LoadedModel:
+    info: ModelInfo
+    family: Family
+    config: PretrainedConfig
+    model: nn.Module
+    blocks: list[TieredMoE]
+    store: ExpertStore
+    dtype: torch.dtype
+    device: torch.device
+
+
+def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family]:
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    family = find_family(raw.get("model_type"), raw.get("architectures"))
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{cfg_file}: quantized checkpoints ({method}) are not supported; use a bf16 one")
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError) as exc:
+        raise UnknownArchitectureError(f"{cfg_file}: transformers cannot read this config: {exc}") from exc
+    return config, family
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = stored if isinstance(stored, torch.dtype) else DTYPES.get(str(stored).replace("bfloat16", "bf16")
+                                                                      .replace("float32", "fp32")
+                                                                      .replace("float16", "fp16"), torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        dtype = torch.bfloat16  # fp16 matmul is very slow on CPUs; bf16 keeps the range
+    return dtype
+
+
+def expert_fn_for(family: Family, config: PretrainedConfig) -> ExpertFn:
+    if family.expert_kind == "gptoss":
+        return GptOssGLU(alpha=float(config.swiglu_alpha), limit=float(config.swiglu_limit))
+    return SwiGLU(act=ACT2FN[config.hidden_act])
+
+
+def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
+    # 1. config, family, device, dtype
+    config, family = read_config(path)
+    device = resolve_device(cfg.runtime.device)
+    dtype = resolve_dtype(cfg.runtime.dtype, config, device)
+    # 2. the checkpoint's tensor index (headers validated here)
+    index = CheckpointIndex(path)
+    # 3. the model skeleton, parameters on meta; its MoE blocks
+    model = build_skeleton(config, dtype)
+    sites = find_moe_sites(model, family)
+    num_experts = int(sites[0].block.experts.num_experts)
+    hidden = int(config.hidden_size)
+    inter = int(getattr(config, family.intermediate_attr))
+    layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
+    # 4. expert reader (validates every expert tensor) and the tiered store
+    reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
+    store = ExpertStore(
+        reader, layout, dtype, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes, cfg.cache.policy
+    )
+    # 5. swap the blocks, load everything else, refuse leftovers
+    fn = expert_fn_for(family, config)
+    blocks = []
+    for site in sites:
+        block = TieredMoE(family, site.block, site.layer, num_experts, store, fn)
+        layer = model.get_submodule(site.path.rsplit(".", 1)[0])
+        setattr(layer, family.block_attr, block)
+        blocks.append(block)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    consumed = load_non_experts(model, index, sites, family, dtype, tied)
+    check_all_consumed(index, consumed | reader.consumed)
+    model.to(device)
+    info = _info(path, family, config, sites, index, reader, num_experts, hidden, inter)
+    return LoadedModel(info, family, config, model, blocks, store, dtype, device)
+
+
+def _info(
+    path: str | os.PathLike[str], family: Family, config: PretrainedConfig, sites: list[MoESite],
+    index: CheckpointIndex, reader: ExpertReader, num_experts: int, hidden: int, inter: int,
+) -> ModelInfo:  # fmt: skip
+    expert_bytes = sum(r.nbytes for r in next(iter(reader.plans.values())))
+    total_expert = sum(r.nbytes for plan in reader.plans.values() for r in plan)
+    all_bytes = sum(loc.nbytes for loc in index.tensors.values())
+    first = next(iter(reader.plans.values()))[0].loc.dtype
+    return ModelInfo(
+        path=str(path), family=family.name, architecture=(config.architectures or ["?"])[0],
+        num_layers=int(config.num_hidden_layers), moe_layers=tuple(s.layer for s in sites),
+        num_experts=num_experts, top_k=int(config.num_experts_per_tok), hidden_size=hidden,
+        expert_intermediate=inter, checkpoint_dtype=first, expert_bytes=expert_bytes,
+        total_expert_bytes=total_expert, non_expert_bytes=all_bytes - total_expert,
+    )  # fmt: skip
+
+

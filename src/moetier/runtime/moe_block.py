@@ -1,0 +1,110 @@
+"""TieredMoE: the MoE block every family's block is swapped for.
+
+One call runs the pipeline once: route -> plan -> move -> compute -> combine.
+
+1. route: the family's own router module (kept from the reference block) gives
+   top-k ids and weights per token;
+2. plan: policies.plan.plan_layer orders the experts (resident first);
+3. move: ExpertStore.acquire loads a missing expert into a slot (evicting per policy);
+4. compute: the family's expert function on the slot's views, only for active experts;
+5. combine: weighted outputs summed in token order, plus shared experts.
+
+Decode (one token) takes a short path with no sort and no scatter; prefill groups
+tokens by expert with one argsort. Neither loops over all E experts or over tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moetier.models.families import Family
+from moetier.policies.plan import plan_layer
+from moetier.runtime.experts import ExpertFn
+from moetier.store.store import ExpertStore
+from moetier.types import ExpertKey
+
+RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits
+
+
+class TieredMoE(nn.Module):
+    def __init__(
+        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: ExpertStore, expert_fn: ExpertFn
+    ) -> None:
+        super().__init__()
+        self.family, self.layer, self.num_experts = family, layer, num_experts
+        self.store, self.expert_fn = store, expert_fn
+        self.router_name = family.router_attr
+        self.add_module(family.router_attr, getattr(block, family.router_attr))
+        for attr in (family.shared_attr, family.shared_gate_attr):
+            if attr:
+                self.add_module(attr, getattr(block, attr))
+        self.on_route: RouteHook | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k])."""
+        logits, weights, ids = getattr(self, self.router_name)(x)
+        if self.on_route is not None:
+            self.on_route(self.layer, ids, weights, logits)
+        return logits, weights, ids
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        fam = self.family
+        if not fam.shared_attr:
+            return None
+        out = getattr(self, fam.shared_attr)(x)  # [T, H]
+        if fam.shared_gate_attr:
+            out = torch.sigmoid(getattr(self, fam.shared_gate_attr)(x)) * out
+        return out
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
+        _, weights, ids = self.route(x)
+        out = self.experts_forward(x, ids, weights)
+        shared = self.shared(x)
+        if shared is not None:
+            out = out + shared
+        out = out.reshape(shape)
+        return (out, weights) if self.family.returns_router_scores else out
+
+    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]."""
+        store, layer, fn = self.store, self.layer, self.expert_fn
+        out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # decode: k experts, one token each
+            id_list = ids[0].tolist()
+            w = weights[0]
+            plan = plan_layer(layer, dict.fromkeys(id_list, 1), store.compute.slots)
+            pos = {e: j for j, e in enumerate(id_list)}
+            for task in plan.tasks:
+                views = store.acquire(task.key)
+                try:
+                    y = fn(x, views)  # [1, H]
+                    out.add_((y * w[pos[task.key.expert]]).to(out.dtype))
+                finally:
+                    store.release(task.key)
+            return out
+        k = ids.shape[1]
+        flat = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        ends = counts.cumsum(0)  # [E]
+        hit = counts.nonzero().flatten()  # [A] active experts only
+        active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
+        starts = {e: end - active[e] for e, end in zip(active, ends[hit].tolist(), strict=True)}
+        token_of = order // k  # [T*k] token index of each sorted slot
+        w_sorted = weights.reshape(-1)[order]  # [T*k]
+        plan = plan_layer(layer, active, store.compute.slots)
+        for task in plan.tasks:
+            e, c = task.key.expert, task.tokens
+            tok = token_of[starts[e] : starts[e] + c]  # [c]
+            views = store.acquire(ExpertKey(layer, e))
+            try:
+                y = fn(x[tok], views)  # [c, H]
+                out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e] + c, None]).to(out.dtype))
+            finally:
+                store.release(task.key)
+        return out

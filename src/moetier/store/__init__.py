@@ -1,0 +1,1 @@
+"""store layer of the pipeline (see DESIGN.md)."""

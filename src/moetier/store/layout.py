@@ -1,0 +1,41 @@
+"""Canonical byte layout of one expert inside a pool slot (all pieces contiguous).
+
+    [ gate (I*H) | up (I*H) | down (H*I) | gate_bias (I) | up_bias (I) | down_bias (H) ]
+       \\_____ w13 [2I, H] ___/   w2 [H, I]     \\____ b13 [2I] ____/     b2 [H]
+
+Biases are present only for families that have them. Every slot of every pool uses
+this layout, so a tier-to-tier move is one contiguous copy of `numel` elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    hidden: int
+    inter: int
+    has_bias: bool
+
+    @property
+    def pieces(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """piece name -> (element offset in the slot, canonical shape)."""
+        h, i = self.hidden, self.inter
+        out: dict[str, tuple[int, tuple[int, ...]]] = {
+            "gate": (0, (i, h)),
+            "up": (i * h, (i, h)),
+            "down": (2 * i * h, (h, i)),
+        }
+        if self.has_bias:
+            base = 3 * i * h
+            out |= {"gate_bias": (base, (i,)), "up_bias": (base + i, (i,)), "down_bias": (base + 2 * i, (h,))}
+        return out
+
+    @property
+    def numel(self) -> int:
+        h, i = self.hidden, self.inter
+        return 3 * i * h + ((2 * i + h) if self.has_bias else 0)
+
+    def slot_bytes(self, itemsize: int) -> int:
+        return self.numel * itemsize

@@ -1,0 +1,61 @@
+"""Fixed-slot expert pools: one tensor allocated once, sliced into per-slot views.
+
+A pool never allocates after construction: loading an expert writes into a free
+slot's existing memory. Per-slot views (w13, w2, b13, b2 and each named piece) are
+built once so that the hot path indexes a Python list rather than slicing tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetier.store.layout import ExpertLayout
+
+
+@dataclass
+class SlotViews:
+    w13: torch.Tensor  # [2I, H]
+    w2: torch.Tensor  # [H, I]
+    b13: torch.Tensor | None  # [2I]
+    b2: torch.Tensor | None  # [H]
+    row: torch.Tensor  # [numel], the whole slot
+    pieces: dict[str, torch.Tensor]  # canonical pieces, see ExpertLayout
+
+
+class SlotPool:
+    def __init__(
+        self, layout: ExpertLayout, n_slots: int, dtype: torch.dtype, device: torch.device, pin: bool = False
+    ) -> None:
+        if n_slots < 1:
+            raise ValueError(f"a pool needs at least one slot, got {n_slots}")
+        self.layout, self.n_slots, self.dtype, self.device = layout, n_slots, dtype, device
+        pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.buf = torch.empty((n_slots, layout.numel), dtype=dtype, device=device, pin_memory=pin)  # [S, numel]
+        self.slot_bytes = layout.slot_bytes(self.buf.element_size())
+        self.nbytes = n_slots * self.slot_bytes
+        self.views = [self._views(s) for s in range(n_slots)]
+
+    def _views(self, slot: int) -> SlotViews:
+        h, i = self.layout.hidden, self.layout.inter
+        row = self.buf[slot]
+        pieces = {
+            name: row[off : off + _numel(shape)].view(shape) for name, (off, shape) in self.layout.pieces.items()
+        }
+        b13 = row[3 * i * h : 3 * i * h + 2 * i] if self.layout.has_bias else None
+        return SlotViews(
+            w13=row[: 2 * i * h].view(2 * i, h),
+            w2=pieces["down"],
+            b13=b13,
+            b2=pieces.get("down_bias"),
+            row=row,
+            pieces=pieces,
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,155 @@
+"""Reads one expert from the safetensors files straight into a pool slot.
+
+Each expert's pieces are located once at open (file, byte offset, dtype, shape) and
+validated against the config: a missing, mis-shaped or wrongly typed expert tensor
+raises CheckpointError naming it. A read is `os.preadv` into the slot's own memory
+when the stored dtype and layout already match the slot; otherwise it goes through
+one staging buffer allocated at start (dtype cast, transpose, de-interleave). No
+file is mapped into the process, so reading never leaves a whole file resident.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from moetier.errors import CheckpointError
+from moetier.models.families import ExpertSource, Family
+from moetier.store.checkpoint import CheckpointIndex, TensorLocation
+from moetier.store.layout import ExpertLayout
+from moetier.types import ExpertKey
+
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One contiguous byte range of the checkpoint feeding one or more pieces."""
+
+    loc: TensorLocation
+    offset: int  # absolute file offset
+    nbytes: int
+    src_shape: tuple[int, ...]  # shape of this expert's slice as stored
+    pieces: tuple[tuple[str, str], ...]  # (piece, op)
+
+
+def _expected_src_shape(op: str, dest: tuple[int, ...]) -> tuple[int, ...]:
+    return {
+        "copy": dest,
+        "T": tuple(reversed(dest)),
+        "T_even": (dest[-1], 2 * dest[0]),
+        "T_odd": (dest[-1], 2 * dest[0]),
+        "even": (2 * dest[0],),
+        "odd": (2 * dest[0],),
+    }[op]
+
+
+def _apply_op(src: torch.Tensor, op: str) -> torch.Tensor:
+    if op == "copy":
+        return src
+    if op == "T":
+        return src.t()
+    if op in ("T_even", "T_odd"):
+        return src.t()[0::2] if op == "T_even" else src.t()[1::2]
+    return src[0::2] if op == "even" else src[1::2]
+
+
+class ExpertReader:
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        family: Family,
+        layout: ExpertLayout,
+        prefixes: dict[int, str],  # MoE layer -> checkpoint name prefix of its block, e.g. "model.layers.3.mlp."
+        num_experts: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.index, self.layout, self.dtype = index, layout, dtype
+        self.num_experts = num_experts
+        self.plans: dict[ExpertKey, list[_Read]] = {}
+        self.consumed: set[str] = set()
+        for layer, prefix in prefixes.items():
+            for e in range(num_experts):
+                self.plans[ExpertKey(layer, e)] = self._plan(prefix, e, family.sources)
+        staging = [r.nbytes for plan in self.plans.values() for r in plan if not self._direct(r)]
+        self.staging_bytes = max(staging, default=0)
+        self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _plan(self, prefix: str, e: int, sources: dict[str, ExpertSource]) -> list[_Read]:
+        groups: dict[str, list[tuple[str, ExpertSource]]] = {}
+        for piece, src in sources.items():
+            groups.setdefault(prefix + src.tensor.format(e=e), []).append((piece, src))
+        reads = []
+        pieces = self.layout.pieces
+        for name, members in groups.items():
+            loc = self.index[name]
+            if loc.dtype not in TORCH_DTYPES:
+                raise CheckpointError(
+                    f"{loc.file}: expert tensor {name!r} has dtype {loc.dtype}; moetier reads F32, F16, BF16 "
+                    "(quantized checkpoints such as MXFP4 must be dequantized to bf16 first)"
+                )
+            shapes = {_expected_src_shape(src.op, pieces[piece][1]) for piece, src in members}
+            (want,) = shapes
+            fused = members[0][1].fused
+            full_want = (self.num_experts, *want) if fused else want
+            if loc.shape != full_want:
+                raise CheckpointError(
+                    f"{loc.file}: expert tensor {name!r} has shape {list(loc.shape)}, expected {list(full_want)} "
+                    "from config.json"
+                )
+            nbytes = loc.nbytes // self.num_experts if fused else loc.nbytes
+            offset = loc.offset + (e * nbytes if fused else 0)
+            reads.append(_Read(loc, offset, nbytes, want, tuple((p, s.op) for p, s in members)))
+            self.consumed.add(name)
+        return reads
+
+    def _direct(self, r: _Read) -> bool:
+        return (
+            len(r.pieces) == 1 and r.pieces[0][1] == "copy" and TORCH_DTYPES[r.loc.dtype] == self.dtype
+        )
+
+    def _fd(self, loc: TensorLocation) -> int:
+        key = str(loc.file)
+        fd = self._fds.get(key)
+        if fd is None:
+            fd = self._fds[key] = os.open(key, os.O_RDONLY)
+        return fd
+
+    def _pread(self, loc: TensorLocation, offset: int, dest: torch.Tensor) -> None:
+        view = memoryview(dest.view(torch.uint8).numpy())  # shares the slot's memory
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd(loc), [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{loc.file}: unexpected end of file reading tensor {loc.name!r}")
+            done += n
+        self.bytes_read += done
+
+    def read_into(self, key: ExpertKey, pieces: dict[str, torch.Tensor]) -> int:
+        """Fill a slot's pieces with expert `key`; returns bytes read from disk."""
+        plan = self.plans.get(key)
+        if plan is None:
+            raise KeyError(f"no expert {key} in this checkpoint")
+        before = self.bytes_read
+        with self._lock:
+            for r in plan:
+                if self._direct(r):
+                    self._pread(r.loc, r.offset, pieces[r.pieces[0][0]])
+                    continue
+                raw = self._staging[: r.nbytes]
+                self._pread(r.loc, r.offset, raw)
+                src = raw.view(TORCH_DTYPES[r.loc.dtype]).view(r.src_shape)
+                for piece, op in r.pieces:
+                    pieces[piece].copy_(_apply_op(src, op))
+        return self.bytes_read - before
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,210 @@
+"""ExpertStore: which expert is in which slot of which tier, under fixed budgets.
+
+Tiers are disk -> host -> accelerator. The compute tier is the accelerator when the
+engine runs on CUDA, else host. `acquire(key)` returns the slot views of `key` in the
+compute tier, loading it on a miss (disk -> host, then host -> accelerator) and
+evicting per the tier's cache policy; the expert stays pinned until `release(key)`.
+
+Invariants (tested):
+- each tier's pool is allocated once and holds floor((budget - staging) / slot) slots,
+  so resident expert bytes plus the staging buffer never exceed the budget;
+- a pinned expert is never evicted; a key maps to at most one slot per tier;
+- hits + misses of the compute tier == number of acquires.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moetier.config import format_size
+from moetier.errors import BudgetError
+from moetier.policies import CachePolicy, make_cache_policy
+from moetier.store.layout import ExpertLayout
+from moetier.store.pool import SlotPool, SlotViews
+from moetier.store.reader import ExpertReader
+from moetier.types import ExpertKey, Tier
+
+
+@dataclass
+class TierState:
+    tier: Tier
+    pool: SlotPool
+    policy: CachePolicy
+    budget: int
+    slots: dict[ExpertKey, int] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+    pins: Counter[ExpertKey] = field(default_factory=Counter)
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    peak_slots: int = 0
+
+    def take_slot(self) -> int:
+        """A free slot, evicting the policy's victim among unpinned residents if needed."""
+        if self.free:
+            return self.free.pop()
+        candidates = [k for k in self.slots if self.pins[k] == 0]
+        if not candidates:
+            raise BudgetError(
+                f"{self.tier.value} tier: all {self.pool.n_slots} expert slots are in use at once; "
+                f"raise the {self.tier.value} expert budget above {self.budget} bytes"
+            )
+        victim = self.policy.victim(candidates)
+        assert isinstance(victim, ExpertKey)
+        slot = self.slots.pop(victim)
+        self.policy.on_evict(victim)
+        self.evictions += 1
+        return slot
+
+    def insert(self, key: ExpertKey, slot: int) -> None:
+        self.slots[key] = slot
+        self.policy.on_insert(key)
+        self.peak_slots = max(self.peak_slots, len(self.slots))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "slots": self.pool.n_slots,
+            "resident_bytes": len(self.slots) * self.pool.slot_bytes,
+            "peak_resident_bytes": self.peak_slots * self.pool.slot_bytes,
+            "pool_bytes": self.pool.nbytes,
+            "budget_bytes": self.budget,
+        }
+
+
+def slots_for_budget(tier: Tier, budget: int | None, slot_bytes: int, overhead: int, total: int) -> int:
+    """How many expert slots fit in `budget` after `overhead` bytes; None -> every expert."""
+    if budget is None:
+        return total
+    n = (budget - overhead) // slot_bytes
+    if n < 1:
+        extra = f" plus the {format_size(overhead)} staging buffer" if overhead else ""
+        raise BudgetError(
+            f"{tier.value} expert budget of {budget} bytes ({format_size(budget)}) is smaller than one expert "
+            f"slot of {slot_bytes} bytes ({format_size(slot_bytes)}){extra}; need at least {slot_bytes + overhead} "
+            "bytes"
+        )
+    return min(n, total)
+
+
+class ExpertStore:
+    def __init__(
+        self,
+        reader: ExpertReader,
+        layout: ExpertLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        host_budget: int | None,
+        accel_budget: int | None,
+        policy: str = "lru",
+    ) -> None:
+        self.reader, self.layout, self.dtype, self.device = reader, layout, dtype, device
+        total = len(reader.plans)
+        slot_bytes = layout.slot_bytes(torch.empty((), dtype=dtype).element_size())
+        self.slot_bytes = slot_bytes
+        self.staging_bytes = reader.staging_bytes
+        n_host = slots_for_budget(Tier.HOST, host_budget, slot_bytes, reader.staging_bytes, total)
+        host_pool = SlotPool(layout, n_host, dtype, torch.device("cpu"), pin=device.type == "cuda")
+        self.host = TierState(Tier.HOST, host_pool, make_cache_policy(policy), _budget(host_budget, host_pool))
+        self.host.free = list(range(n_host - 1, -1, -1))
+        self.accel: TierState | None = None
+        if device.type != "cpu":
+            n_acc = slots_for_budget(Tier.ACCEL, accel_budget, slot_bytes, 0, total)
+            acc_pool = SlotPool(layout, n_acc, dtype, device)
+            self.accel = TierState(Tier.ACCEL, acc_pool, make_cache_policy(policy), _budget(accel_budget, acc_pool))
+            self.accel.free = list(range(n_acc - 1, -1, -1))
+        self.compute = self.accel or self.host
+        self.disk_bytes = 0
+        self.h2d_bytes = 0
+        self._lock = threading.RLock()
+
+    # -- queries ---------------------------------------------------------------
+    def resident(self, tier: Tier | None = None) -> set[ExpertKey]:
+        state = self.compute if tier is None else (self.accel if tier is Tier.ACCEL else self.host)
+        return set(state.slots) if state is not None else set()
+
+    def views(self, key: ExpertKey) -> SlotViews:
+        """Views of a resident (acquired) expert in the compute tier."""
+        return self.compute.pool.views[self.compute.slots[key]]
+
+    # -- pipeline: move --------------------------------------------------------
+    def acquire(self, key: ExpertKey) -> SlotViews:
+        """Make `key` resident in the compute tier and pin it; loads on a miss."""
+        with self._lock:
+            state = self.compute
+            slot = state.slots.get(key)
+            if slot is not None:
+                state.hits += 1
+                state.policy.on_access(key)
+            else:
+                state.misses += 1
+                slot = self._load_accel(key) if self.accel is not None else self._load_host(key)
+            state.pins[key] += 1
+            return state.pool.views[slot]
+
+    def release(self, key: ExpertKey) -> None:
+        with self._lock:
+            pins = self.compute.pins
+            pins[key] -= 1
+            if pins[key] <= 0:
+                del pins[key]
+
+    def _load_host(self, key: ExpertKey) -> int:
+        host = self.host
+        slot = host.take_slot()
+        try:
+            self.disk_bytes += self.reader.read_into(key, host.pool.views[slot].pieces)
+        except BaseException:
+            host.free.append(slot)  # the slot holds a partial expert: never register it
+            raise
+        host.insert(key, slot)
+        return slot
+
+    def _load_accel(self, key: ExpertKey) -> int:
+        assert self.accel is not None
+        host = self.host
+        host_slot = host.slots.get(key)
+        if host_slot is None:
+            host.misses += 1
+            host_slot = self._load_host(key)
+        else:
+            host.hits += 1
+            host.policy.on_access(key)
+        host.pins[key] += 1
+        try:
+            slot = self.accel.take_slot()
+            self.accel.pool.views[slot].row.copy_(host.pool.views[host_slot].row, non_blocking=True)
+            self.h2d_bytes += self.slot_bytes
+            self.accel.insert(key, slot)
+        finally:
+            host.pins[key] -= 1
+            if host.pins[key] <= 0:
+                del host.pins[key]
+        return slot
+
+    # -- accounting ------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "slot_bytes": self.slot_bytes,
+            "staging_bytes": self.staging_bytes,
+            "disk_bytes": self.disk_bytes,
+            "h2d_bytes": self.h2d_bytes,
+            "host": self.host.stats(),
+        }
+        if self.accel is not None:
+            out["accel"] = self.accel.stats()
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _budget(budget: int | None, pool: SlotPool) -> int:
+    return pool.nbytes if budget is None else budget

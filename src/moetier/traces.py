@@ -1,0 +1,99 @@
+"""Routing traces: schema, recorder, loader (Parquet via pyarrow).
+
+One row per token per MoE layer call:
+    step (decode step, or 0 for the prefill chunk), token (position in the batch),
+    layer, experts (top-k ids), weights (top-k gate weights), scores (optional, all E
+    router probabilities).
+File-level metadata (JSON in the Parquet schema metadata under b"moetier"): model id,
+num_experts, top_k, hidden_size, moe_intermediate_size, dtype, schema version.
+Real traces recorded by the engine and synthetic ones share this schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetier.errors import TraceError
+
+SCHEMA_VERSION = 1
+REQUIRED_META = ("model", "num_experts", "top_k", "hidden_size", "moe_intermediate_size", "dtype")
+SCHEMA = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("token", pa.int32()),
+        ("layer", pa.int16()),
+        ("experts", pa.list_(pa.int32())),
+        ("weights", pa.list_(pa.float32())),
+        ("scores", pa.list_(pa.float32())),
+    ]
+)
+
+
+@dataclass
+class Trace:
+    table: pa.Table
+    metadata: dict[str, Any]
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+
+@dataclass
+class TraceRecorder:
+    """Collects rows in memory; `save` writes them. `record` takes plain lists."""
+
+    metadata: dict[str, Any]
+    with_scores: bool = False
+    step: int = 0
+    _cols: dict[str, list[Any]] = field(default_factory=lambda: {n: [] for n in SCHEMA.names})
+
+    def record(
+        self, layer: int, experts: list[list[int]], weights: list[list[float]], scores: list[list[float]] | None
+    ) -> None:
+        n = len(experts)
+        c = self._cols
+        c["step"].extend([self.step] * n)
+        c["token"].extend(range(n))
+        c["layer"].extend([layer] * n)
+        c["experts"].extend(experts)
+        c["weights"].extend(weights)
+        c["scores"].extend(scores if (self.with_scores and scores is not None) else [None] * n)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        table = pa.table(self._cols, schema=SCHEMA)
+        meta = {**self.metadata, "schema_version": SCHEMA_VERSION}
+        table = table.replace_schema_metadata({b"moetier": json.dumps(meta).encode()})
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, out)
+        return out
+
+
+def load(path: str | os.PathLike[str]) -> Trace:
+    """Read a trace and its metadata; a file of another schema raises TraceError naming it."""
+    p = Path(path)
+    try:
+        table = pq.read_table(p)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise TraceError(f"{p}: cannot read as a Parquet trace: {exc}") from exc
+    raw = (table.schema.metadata or {}).get(b"moetier")
+    if raw is None:
+        raise TraceError(f"{p}: no moetier metadata; not a moetier trace")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{p}: trace metadata is not valid JSON ({exc})") from exc
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise TraceError(f"{p}: trace metadata lacks {missing}")
+    absent = [n for n in SCHEMA.names if n not in table.column_names]
+    if absent:
+        raise TraceError(f"{p}: trace lacks column(s) {absent}")
+    return Trace(table=table.select(SCHEMA.names), metadata=meta)

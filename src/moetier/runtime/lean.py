@@ -1,14 +1,170 @@
-"""The engine's own decoder for llama-style attention families (work in progress)."""
+"""The engine's own decoder for llama-style attention (Mixtral, Qwen2/3-MoE, OLMoE).
+
+transformers' per-layer module stack costs more per decoded token than reading the
+active weights does, so the engine runs its own lean loop over the same weights:
+fused QKV projection, a preallocated KV cache per layer, a rotary table computed
+once by the family's own rotary module, and scaled_dot_product_attention with GQA.
+The MoE blocks are the TieredMoE modules of the model (same pipeline, same store);
+dense MLP layers call the model's own module.
+
+Supported variants: q/k/v biases (Qwen2-MoE), per-head q/k RMSNorm (Qwen3-MoE),
+whole-projection q/k RMSNorm and qkv clipping (OLMoE). Sliding-window attention and
+other variants are refused by `lean_supported`, and the engine falls back to the
+transformers modules.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.errors import ConfigError
 from moetier.runtime.loader import LoadedModel
 
 
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(nh + 2 nkv) * hd, H]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor  # [H, nh * hd]
+    q_norm: torch.Tensor | None  # [hd] (per head) or [nh * hd] (whole projection)
+    k_norm: torch.Tensor | None
+    mlp: nn.Module  # TieredMoE or the family's dense MLP
+
+
 def lean_supported(loaded: LoadedModel) -> bool:
-    return False
+    cfg = loaded.config
+    if loaded.family.lean_attention != "llama":
+        return False
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return False
+    if getattr(cfg, "use_sliding_window", False) or (
+        getattr(cfg, "sliding_window", None) and loaded.family.name == "mixtral"
+    ):
+        return False
+    layer0 = loaded.model.get_submodule("model.layers.0")
+    attn = layer0.self_attn
+    return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
-class LeanDecoder:  # replaced by the real implementation in this same change
-    def __init__(self, loaded: LoadedModel, max_seq_len: int) -> None:
-        raise NotImplementedError
+class LeanDecoder:
+    def __init__(self, loaded: LoadedModel, max_seq_len: int = 0) -> None:
+        cfg, model = loaded.config, loaded.model
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.nh = int(cfg.num_attention_heads)
+        self.nkv = int(getattr(cfg, "num_key_value_heads", None) or self.nh)
+        self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
+        self.eps = float(cfg.rms_norm_eps)
+        self.clip = getattr(cfg, "clip_qkv", None)
+        limit = int(getattr(cfg, "max_position_embeddings", 4096))
+        self.max_len = max_seq_len or min(limit, 4096)
+        inner = model.model
+        self.embed = inner.embed_tokens.weight  # [V, H]
+        self.final_norm = inner.norm.weight  # [H]
+        self.lm_head = model.get_output_embeddings().weight  # [V, H]
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
+        # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
+        pos = torch.arange(self.max_len, device=self.device)[None]
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = inner.rotary_emb(probe, pos)
+        self.cos, self.sin = cos[0], sin[0]
+        # 2. KV cache, allocated once: [L][nkv, max_len, hd]
+        shape = (len(self.layers), self.nkv, self.max_len, self.hd)
+        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)  # untouched pages cost no RSS
+        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.pos = 0
+
+    def _layer(self, layer: nn.Module) -> _Layer:
+        a = layer.self_attn
+        projs = (a.q_proj, a.k_proj, a.v_proj)
+        w = _fuse(projs, "weight")
+        b = _fuse(projs, "bias") if a.q_proj.bias is not None else None
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return _Layer(
+            in_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            wqkv=w, bqkv=b, wo=a.o_proj.weight,
+            q_norm=qn.weight if qn is not None else None,
+            k_norm=kn.weight if kn is not None else None,
+            mlp=layer.mlp,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # transformers' RMSNorm: normalise in fp32, cast back, then scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """ids [1, T] appended at the cache position -> logits [T, V] (all) or [1, V] (last)."""
+        T = ids.shape[1]
+        p0 = self.pos
+        if p0 + T > self.max_len:
+            raise ConfigError(
+                f"sequence of {p0 + T} tokens exceeds the KV cache of {self.max_len} (raise max_seq_len)"
+            )
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        cos, sin = self.cos[p0 : p0 + T, None], self.sin[p0 : p0 + T, None]  # [T, 1, hd]
+        mask = None
+        if T > 1 and p0 > 0:  # chunk after a prefix: causal within the chunk, all of the prefix
+            mask = torch.ones(T, p0 + T, dtype=torch.bool, device=self.device).tril(p0)
+        x = F.embedding(ids[0], self.embed)  # [T, H]
+        for i, L in enumerate(self.layers):
+            h = self._norm(x, L.in_norm)
+            qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
+            if self.clip is not None:
+                qkv = qkv.clamp(-self.clip, self.clip)
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            if L.q_norm is not None and L.k_norm is not None and not self.per_head_norm:
+                q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
+            q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+            if L.q_norm is not None and L.k_norm is not None and self.per_head_norm:
+                q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
+            q = q * cos + _rotate_half(q) * sin  # [T, nh, hd]
+            k = k * cos + _rotate_half(k) * sin  # [T, nkv, hd]
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [nkv, max_len, hd]
+            kc[:, p0 : p0 + T] = k.transpose(0, 1)
+            vc[:, p0 : p0 + T] = v.transpose(0, 1)
+            att = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],  # [1, nh, T, hd]
+                kc[None, :, : p0 + T],  # [1, nkv, p0+T, hd]
+                vc[None, :, : p0 + T],
+                attn_mask=mask,
+                is_causal=T > 1 and p0 == 0,
+                enable_gqa=nh != nkv,
+            )  # [1, nh, T, hd]
+            x = x + F.linear(att[0].transpose(0, 1).reshape(T, nh * hd), L.wo)
+            h = self._norm(x, L.post_norm)
+            y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
+            x = x + (y[0] if isinstance(y, tuple) else y)[0]
+        self.pos = p0 + T
+        x = self._norm(x if all_logits else x[-1:], self.final_norm)
+        return F.linear(x, self.lm_head)  # [T or 1, V]
+
+
+def _fuse(projs: tuple[nn.Module, ...], attr: str) -> torch.Tensor:
+    """Concatenate the projections' weights (or biases) and re-point the modules at views of the
+    fused tensor, so the fused copy does not double the attention weights' memory."""
+    fused = torch.cat([getattr(p, attr) for p in projs], 0).contiguous()
+    start = 0
+    for p in projs:
+        n = getattr(p, attr).shape[0]
+        setattr(p, attr, nn.Parameter(fused[start : start + n], requires_grad=False))
+        start += n
+    return fused
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

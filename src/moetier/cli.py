@@ -1,0 +1,375 @@
+"""The `moetier` command line: generate, eval, info.
+
+Thin by design (DESIGN.md): flags map onto the frozen config dataclasses in
+moetier.config and the commands call the Python API (`moetier.load`, `Engine`).
+Invariants:
+- every MoetierError, and any OSError on a file named by a flag, becomes one line
+  `error: <message>` on stderr and exit code 2, never a traceback; bad flag values
+  (an unparseable or negative size, an unknown device) exit 2 with click's message;
+- with `--json`, stdout holds exactly one line, a JSON object; tokens, progress and
+  tables go to stderr;
+- Hugging Face Hub access is offline unless HF_HUB_OFFLINE is set explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TextIO
+
+import typer
+from rich.console import Console
+
+from moetier import __version__
+from moetier.cli_format import eval_report, generation_report, info_table
+from moetier.config import (
+    Budgets,
+    CacheConfig,
+    DeviceName,
+    DtypeName,
+    EngineConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    parse_size,
+)
+from moetier.errors import ConfigError, MoetierError
+from moetier.policies import CACHE_POLICIES
+from moetier.runtime.engine import Engine, load
+from moetier.runtime.loader import open_model
+
+
+def _offline_by_default() -> None:
+    """HF_HUB_OFFLINE=1 unless the user set it. huggingface_hub read the variable when
+    `moetier` was imported (before this module ran), so its constant is updated too."""
+    if "HF_HUB_OFFLINE" in os.environ:
+        return
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import huggingface_hub.constants as hub_constants
+
+    hub_constants.HF_HUB_OFFLINE = True
+
+
+_offline_by_default()
+
+app = typer.Typer(
+    name="moetier",
+    help="Run Mixture-of-Experts LMs with expert weights in tiered, budgeted memory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+# -- flag parsing ------------------------------------------------------------------
+def _size(text: str) -> int:
+    """A byte count or a number with a unit (512MiB, 2GiB, 1.5GB); never negative."""
+    if text.strip().startswith("-"):
+        raise typer.BadParameter(f"a size must not be negative, got {text!r}")
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+_SIZE_HELP = "Bytes, or a number with a unit: 512MiB, 2GiB, 1.5GB."
+_ENGINE = "Engine"
+Model = Annotated[
+    Path,
+    typer.Argument(
+        metavar="MODEL", help="Local Hugging Face checkpoint folder (config.json + *.safetensors)."
+    ),
+]
+HostMem = Annotated[
+    int | None,
+    typer.Option("--host-expert-mem", parser=_size, metavar="SIZE", rich_help_panel=_ENGINE,
+                 help=f"Host (CPU RAM) budget for expert weights; default: every expert. {_SIZE_HELP}"),
+]  # fmt: skip
+GpuMem = Annotated[
+    int | None,
+    typer.Option("--gpu-expert-mem", parser=_size, metavar="SIZE", rich_help_panel=_ENGINE,
+                 help=f"Accelerator (CUDA) budget for expert weights; default: every expert. {_SIZE_HELP}"),
+]  # fmt: skip
+Device = Annotated[
+    DeviceName,
+    typer.Option(rich_help_panel=_ENGINE, help="Compute device; auto picks cuda when torch sees one."),
+]
+Dtype = Annotated[
+    DtypeName,
+    typer.Option(
+        rich_help_panel=_ENGINE, help="Compute dtype; auto uses the checkpoint's (fp16 becomes bf16 on CPU)."
+    ),
+]
+CachePolicy = Annotated[
+    str,
+    typer.Option(rich_help_panel=_ENGINE,
+                 help=f"Expert eviction policy of every tier; one of: {', '.join(sorted(CACHE_POLICIES))}."),
+]  # fmt: skip
+MaxSeqLen = Annotated[
+    int,
+    typer.Option(min=0, rich_help_panel=_ENGINE,
+                 help="KV-cache length of the lean decoder; 0 = the model's limit, capped at 4096."),
+]  # fmt: skip
+NoLean = Annotated[
+    bool,
+    typer.Option("--no-lean", rich_help_panel=_ENGINE,
+                 help="Use the transformers modules (with tiered MoE blocks) instead of the lean decoder."),
+]  # fmt: skip
+TraceFile = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE.parquet", rich_help_panel=_ENGINE,
+                 help="Record the routing of every MoE layer call to this Parquet trace."),
+]  # fmt: skip
+TraceScores = Annotated[
+    bool,
+    typer.Option(
+        "--trace-scores",
+        rich_help_panel=_ENGINE,
+        help="Also record all router probabilities (needs --trace).",
+    ),
+]
+JsonOut = Annotated[
+    bool,
+    typer.Option("--json", help="Print one JSON object as the last line of stdout; the rest goes to stderr."),
+]
+
+
+def _engine_config(
+    host: int | None,
+    gpu: int | None,
+    device: DeviceName,
+    dtype: DtypeName,
+    policy: str,
+    max_seq_len: int,
+    no_lean: bool,
+) -> EngineConfig:
+    if policy not in CACHE_POLICIES:
+        raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
+    return EngineConfig(
+        budgets=Budgets(host_expert_bytes=host, accel_expert_bytes=gpu),
+        cache=CacheConfig(policy=policy),
+        runtime=RuntimeConfig(device=device, dtype=dtype, lean=not no_lean, max_seq_len=max_seq_len),
+    )
+
+
+# -- output and errors ------------------------------------------------------------
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """MoetierError and file errors -> `error: ...` on stderr, exit 2; Ctrl-C -> exit 130."""
+    try:
+        yield
+    except MoetierError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        _fail(f"{where}{exc.strerror or exc}")
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+def _consoles(json_out: bool) -> tuple[Console, Console]:
+    """(report console, stderr console): reports go to stderr in --json mode."""
+    err = Console(stderr=True)
+    return (err if json_out else Console()), err
+
+
+def _emit_json(payload: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(payload, default=str) + "\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def _engine(
+    model: Path, config: EngineConfig, trace: Path | None, scores: bool, err: Console
+) -> Iterator[Engine]:
+    """Load (with a status line on stderr), start the trace if asked, and always close."""
+    if scores and trace is None:
+        raise ConfigError("--trace-scores needs --trace FILE")
+    with err.status(f"loading {model}"):
+        engine = load(model, config)
+    try:
+        if trace is not None:
+            engine.record_trace(trace, with_scores=scores)
+        yield engine
+    finally:
+        engine.close()  # also writes the trace
+    if trace is not None:
+        err.print(f"trace written to {trace}", markup=False, highlight=False)
+
+
+class TokenStream:
+    """Writes generated text as it comes: decodes all ids so far and writes the new suffix,
+    holding back an incomplete UTF-8 sequence (so multi-token characters and SentencePiece
+    spaces come out right)."""
+
+    def __init__(self, engine: Engine, out: TextIO) -> None:
+        self.engine, self.out = engine, out
+        self.ids: list[int] = []
+        self.written = 0
+
+    def __call__(self, token_id: int, _text: str) -> None:
+        self.ids.append(token_id)
+        text = self._decode()
+        if not text.endswith("\ufffd"):
+            self._write(text)
+
+    def finish(self) -> None:
+        if self.ids:
+            self._write(self._decode())
+        self.out.write("\n")
+        self.out.flush()
+
+    def _decode(self) -> str:
+        return str(self.engine.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _write(self, text: str) -> None:
+        if len(text) > self.written:
+            self.out.write(text[self.written :])
+            self.out.flush()
+            self.written = len(text)
+
+
+# -- commands ---------------------------------------------------------------------
+@app.command()
+def generate(
+    model: Model,
+    prompt: Annotated[str, typer.Option(help="Prompt text (tokenized without special tokens).")],
+    max_new_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens to generate (fewer if EOS comes first).")
+    ] = 64,
+    host_expert_mem: HostMem = None,
+    gpu_expert_mem: GpuMem = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    cache_policy: CachePolicy = "lru",
+    max_seq_len: MaxSeqLen = 0,
+    no_lean: NoLean = False,
+    trace: TraceFile = None,
+    trace_scores: TraceScores = False,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
+    top_p: Annotated[
+        float, typer.Option(help="Nucleus sampling mass in (0, 1]; used when temperature > 0.")
+    ] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed of the sampler, for reproducible sampling.")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at EOS.")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
+    report, err = _consoles(json_out)
+    with _user_errors():
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+        config = _engine_config(
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean
+        )
+        with _engine(model, config, trace, trace_scores, err) as engine:
+            stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
+            result = engine.generate(
+                prompt, max_new_tokens, sampling, on_token=stream, stop_at_eos=not ignore_eos
+            )
+            stream.finish()
+        payload = {
+            "model": str(model), "text": result.text, "token_ids": result.token_ids,
+            "prompt_tokens": result.prompt_tokens, "new_tokens": len(result.token_ids),
+            "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s, **result.stats,
+        }  # fmt: skip
+        report.print(generation_report(payload))
+        if json_out:
+            _emit_json(payload)
+
+
+@app.command(name="eval")
+def eval_(
+    model: Model,
+    text: Annotated[Path, typer.Option(help="UTF-8 text file to score.")],
+    max_tokens: Annotated[int | None, typer.Option(min=2, help="Score only the first N tokens.")] = None,
+    window: Annotated[
+        int, typer.Option(min=0, help="Tokens per window; 0 = the context length, capped at 1024.")
+    ] = 0,
+    host_expert_mem: HostMem = None,
+    gpu_expert_mem: GpuMem = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    cache_policy: CachePolicy = "lru",
+    max_seq_len: MaxSeqLen = 0,
+    no_lean: NoLean = False,
+    trace: TraceFile = None,
+    trace_scores: TraceScores = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Perplexity of a text file over non-overlapping windows."""
+    report, err = _consoles(json_out)
+    with _user_errors():
+        config = _engine_config(
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean
+        )
+        body = text.read_text(encoding="utf-8")
+        with _engine(model, config, trace, trace_scores, err) as engine:
+            ids = engine.encode(body)[:max_tokens]
+            t0 = time.perf_counter()
+            with err.status(f"scoring {len(ids)} tokens of {text}"):
+                result = engine.perplexity(ids, window=window)
+            elapsed = time.perf_counter() - t0
+        payload = {
+            "model": str(model), "text_file": str(text), "ppl": result.ppl, "nll": result.nll,
+            "tokens": result.tokens, "eval_s": elapsed,
+            "eval_tok_s": result.tokens / elapsed if elapsed > 0 else 0.0,
+            **result.stats,
+        }  # fmt: skip
+        if not json_out:
+            report.print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens", highlight=False)
+        report.print(eval_report(payload))
+        if json_out:
+            _emit_json(payload)
+
+
+@app.command()
+def info(model: Model, json_out: JsonOut = False) -> None:
+    """Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and non-expert bytes."""
+    report, err = _consoles(json_out)
+    with _user_errors():
+        with err.status(f"reading {model}"):
+            loaded = open_model(model, EngineConfig(runtime=RuntimeConfig(device="cpu")))
+        loaded.store.close()
+        data = loaded.info.as_dict()
+        data["moe_layers"] = list(data["moe_layers"])
+        data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]
+        if json_out:
+            _emit_json(data)
+        else:
+            report.print(info_table(data))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"moetier {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Run Mixture-of-Experts LMs with expert weights in tiered, budgeted memory."""
+
+
+def main() -> None:
+    """Console-script entry point (`moetier = "moetier.cli:main"`)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,112 @@
+"""Rich tables for the command line (cli.py): generation and eval statistics, model info.
+
+Pure formatting: every function takes plain values (an Engine.stats() dict, a ModelInfo
+as a dict) and returns a rich renderable; nothing here loads models or prints.
+Sizes show human-readable and exact: `24.00 MiB (25165824 B)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from moetier.config import format_size
+
+TIER_NAMES = {"host": "host", "accel": "accelerator"}
+
+
+def size(nbytes: int | float | None) -> str:
+    """'24.00 MiB (25165824 B)'; '-' for None."""
+    if nbytes is None:
+        return "-"
+    return f"{format_size(nbytes)} ({int(nbytes)} B)"
+
+
+def _kv_table(title: str, rows: Iterable[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def tier_table(stats: Mapping[str, Any]) -> Table:
+    """One row per expert tier: budget, pool (slots x slot size), peak residency, hits, misses."""
+    table = Table(title="expert tiers", title_justify="left")
+    for col in ("tier", "budget", "pool", "peak", "hits", "misses", "evicted"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for name, tier in stats.get("tiers", {}).items():
+        slots = int(tier["slots"])
+        slot_bytes = int(tier["pool_bytes"]) // slots if slots else 0
+        table.add_row(
+            TIER_NAMES.get(name, name),
+            format_size(tier["budget_bytes"]),
+            f"{slots} x {format_size(slot_bytes)}",
+            format_size(tier["peak_resident_bytes"]),
+            str(tier["hits"]),
+            str(tier["misses"]),
+            str(tier["evictions"]),
+        )
+    return table
+
+
+def _engine_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("expert hits / misses", f"{stats['hits']} / {stats['misses']}"),
+        ("bytes read from disk", size(stats["disk_bytes"])),
+        ("bytes host -> accelerator", size(stats["h2d_bytes"])),
+        ("peak host expert bytes", size(stats["peak_host_expert_bytes"])),
+        ("peak accelerator expert bytes", size(stats["peak_accel_expert_bytes"])),
+        ("staging buffer", size(stats["staging_bytes"])),
+        ("decoder / device / dtype", f"{stats['decoder']} / {stats['device']} / {stats['dtype']}"),
+    ]
+
+
+def generation_report(payload: Mapping[str, Any]) -> Group:
+    """Stats after `moetier generate`; `payload` is the command's JSON object."""
+    rows = [
+        ("time to first token", f"{payload['ttft_s']:.3f} s"),
+        ("decode speed", f"{payload['decode_tok_s']:.2f} tok/s"),
+        ("prompt tokens", str(payload["prompt_tokens"])),
+        ("new tokens", str(payload["new_tokens"])),
+        *_engine_rows(payload),
+    ]
+    return Group(_kv_table("generation", rows), tier_table(payload))
+
+
+def eval_report(payload: Mapping[str, Any]) -> Group:
+    """Stats after `moetier eval`; `payload` is the command's JSON object."""
+    rows = [
+        ("perplexity", f"{payload['ppl']:.4f}"),
+        ("mean NLL (nats/token)", f"{payload['nll']:.4f}"),
+        ("tokens scored", str(payload["tokens"])),
+        ("wall time", f"{payload['eval_s']:.3f} s ({payload['eval_tok_s']:.1f} tok/s)"),
+        *_engine_rows(payload),
+    ]
+    return Group(_kv_table("evaluation", rows), tier_table(payload))
+
+
+def info_table(info: Mapping[str, Any]) -> Table:
+    """`moetier info`: the shape of a checkpoint and its expert bytes."""
+    moe_layers = list(info["moe_layers"])
+    shown = ", ".join(map(str, moe_layers)) if len(moe_layers) <= 16 else f"{moe_layers[0]}..{moe_layers[-1]}"
+    rows = [
+        ("path", str(info["path"])),
+        ("family", str(info["family"])),
+        ("architecture", str(info["architecture"])),
+        ("layers", str(info["num_layers"])),
+        ("MoE layers", f"{len(moe_layers)} ({shown})"),
+        ("routed experts per MoE layer", str(info["num_experts"])),
+        ("experts per token (top-k)", str(info["top_k"])),
+        ("hidden size", str(info["hidden_size"])),
+        ("expert intermediate size", str(info["expert_intermediate"])),
+        ("checkpoint dtype", str(info["checkpoint_dtype"])),
+        ("bytes per expert", size(info["expert_bytes"])),
+        ("total routed expert bytes", size(info["total_expert_bytes"])),
+        ("non-expert bytes", size(info["non_expert_bytes"])),
+    ]
+    return _kv_table("model", rows)

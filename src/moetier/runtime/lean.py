@@ -100,10 +100,8 @@ class LeanDecoder:
         self.pos = 0
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # transformers' RMSNorm: normalise in fp32, cast back, then scale
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
+        # one fused call; same math as transformers' RMSNorm (equal in fp32, rounding-level in bf16)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:

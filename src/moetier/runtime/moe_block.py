@@ -76,14 +76,12 @@ class TieredMoE(nn.Module):
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: k experts, one token each
             id_list = ids[0].tolist()
-            w = weights[0]
+            w_of = dict(zip(id_list, weights[0].tolist(), strict=True))
             plan = plan_layer(layer, dict.fromkeys(id_list, 1), store.compute.slots)
-            pos = {e: j for j, e in enumerate(id_list)}
             for task in plan.tasks:
                 views = store.acquire(task.key)
                 try:
-                    y = fn(x, views)  # [1, H]
-                    out.add_((y * w[pos[task.key.expert]]).to(out.dtype))
+                    out.add_(fn(x, views), alpha=w_of[task.key.expert])  # [1, H] += w * expert(x)
                 finally:
                     store.release(task.key)
             return out

@@ -17,12 +17,12 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
-import moetier  # noqa: E402
-from benchmarks._models import qwen3_bench_model  # noqa: E402
+import moetier
+from benchmarks._models import qwen3_bench_model
 
 
 class _Clock(BaseStreamer):

@@ -6,7 +6,7 @@ Torch-free on purpose: policies and the simulator import these and nothing heavi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import NamedTuple
 
 
@@ -17,7 +17,7 @@ class ExpertKey(NamedTuple):
     expert: int
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     """Where expert bytes live, fastest first."""
 
     ACCEL = "accel"
@@ -25,14 +25,14 @@ class Tier(str, Enum):
     DISK = "disk"
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     FULL = "full"
     INT8 = "int8"
     INT4 = "int4"
     INT2 = "int2"
 
 
-class Domain(str, Enum):
+class Domain(StrEnum):
     """Where an expert is computed."""
 
     ACCEL = "accel"
@@ -71,7 +71,7 @@ class Plan:
             raise ValueError(f"Plan has {len(self.tasks)} tasks but {len(self.domains)} domains")
 
 
-class MoveKind(str, Enum):
+class MoveKind(StrEnum):
     FETCH = "fetch"
     PREFETCH = "prefetch"
     PROMOTE = "promote"

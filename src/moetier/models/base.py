@@ -38,7 +38,7 @@ def meta_parameters() -> Iterator[None]:
             assert p is not None
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=False)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -121,10 +121,8 @@ def load_non_experts(
                 _assign(model, name, tensor)
                 consumed.add(ckpt)
     if tied:
-        out = model.get_output_embeddings()
-        emb = model.get_input_embeddings()
-        assert out is not None and emb is not None
-        out.weight = emb.weight
+        m: Any = model  # a transformers PreTrainedModel
+        m.get_output_embeddings().weight = m.get_input_embeddings().weight
     return consumed
 
 

@@ -23,5 +23,6 @@ class HFDecoder:
         """ids [1, T] appended to the cache -> logits [T, V] (all) or [1, V] (last)."""
         if self.cache is None:
             self.reset()
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        keep = 0 if all_logits else 1  # transformers: 0 keeps every position
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0]

@@ -162,14 +162,14 @@ class Engine:
                 ttft = t_first - t0
             out.append(tok)
             if on_token is not None:
-                on_token(tok, self.tokenizer.decode([tok]) if self._has_tokenizer() else "")
+                on_token(tok, str(self.tokenizer.decode([tok])) if self._has_tokenizer() else "")
             if tok in eos or step == max_new_tokens - 1:
                 break
             self._set_step(step + 1)
             logits = self.decoder.forward(torch.tensor([[tok]], device=self.device))[-1]
         elapsed = time.perf_counter() - t_first
         decode_tok_s = (len(out) - 1) / elapsed if len(out) > 1 and elapsed > 0 else 0.0
-        text = self.tokenizer.decode(out) if self._has_tokenizer() else ""
+        text = str(self.tokenizer.decode(out)) if self._has_tokenizer() else ""
         return GenerationResult(text, out, len(ids), ttft, decode_tok_s, self.stats())
 
     @torch.inference_mode()

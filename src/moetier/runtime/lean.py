@@ -16,6 +16,7 @@ transformers modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ def lean_supported(loaded: LoadedModel) -> bool:
         getattr(cfg, "sliding_window", None) and loaded.family.name == "mixtral"
     ):
         return False
-    layer0 = loaded.model.get_submodule("model.layers.0")
+    layer0: Any = loaded.model.get_submodule("model.layers.0")
     attn = layer0.self_attn
     return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
@@ -56,6 +57,7 @@ def lean_supported(loaded: LoadedModel) -> bool:
 class LeanDecoder:
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 0) -> None:
         cfg, model = loaded.config, loaded.model
+        inner: Any = model.model  # the family's base model (embed_tokens, layers, norm, rotary_emb)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.nh = int(cfg.num_attention_heads)
         self.nkv = int(getattr(cfg, "num_key_value_heads", None) or self.nh)
@@ -64,10 +66,11 @@ class LeanDecoder:
         self.clip = getattr(cfg, "clip_qkv", None)
         limit = int(getattr(cfg, "max_position_embeddings", 4096))
         self.max_len = max_seq_len or min(limit, 4096)
-        inner = model.model
         self.embed = inner.embed_tokens.weight  # [V, H]
         self.final_norm = inner.norm.weight  # [H]
-        self.lm_head = model.get_output_embeddings().weight  # [V, H]
+        full: Any = model
+        head = full.get_output_embeddings()
+        self.lm_head = head.weight  # [V, H]
         self.layers = [self._layer(layer) for layer in inner.layers]
         self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
         # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
@@ -81,7 +84,7 @@ class LeanDecoder:
         self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.pos = 0
 
-    def _layer(self, layer: nn.Module) -> _Layer:
+    def _layer(self, layer: Any) -> _Layer:
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
         w = _fuse(projs, "weight")
@@ -151,7 +154,7 @@ class LeanDecoder:
         return F.linear(x, self.lm_head)  # [T or 1, V]
 
 
-def _fuse(projs: tuple[nn.Module, ...], attr: str) -> torch.Tensor:
+def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:
     """Concatenate the projections' weights (or biases) and re-point the modules at views of the
     fused tensor, so the fused copy does not double the attention weights' memory."""
     fused = torch.cat([getattr(p, attr) for p in projs], 0).contiguous()

@@ -125,7 +125,8 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 3. the model skeleton, parameters on meta; its MoE blocks
     model = build_skeleton(config, dtype)
     sites = find_moe_sites(model, family)
-    num_experts = int(sites[0].block.experts.num_experts)
+    experts: Any = sites[0].block.experts
+    num_experts = int(experts.num_experts)
     hidden = int(config.hidden_size)
     inter = int(getattr(config, family.intermediate_attr))
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)

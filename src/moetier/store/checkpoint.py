@@ -10,6 +10,7 @@ CheckpointError naming the file and tensor.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -81,7 +82,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
         out[name] = TensorLocation(name, path, data_start + begin, end - begin, dtype, shape)
         spans.append((begin, end, name))
     spans.sort()
-    for (_, end_a, name_a), (begin_b, _, name_b) in zip(spans, spans[1:], strict=False):
+    for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
         if begin_b < end_a:
             raise CheckpointError(f"{path}: tensors {name_a!r} and {name_b!r} overlap: corrupt safetensors file")
     return out

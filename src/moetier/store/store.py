@@ -79,9 +79,31 @@ class TierState:
         }
 
 
-def slots_for_budget(tier: Tier, budget: int | None, slot_bytes: int, overhead: int, total: int) -> int:
-    """How many expert slots fit in `budget` after `overhead` bytes; None -> every expert."""
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory where a pool would go: MemAvailable for the host, free CUDA memory on a GPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def slots_for_budget(
+    tier: Tier, budget: int | None, slot_bytes: int, overhead: int, total: int, free: int | None = None
+) -> int:
+    """How many expert slots fit in `budget` after `overhead` bytes; None -> every expert, if that fits `free`."""
     if budget is None:
+        if free is not None and total * slot_bytes + overhead > free:
+            flag = "--host-expert-mem" if tier is Tier.HOST else "--gpu-expert-mem"
+            raise BudgetError(
+                f"holding all {total} experts in the {tier.value} tier needs {format_size(total * slot_bytes)} "
+                f"but only {format_size(free)} is free; set a {tier.value} expert budget ({flag})"
+            )
         return total
     n = (budget - overhead) // slot_bytes
     if n < 1:
@@ -110,13 +132,16 @@ class ExpertStore:
         slot_bytes = layout.slot_bytes(torch.empty((), dtype=dtype).element_size())
         self.slot_bytes = slot_bytes
         self.staging_bytes = reader.staging_bytes
-        n_host = slots_for_budget(Tier.HOST, host_budget, slot_bytes, reader.staging_bytes, total)
-        host_pool = SlotPool(layout, n_host, dtype, torch.device("cpu"), pin=device.type == "cuda")
+        cpu = torch.device("cpu")
+        n_host = slots_for_budget(
+            Tier.HOST, host_budget, slot_bytes, reader.staging_bytes, total, available_bytes(cpu)
+        )
+        host_pool = SlotPool(layout, n_host, dtype, cpu, pin=device.type == "cuda")
         self.host = TierState(Tier.HOST, host_pool, make_cache_policy(policy), _budget(host_budget, host_pool))
         self.host.free = list(range(n_host - 1, -1, -1))
         self.accel: TierState | None = None
         if device.type != "cpu":
-            n_acc = slots_for_budget(Tier.ACCEL, accel_budget, slot_bytes, 0, total)
+            n_acc = slots_for_budget(Tier.ACCEL, accel_budget, slot_bytes, 0, total, available_bytes(device))
             acc_pool = SlotPool(layout, n_acc, dtype, device)
             self.accel = TierState(Tier.ACCEL, acc_pool, make_cache_policy(policy), _budget(accel_budget, acc_pool))
             self.accel.free = list(range(n_acc - 1, -1, -1))
@@ -180,7 +205,9 @@ class ExpertStore:
         host.pins[key] += 1
         try:
             slot = self.accel.take_slot()
-            self.accel.pool.views[slot].row.copy_(host.pool.views[host_slot].row, non_blocking=True)
+            # blocking on purpose: the host slot may be reused right after; the async mover
+            # (a CUDA stream with per-slot events) comes with the precision issue
+            self.accel.pool.views[slot].row.copy_(host.pool.views[host_slot].row)
             self.h2d_bytes += self.slot_bytes
             self.accel.insert(key, slot)
         finally:

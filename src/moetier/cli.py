@@ -20,10 +20,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TextIO
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetier import __version__
 from moetier.cli_format import eval_report, generation_report, info_table
@@ -39,8 +40,9 @@ from moetier.config import (
 )
 from moetier.errors import ConfigError, MoetierError
 from moetier.policies import CACHE_POLICIES
-from moetier.runtime.engine import Engine, load
-from moetier.runtime.loader import open_model
+
+if TYPE_CHECKING:  # the engine (torch, transformers) loads only when a command runs: --help stays fast
+    from moetier.runtime.engine import Engine
 
 
 def _offline_by_default() -> None:
@@ -80,9 +82,7 @@ _SIZE_HELP = "Bytes, or a number with a unit: 512MiB, 2GiB, 1.5GB."
 _ENGINE = "Engine"
 Model = Annotated[
     Path,
-    typer.Argument(
-        metavar="MODEL", help="Local Hugging Face checkpoint folder (config.json + *.safetensors)."
-    ),
+    typer.Argument(metavar="MODEL", help="Local Hugging Face checkpoint folder (config.json + *.safetensors)."),
 ]
 HostMem = Annotated[
     int | None,
@@ -100,9 +100,7 @@ Device = Annotated[
 ]
 Dtype = Annotated[
     DtypeName,
-    typer.Option(
-        rich_help_panel=_ENGINE, help="Compute dtype; auto uses the checkpoint's (fp16 becomes bf16 on CPU)."
-    ),
+    typer.Option(rich_help_panel=_ENGINE, help="Compute dtype; auto uses the checkpoint's (fp16 becomes bf16 on CPU)."),
 ]
 CachePolicy = Annotated[
     str,
@@ -188,13 +186,13 @@ def _emit_json(payload: dict[str, Any]) -> None:
 
 
 @contextmanager
-def _engine(
-    model: Path, config: EngineConfig, trace: Path | None, scores: bool, err: Console
-) -> Iterator[Engine]:
+def _engine(model: Path, config: EngineConfig, trace: Path | None, scores: bool, err: Console) -> Iterator[Engine]:
     """Load (with a status line on stderr), start the trace if asked, and always close."""
     if scores and trace is None:
         raise ConfigError("--trace-scores needs --trace FILE")
     with err.status(f"loading {model}"):
+        from moetier.runtime.engine import load
+
         engine = load(model, config)
     try:
         if trace is not None:
@@ -207,29 +205,31 @@ def _engine(
 
 
 class TokenStream:
-    """Writes generated text as it comes: decodes all ids so far and writes the new suffix,
-    holding back an incomplete UTF-8 sequence (so multi-token characters and SentencePiece
-    spaces come out right)."""
+    """Writes generated text as it comes. It decodes the ids since the last newline and
+    writes the new suffix, holding back an incomplete UTF-8 sequence, so characters split
+    over tokens and SentencePiece word starts come out right (as transformers' TextStreamer)."""
 
     def __init__(self, engine: Engine, out: TextIO) -> None:
         self.engine, self.out = engine, out
-        self.ids: list[int] = []
-        self.written = 0
+        self.ids: list[int] = []  # since the last newline written
+        self.written = 0  # characters of decode(self.ids) already written
 
     def __call__(self, token_id: int, _text: str) -> None:
         self.ids.append(token_id)
         text = self._decode()
-        if not text.endswith("\ufffd"):
-            self._write(text)
+        if text.endswith("\ufffd"):
+            return
+        self._write(text)
+        if text.endswith("\n"):
+            self.ids, self.written = [], 0
 
     def finish(self) -> None:
-        if self.ids:
-            self._write(self._decode())
+        self._write(self._decode())
         self.out.write("\n")
         self.out.flush()
 
     def _decode(self) -> str:
-        return str(self.engine.tokenizer.decode(self.ids, skip_special_tokens=True))
+        return str(self.engine.tokenizer.decode(self.ids, skip_special_tokens=True)) if self.ids else ""
 
     def _write(self, text: str) -> None:
         if len(text) > self.written:
@@ -243,9 +243,7 @@ class TokenStream:
 def generate(
     model: Model,
     prompt: Annotated[str, typer.Option(help="Prompt text (tokenized without special tokens).")],
-    max_new_tokens: Annotated[
-        int, typer.Option(min=1, help="Tokens to generate (fewer if EOS comes first).")
-    ] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (fewer if EOS comes first).")] = 64,
     host_expert_mem: HostMem = None,
     gpu_expert_mem: GpuMem = None,
     device: Device = "auto",
@@ -256,9 +254,7 @@ def generate(
     trace: TraceFile = None,
     trace_scores: TraceScores = False,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
-    top_p: Annotated[
-        float, typer.Option(help="Nucleus sampling mass in (0, 1]; used when temperature > 0.")
-    ] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1]; used when temperature > 0.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampler, for reproducible sampling.")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at EOS.")] = False,
     json_out: JsonOut = False,
@@ -267,15 +263,13 @@ def generate(
     report, err = _consoles(json_out)
     with _user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-        config = _engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean
-        )
+        config = _engine_config(host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean)
         with _engine(model, config, trace, trace_scores, err) as engine:
             stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
-            result = engine.generate(
-                prompt, max_new_tokens, sampling, on_token=stream, stop_at_eos=not ignore_eos
-            )
-            stream.finish()
+            try:
+                result = engine.generate(prompt, max_new_tokens, sampling, on_token=stream, stop_at_eos=not ignore_eos)
+            finally:
+                stream.finish()  # ends the line, also before an error message
         payload = {
             "model": str(model), "text": result.text, "token_ids": result.token_ids,
             "prompt_tokens": result.prompt_tokens, "new_tokens": len(result.token_ids),
@@ -291,9 +285,7 @@ def eval_(
     model: Model,
     text: Annotated[Path, typer.Option(help="UTF-8 text file to score.")],
     max_tokens: Annotated[int | None, typer.Option(min=2, help="Score only the first N tokens.")] = None,
-    window: Annotated[
-        int, typer.Option(min=0, help="Tokens per window; 0 = the context length, capped at 1024.")
-    ] = 0,
+    window: Annotated[int, typer.Option(min=0, help="Tokens per window; 0 = the context length, capped at 1024.")] = 0,
     host_expert_mem: HostMem = None,
     gpu_expert_mem: GpuMem = None,
     device: Device = "auto",
@@ -308,15 +300,22 @@ def eval_(
     """Perplexity of a text file over non-overlapping windows."""
     report, err = _consoles(json_out)
     with _user_errors():
-        config = _engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean
-        )
-        body = text.read_text(encoding="utf-8")
+        config = _engine_config(host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean)
+        try:
+            body = text.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{text}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         with _engine(model, config, trace, trace_scores, err) as engine:
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()
-            with err.status(f"scoring {len(ids)} tokens of {text}"):
-                result = engine.perplexity(ids, window=window)
+            with Progress(
+                TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=err, transient=True,
+            ) as progress:  # fmt: skip
+                task = progress.add_task(f"scoring {len(ids)} tokens", total=None)
+                result = engine.perplexity(
+                    ids, window=window, on_window=lambda done, total: progress.update(task, completed=done, total=total)
+                )
             elapsed = time.perf_counter() - t0
         payload = {
             "model": str(model), "text_file": str(text), "ppl": result.ppl, "nll": result.nll,
@@ -337,9 +336,9 @@ def info(model: Model, json_out: JsonOut = False) -> None:
     report, err = _consoles(json_out)
     with _user_errors():
         with err.status(f"reading {model}"):
-            loaded = open_model(model, EngineConfig(runtime=RuntimeConfig(device="cpu")))
-        loaded.store.close()
-        data = loaded.info.as_dict()
+            from moetier.runtime.loader import describe
+
+            data = describe(model).as_dict()
         data["moe_layers"] = list(data["moe_layers"])
         data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]
         if json_out:

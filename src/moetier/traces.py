@@ -90,10 +90,24 @@ def load(path: str | os.PathLike[str]) -> Trace:
         meta = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{p}: trace metadata is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise TraceError(f"{p}: trace metadata is {type(meta).__name__}, expected a JSON object")
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise TraceError(f"{p}: trace metadata lacks {missing}")
     absent = [n for n in SCHEMA.names if n not in table.column_names]
     if absent:
         raise TraceError(f"{p}: trace lacks column(s) {absent}")
+    wrong = [
+        f"{n} is {table.schema.field(n).type}, expected {SCHEMA.field(n).type}"
+        for n in SCHEMA.names
+        if not table.schema.field(n).type.equals(SCHEMA.field(n).type) and not _null_column(table, n)
+    ]
+    if wrong:
+        raise TraceError(f"{p}: trace column types differ from the schema: {'; '.join(wrong)}")
     return Trace(table=table.select(SCHEMA.names), metadata=meta)
+
+
+def _null_column(table: pa.Table, name: str) -> bool:
+    """An all-null column (e.g. scores not recorded) may be stored as the null type."""
+    return bool(pa.types.is_null(table.schema.field(name).type))

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
@@ -79,6 +79,11 @@ class Engine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
+            names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+            if not any((Path(self.info.path) / n).exists() for n in names):
+                raise CheckpointError(
+                    f"{self.info.path}: no tokenizer files ({', '.join(names)}); pass token ids instead of text"
+                )
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.info.path)
             except (OSError, ValueError) as exc:
@@ -169,20 +174,31 @@ class Engine:
             logits = self.decoder.forward(torch.tensor([[tok]], device=self.device))[-1]
         elapsed = time.perf_counter() - t_first
         decode_tok_s = (len(out) - 1) / elapsed if len(out) > 1 and elapsed > 0 else 0.0
-        text = str(self.tokenizer.decode(out)) if self._has_tokenizer() else ""
+        text = str(self.tokenizer.decode(out, skip_special_tokens=True)) if self._has_tokenizer() else ""
         return GenerationResult(text, out, len(ids), ttft, decode_tok_s, self.stats())
 
     @torch.inference_mode()
-    def perplexity(self, text: str | list[int], max_tokens: int | None = None, window: int = 0) -> EvalResult:
-        """Token-level perplexity over non-overlapping windows of `window` tokens (0: the context length)."""
+    def perplexity(
+        self,
+        text: str | list[int],
+        max_tokens: int | None = None,
+        window: int = 0,
+        on_window: Callable[[int, int], None] | None = None,
+    ) -> EvalResult:
+        """Token-level perplexity over non-overlapping windows of `window` tokens (0: the context length,
+        capped at 1024 and at the KV cache). `on_window(done, total)` reports progress."""
         ids = self.encode(text) if isinstance(text, str) else list(text)
         if max_tokens is not None:
             ids = ids[:max_tokens]
         if len(ids) < 2:
             raise ConfigError(f"perplexity needs at least 2 tokens, got {len(ids)}")
-        window = window or min(int(getattr(self.loaded.config, "max_position_embeddings", 1024)), 1024)
+        limit = min(int(getattr(self.loaded.config, "max_position_embeddings", 1024)), 1024, self._max_len())
+        if window > self._max_len():
+            raise ConfigError(f"window of {window} tokens exceeds the KV cache of {self._max_len()} tokens")
+        window = window or limit
+        starts = range(0, len(ids) - 1, window)
         nll, count = 0.0, 0
-        for start in range(0, len(ids) - 1, window):
+        for n_done, start in enumerate(starts):
             chunk = ids[start : start + window + 1]
             if len(chunk) < 2:
                 break
@@ -191,13 +207,28 @@ class Engine:
             target = torch.tensor(chunk[1:], device=logits.device)
             nll += F.cross_entropy(logits, target, reduction="sum").item()
             count += len(chunk) - 1
+            if on_window is not None:
+                on_window(n_done + 1, len(starts))
         return EvalResult(ppl=math.exp(nll / count), tokens=count, nll=nll / count, stats=self.stats())
 
     def _eos_ids(self) -> set[int]:
-        eos = getattr(self.loaded.config, "eos_token_id", None)
-        if eos is None:
-            return set()
-        return {int(e) for e in eos} if isinstance(eos, list) else {int(eos)}
+        """EOS ids of config.json and generation_config.json (transformers stops on the latter's list)."""
+        found: set[int] = set()
+        sources: list[Any] = [self.loaded.config]
+        if (Path(self.info.path) / "generation_config.json").exists():
+            try:
+                sources.append(GenerationConfig.from_pretrained(self.info.path))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{self.info.path}/generation_config.json: cannot be read ({exc})") from exc
+        for src in sources:
+            eos = getattr(src, "eos_token_id", None)
+            if eos is not None:
+                found |= {int(e) for e in eos} if isinstance(eos, list) else {int(eos)}
+        return found
+
+    def _max_len(self) -> int:
+        """Longest sequence the decoder can hold (the lean decoder's KV cache; unbounded otherwise)."""
+        return int(getattr(self.decoder, "max_len", 1 << 30))
 
     def _has_tokenizer(self) -> bool:
         try:

@@ -115,6 +115,24 @@ def expert_fn_for(family: Family, config: PretrainedConfig) -> ExpertFn:
     return SwiGLU(act=ACT2FN[config.hidden_act])
 
 
+def describe(path: str | os.PathLike[str]) -> ModelInfo:
+    """Steps 1-4 of open_model without allocating a pool or reading a weight: what `moetier info` shows,
+    for models whose experts do not fit in memory too. Validates the checkpoint the same way."""
+    config, family = read_config(path)
+    dtype = resolve_dtype("auto", config, torch.device("cpu"))
+    index = CheckpointIndex(path)
+    sites = find_moe_sites(build_skeleton(config, dtype), family)
+    experts: Any = sites[0].block.experts
+    num_experts = int(experts.num_experts)
+    hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
+    layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
+    reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
+    try:
+        return _info(path, family, config, sites, index, reader, num_experts, hidden, inter)
+    finally:
+        reader.close()
+
+
 def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 1. config, family, device, dtype
     config, family = read_config(path)

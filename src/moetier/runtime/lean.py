@@ -2,8 +2,7 @@
 
 transformers' per-layer module stack costs more per decoded token than reading the
 active weights does, so the engine runs its own lean loop over the same weights:
-fused QKV projection (weights prepacked for oneDNN in bf16 on CPU: runtime/linear.py),
-a preallocated KV cache per layer, a rotary table computed
+fused QKV projection, a preallocated KV cache per layer, a rotary table computed
 once by the family's own rotary module, and scaled_dot_product_attention with GQA.
 The MoE blocks are the TieredMoE modules of the model (same pipeline, same store);
 dense MLP layers call the model's own module.
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
-from moetier.runtime.linear import StaticLinear
 from moetier.runtime.loader import LoadedModel
 
 
@@ -32,8 +30,9 @@ from moetier.runtime.loader import LoadedModel
 class _Layer:
     in_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    qkv: StaticLinear  # [H] -> [(nh + 2 nkv) * hd]
-    o: StaticLinear  # [nh * hd] -> [H]
+    wqkv: torch.Tensor  # [(nh + 2 nkv) * hd, H]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor  # [H, nh * hd]
     q_norm: torch.Tensor | None  # [hd] (per head) or [nh * hd] (whole projection)
     k_norm: torch.Tensor | None
     mlp: nn.Module  # TieredMoE or the family's dense MLP
@@ -71,9 +70,7 @@ class LeanDecoder:
         self.final_norm = inner.norm.weight  # [H]
         full: Any = model
         head = full.get_output_embeddings()
-        self.lm_head = StaticLinear(head.weight)  # [H] -> [V]
-        if self.lm_head.packed and head.weight is not self.embed:
-            _release(head)
+        self.lm_head = head.weight  # [V, H]
         self.layers = [self._layer(layer) for layer in inner.layers]
         self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
         # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
@@ -90,15 +87,13 @@ class LeanDecoder:
     def _layer(self, layer: Any) -> _Layer:
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
-        qkv = StaticLinear(_fuse(projs, "weight"), _fuse(projs, "bias") if a.q_proj.bias is not None else None)
-        o = StaticLinear(a.o_proj.weight)
-        if qkv.packed and o.packed:  # the packed copies are the only ones used from now on
-            _release(*projs, a.o_proj)
+        w = _fuse(projs, "weight")
+        b = _fuse(projs, "bias") if a.q_proj.bias is not None else None
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return _Layer(
             in_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            qkv=qkv, o=o,
+            wqkv=w, bqkv=b, wo=a.o_proj.weight,
             q_norm=qn.weight if qn is not None else None,
             k_norm=kn.weight if kn is not None else None,
             mlp=layer.mlp,
@@ -128,7 +123,7 @@ class LeanDecoder:
         x = F.embedding(ids[0], self.embed)  # [T, H]
         for i, L in enumerate(self.layers):
             h = self._norm(x, L.in_norm)
-            qkv = L.qkv(h)  # [T, (nh + 2 nkv) hd]
+            qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
             if self.clip is not None:
                 qkv = qkv.clamp(-self.clip, self.clip)
             q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -150,13 +145,13 @@ class LeanDecoder:
                 is_causal=T > 1 and p0 == 0,
                 enable_gqa=nh != nkv,
             )  # [1, nh, T, hd]
-            x = x + L.o(att[0].transpose(0, 1).reshape(T, nh * hd))
+            x = x + F.linear(att[0].transpose(0, 1).reshape(T, nh * hd), L.wo)
             h = self._norm(x, L.post_norm)
             y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
             x = x + (y[0] if isinstance(y, tuple) else y)[0]
         self.pos = p0 + T
         x = self._norm(x if all_logits else x[-1:], self.final_norm)
-        return self.lm_head(x)  # [T or 1, V]
+        return F.linear(x, self.lm_head)  # [T or 1, V]
 
 
 def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:
@@ -169,16 +164,6 @@ def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:
         setattr(p, attr, nn.Parameter(fused[start : start + n], requires_grad=False))
         start += n
     return fused
-
-
-def _release(*modules: Any) -> None:
-    """Drop transformers' copies of weights the lean decoder holds packed (saves their memory).
-    The model's own attention modules cannot run afterwards; the engine uses this decoder only."""
-    for m in modules:
-        for name in ("weight", "bias"):
-            p = getattr(m, name, None)
-            if isinstance(p, torch.Tensor):
-                setattr(m, name, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """Decode speed: transformers vs moetier (all experts resident) vs moetier (25% host budget).
 
+transformers runs twice: as it ships, and with oneDNN off (moetier's own kernel choice for
+one-row bf16 matmuls, runtime/kernels.py), so the table shows what that choice alone buys.
+
 On the Qwen3-MoE-shaped random bf16 benchmark model (hidden 1024, 8 layers, 64 experts,
 top-8, moe_intermediate 256, 16/4 heads of 64, vocab 32000), all in one process:
 greedy decode of 64 tokens after a 16-token prompt. Prints a table, then one JSON line.
@@ -38,11 +41,12 @@ class _Clock(BaseStreamer):
         pass
 
 
-def hf_decode(path: str, prompt: list[int], n: int, device: str) -> float:
+def hf_decode(path: str, prompt: list[int], n: int, device: str, onednn: bool = True) -> float:
+    """transformers' own generate; onednn=False also gives it moetier's small-row kernel choice."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     ids = torch.tensor([prompt], device=device)
     clock = _Clock()
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=onednn):
         model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, streamer=clock, pad_token_id=0)
     new = clock.times[1:]  # first new token ... last
     del model
@@ -76,19 +80,22 @@ def main() -> None:
     quarter = expert_bytes // 4
     prompt = torch.randint(3, 32000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     # 2. interleaved repeats: each candidate sees the same machine state
-    runs: dict[str, list[float]] = {"transformers": [], "moetier_resident": [], "moetier_25pct": []}
+    runs: dict[str, list[float]] = {
+        "transformers": [], "transformers_onednn_off": [], "moetier_resident": [], "moetier_25pct": []
+    }  # fmt: skip
     stats25: dict = {}
     for _ in range(args.repeats):
         runs["transformers"].append(hf_decode(path, prompt, args.tokens, args.device))
+        runs["transformers_onednn_off"].append(hf_decode(path, prompt, args.tokens, args.device, onednn=False))
         runs["moetier_resident"].append(moetier_decode(path, prompt, args.tokens, args.device, None)[0])
         tok_s, stats25 = moetier_decode(path, prompt, args.tokens, args.device, quarter)
         runs["moetier_25pct"].append(tok_s)
     med = {k: statistics.median(v) for k, v in runs.items()}
     # 3. report
     base = med["transformers"]
-    print(f"{'candidate':<20}{'decode tok/s':>14}{'x transformers':>16}   runs")
+    print(f"{'candidate':<26}{'decode tok/s':>14}{'x transformers':>16}   runs")
     for k, v in med.items():
-        print(f"{k:<20}{v:>14.1f}{v / base:>16.2f}   {', '.join(f'{x:.1f}' for x in runs[k])}")
+        print(f"{k:<26}{v:>14.1f}{v / base:>16.2f}   {', '.join(f'{x:.1f}' for x in runs[k])}")
     print(f"25% budget: {quarter} B host expert pool, hits {stats25['hits']}, misses {stats25['misses']}, "
           f"disk {stats25['disk_bytes'] / 2**20:.0f} MiB")
     print(json.dumps({

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.runtime.decode_hf import HFDecoder
+from moetier.runtime.kernels import small_rows
 from moetier.runtime.loader import LoadedModel, ModelInfo, open_model
 from moetier.traces import TraceRecorder
 
@@ -133,7 +134,12 @@ class Engine:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ConfigError(f"logits() takes input_ids of shape [1, T], got {list(input_ids.shape)}")
         self.decoder.reset()
-        return self.decoder.forward(input_ids.to(self.device), all_logits=True).unsqueeze(0)
+        return self._forward(input_ids.to(self.device), all_logits=True).unsqueeze(0)
+
+    def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """One decoder call, with the matmul kernel chosen for its row count (runtime/kernels.py)."""
+        with small_rows(ids.shape[1], self.dtype, self.device):
+            return self.decoder.forward(ids, all_logits)
 
     @torch.inference_mode()
     def generate(
@@ -157,7 +163,7 @@ class Engine:
         self.decoder.reset()
         t0 = time.perf_counter()
         self._set_step(0)
-        logits = self.decoder.forward(torch.tensor([ids], device=self.device))[-1]  # [V]
+        logits = self._forward(torch.tensor([ids], device=self.device))[-1]  # [V]
         ttft = 0.0
         t_first = t0
         for step in range(max_new_tokens):
@@ -171,7 +177,7 @@ class Engine:
             if tok in eos or step == max_new_tokens - 1:
                 break
             self._set_step(step + 1)
-            logits = self.decoder.forward(torch.tensor([[tok]], device=self.device))[-1]
+            logits = self._forward(torch.tensor([[tok]], device=self.device))[-1]
         elapsed = time.perf_counter() - t_first
         decode_tok_s = (len(out) - 1) / elapsed if len(out) > 1 and elapsed > 0 else 0.0
         text = str(self.tokenizer.decode(out, skip_special_tokens=True)) if self._has_tokenizer() else ""

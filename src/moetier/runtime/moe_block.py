@@ -24,7 +24,6 @@ from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
 from moetier.runtime.experts import ExpertFn
 from moetier.store.store import ExpertStore
-from moetier.types import ExpertKey
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits
 
@@ -99,7 +98,7 @@ class TieredMoE(nn.Module):
         for task in plan.tasks:
             e, c = task.key.expert, task.tokens
             tok = token_of[starts[e] : starts[e] + c]  # [c]
-            views = store.acquire(ExpertKey(layer, e))
+            views = store.acquire(task.key)
             try:
                 y = fn(x[tok], views)  # [c, H]
                 out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e] + c, None]).to(out.dtype))

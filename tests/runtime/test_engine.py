@@ -212,3 +212,19 @@ def test_lean_kv_cache_length_is_enforced(tiny_ckpt):
     with pytest.raises(ConfigError, match="max_seq_len"):
         engine.generate(IDS[0, :8].tolist(), max_new_tokens=6, stop_at_eos=False)
     engine.close()
+
+
+def test_generate_refuses_up_front_what_the_kv_cache_cannot_hold(tiny_ckpt):
+    runtime = RuntimeConfig(device="cpu", dtype="fp32", lean=True, max_seq_len=12)
+    engine = engine_for(tiny_ckpt("qwen3_moe"), runtime)
+    streamed: list[int] = []
+    with pytest.raises(ConfigError, match=r"8 tokens \+ 6 new tokens exceeds the KV cache of 12"):
+        engine.generate(IDS[0, :8].tolist(), max_new_tokens=6, on_token=lambda t, s: streamed.append(t))
+    assert streamed == []  # refused before any token was produced
+    engine.close()
+
+
+def test_max_seq_len_beyond_the_model_limit_is_refused(tiny_ckpt):
+    runtime = RuntimeConfig(device="cpu", dtype="fp32", lean=True, max_seq_len=10**9)
+    with pytest.raises(ConfigError, match="1000000000 exceeds the model's max_position_embeddings of 256"):
+        engine_for(tiny_ckpt("qwen3_moe"), runtime)

@@ -54,7 +54,13 @@ class EvalResult:
 
 def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
     """Open a local Hugging Face MoE checkpoint folder with tiered experts."""
-    return Engine(open_model(path, config or EngineConfig()), config or EngineConfig())
+    cfg = config or EngineConfig()
+    loaded = open_model(path, cfg)
+    try:
+        return Engine(loaded, cfg)
+    except BaseException:
+        loaded.store.close()  # release the checkpoint's file descriptors
+        raise
 
 
 class Engine:
@@ -157,6 +163,11 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
+        if len(ids) + max_new_tokens - 1 > self._max_len():
+            raise ConfigError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the KV cache of "
+                f"{self._max_len()} tokens (lower max_new_tokens or raise max_seq_len, --max-seq-len)"
+            )
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         eos = self._eos_ids() if stop_at_eos else set()
         out: list[int] = []

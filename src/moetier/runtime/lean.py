@@ -65,6 +65,8 @@ class LeanDecoder:
         self.eps = float(cfg.rms_norm_eps)
         self.clip = getattr(cfg, "clip_qkv", None)
         limit = int(getattr(cfg, "max_position_embeddings", 4096))
+        if max_seq_len > limit:
+            raise ConfigError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings of {limit}")
         self.max_len = max_seq_len or min(limit, 4096)
         self.embed = inner.embed_tokens.weight  # [V, H]
         self.final_norm = inner.norm.weight  # [H]

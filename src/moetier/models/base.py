@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,7 @@ def load_non_experts(
     """Assign every parameter / persistent buffer from the checkpoint. Returns the names consumed."""
     consumed: set[str] = set()
     wanted = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if not skip(n)]
+    keep_fp32 = _fp32_names(model, dtype)
     by_file: dict[str, list[tuple[str, str, Any]]] = {}
     for name, current in wanted:
         ckpt = checkpoint_name(name, sites, family)
@@ -114,16 +116,32 @@ def load_non_experts(
         with safe_open(file, framework="pt") as f:
             for name, ckpt, current in items:
                 tensor = f.get_tensor(ckpt)
+                if tensor.is_floating_point() != current.is_floating_point():
+                    raise CheckpointError(
+                        f"{file}: tensor {ckpt!r} is stored as {tensor.dtype}, but the model expects "
+                        f"{'a floating-point' if current.is_floating_point() else 'an integer'} tensor"
+                    )
                 if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                elif current.is_floating_point():
-                    tensor = tensor.to(current.dtype)
+                    tensor = tensor.to(torch.float32 if any(k in name for k in keep_fp32) else dtype)
                 _assign(model, name, tensor)
                 consumed.add(ckpt)
     if tied:
         m: Any = model  # a transformers PreTrainedModel
         m.get_output_embeddings().weight = m.get_input_embeddings().weight
     return consumed
+
+
+def _fp32_names(model: nn.Module, dtype: torch.dtype) -> set[str]:
+    """Name fragments transformers keeps in fp32 (e.g. DeepSeek-V3's e_score_correction_bias)."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return names
+
+
+def ignored_unexpected(model: nn.Module) -> list[re.Pattern[str]]:
+    """Checkpoint tensors transformers deliberately skips (e.g. DeepSeek-V3's multi-token-prediction layer)."""
+    return [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -135,8 +153,8 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._buffers[attr] = tensor
 
 
-def check_all_consumed(index: CheckpointIndex, consumed: set[str]) -> None:
-    extra = [n for n in index.names() if n not in consumed]
+def check_all_consumed(index: CheckpointIndex, consumed: set[str], ignored: list[re.Pattern[str]]) -> None:
+    extra = [n for n in index.names() if n not in consumed and not any(p.search(n) for p in ignored)]
     if extra:
         where = index[extra[0]].file
         shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")

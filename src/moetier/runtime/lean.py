@@ -7,10 +7,10 @@ once by the family's own rotary module, and scaled_dot_product_attention with GQ
 The MoE blocks are the TieredMoE modules of the model (same pipeline, same store);
 dense MLP layers call the model's own module.
 
-Supported variants: q/k/v biases (Qwen2-MoE), per-head q/k RMSNorm (Qwen3-MoE),
-whole-projection q/k RMSNorm and qkv clipping (OLMoE). Sliding-window attention and
-other variants are refused by `lean_supported`, and the engine falls back to the
-transformers modules.
+Supported variants: q/k/v and output biases (Qwen2-MoE, attention_bias), per-head q/k
+RMSNorm (Qwen3-MoE), whole-projection q/k RMSNorm then qkv clipping (OLMoE), every rope
+type whose table depends only on the position. Sliding-window attention and longrope are
+refused by `lean_supported`, and the engine falls back to the transformers modules.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class _Layer:
     wqkv: torch.Tensor  # [(nh + 2 nkv) * hd, H]
     bqkv: torch.Tensor | None
     wo: torch.Tensor  # [H, nh * hd]
+    bo: torch.Tensor | None  # [H] (attention_bias)
     q_norm: torch.Tensor | None  # [hd] (per head) or [nh * hd] (whole projection)
     k_norm: torch.Tensor | None
     mlp: nn.Module  # TieredMoE or the family's dense MLP
@@ -49,6 +50,9 @@ def lean_supported(loaded: LoadedModel) -> bool:
         getattr(cfg, "sliding_window", None) and loaded.family.name == "mixtral"
     ):
         return False
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) == "longrope":
+        return False  # its table depends on the sequence length; transformers' modules handle it
     layer0: Any = loaded.model.get_submodule("model.layers.0")
     attn = layer0.self_attn
     return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -95,7 +99,7 @@ class LeanDecoder:
         return _Layer(
             in_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            wqkv=w, bqkv=b, wo=a.o_proj.weight,
+            wqkv=w, bqkv=b, wo=a.o_proj.weight, bo=a.o_proj.bias,
             q_norm=qn.weight if qn is not None else None,
             k_norm=kn.weight if kn is not None else None,
             mlp=layer.mlp,
@@ -126,11 +130,11 @@ class LeanDecoder:
         for i, L in enumerate(self.layers):
             h = self._norm(x, L.in_norm)
             qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
-            if self.clip is not None:
-                qkv = qkv.clamp(-self.clip, self.clip)
             q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             if L.q_norm is not None and L.k_norm is not None and not self.per_head_norm:
-                q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
+                q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)  # OLMoE: whole projection
+            if self.clip is not None:  # OLMoE: clamp after the norm, v too
+                q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
             q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
             if L.q_norm is not None and L.k_norm is not None and self.per_head_norm:
                 q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
@@ -147,7 +151,7 @@ class LeanDecoder:
                 is_causal=T > 1 and p0 == 0,
                 enable_gqa=nh != nkv,
             )  # [1, nh, T, hd]
-            x = x + F.linear(att[0].transpose(0, 1).reshape(T, nh * hd), L.wo)
+            x = x + F.linear(att[0].transpose(0, 1).reshape(T, nh * hd), L.wo, L.bo)
             h = self._norm(x, L.post_norm)
             y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
             x = x + (y[0] if isinstance(y, tuple) else y)[0]

@@ -24,6 +24,7 @@ from moetier.models.base import (
     build_skeleton,
     check_all_consumed,
     find_moe_sites,
+    ignored_unexpected,
     load_non_experts,
 )
 from moetier.models.families import Family, find_family
@@ -163,7 +164,7 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
         blocks.append(block)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     consumed = load_non_experts(model, index, sites, family, dtype, tied)
-    check_all_consumed(index, consumed | reader.consumed)
+    check_all_consumed(index, consumed | reader.consumed, ignored_unexpected(model))
     model.to(device)
     info = _info(path, family, config, sites, index, reader, num_experts, hidden, inter)
     return LoadedModel(info, family, config, model, blocks, store, dtype, device)

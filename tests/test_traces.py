@@ -177,3 +177,13 @@ def test_columns_of_wrong_type(tmp_path):
 def test_metadata_not_an_object(tmp_path):
     with pytest.raises(TraceError, match=r"t\.parquet"):
         load(_trace_like(tmp_path, b"5"))
+
+
+def test_trace_path_that_is_a_directory_is_refused_before_running(tiny_ckpt, tmp_path):
+    from moetier.errors import ConfigError
+
+    engine = moetier.load(tiny_ckpt("qwen3_moe"), EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
+    with pytest.raises(ConfigError, match="is a directory"):
+        engine.record_trace(tmp_path)
+    assert engine.recorder is None
+    engine.close()

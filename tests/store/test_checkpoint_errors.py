@@ -288,3 +288,84 @@ def test_quantized_checkpoint_is_refused(ckpt_copy):
     err = load_error(path)
     assert isinstance(err, CheckpointError)
     assert "mxfp4" in str(err) and "config.json" in str(err)
+
+
+# -- malformed metadata: typed errors, never a traceback -----------------------------------------------------
+
+
+def _edit_json(path: Path, name: str, edit) -> None:
+    file = path / name
+    file.write_text(json.dumps(edit(json.loads(file.read_text()))))
+
+
+def test_config_that_is_not_an_object(ckpt_copy):
+    path = ckpt_copy("qwen3_moe")
+    (path / "config.json").write_text("[]")
+    assert "expected a JSON object" in str(load_error(path))
+
+
+def test_header_offsets_that_are_not_integers(ckpt_copy):
+    path = ckpt_copy("qwen3_moe")
+    file = path / "model.safetensors"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = "model.norm.weight"
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [str(begin), str(end)]  # 4 characters longer...
+    header["lm_head.weight"]["dtype"] = 4  # ...and 4 shorter: every data offset stays where it was
+    body = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(body) == n
+    file.write_bytes(raw[:8] + body + raw[8 + n :])
+    msg = str(load_error(path))
+    assert "model.safetensors" in msg and "malformed" in msg
+    assert name in msg or "lm_head.weight" in msg
+
+
+def test_index_with_a_non_string_shard(tiny_ckpt, tmp_path):
+    import shutil
+
+    path = tmp_path / "sharded"
+    shutil.copytree(tiny_ckpt("qwen3_moe", "sharded"), path)
+    _edit_json(path, "model.safetensors.index.json", lambda d: {**d, "weight_map": {**d["weight_map"], "x": 3}})
+    assert "weight_map must map tensor names to shard file names" in str(load_error(path))
+
+
+def test_unknown_activation(ckpt_copy):
+    path = ckpt_copy("qwen3_moe")
+    _edit_json(path, "config.json", lambda d: {**d, "hidden_act": "wobble"})
+    assert "'wobble'" in str(load_error(path))
+
+
+def test_top_k_above_the_number_of_experts(ckpt_copy):
+    path = ckpt_copy("qwen3_moe")
+    _edit_json(path, "config.json", lambda d: {**d, "num_experts_per_tok": 7})
+    msg = str(load_error(path))
+    assert "num_experts_per_tok is 7" in msg and "6 experts" in msg
+
+
+def test_auto_dtype_falls_back_to_the_stored_expert_dtype(tiny_ckpt, tmp_path):
+    import shutil
+
+    path = tmp_path / "nodtype"
+    shutil.copytree(tiny_ckpt("qwen3_moe", "bf16"), path)
+    _edit_json(path, "config.json", lambda d: {k: v for k, v in d.items() if k not in ("dtype", "torch_dtype")})
+    engine = moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu")))
+    assert engine.dtype == torch.bfloat16 and engine.store.staging_bytes == 0  # read straight into bf16 slots
+    engine.close()
+
+
+def test_failed_load_is_not_counted_as_a_miss(ckpt_copy):
+    path = ckpt_copy("qwen3_moe")
+    probe = moetier.load(path, CFG)
+    one = probe.store.slot_bytes + probe.store.staging_bytes
+    probe.close()
+    engine = moetier.load(path, EngineConfig(budgets=Budgets(host_expert_bytes=one), runtime=CFG.runtime))
+    store = engine.store
+    from moetier.types import ExpertKey
+
+    store.acquire(ExpertKey(0, 0))
+    with pytest.raises(BudgetError):
+        store.acquire(ExpertKey(0, 1))  # the only slot is pinned
+    assert (store.host.hits, store.host.misses) == (0, 1)
+    engine.close()

@@ -256,7 +256,7 @@ def test_store_matches_lru_model(tiny_ckpt, canonical_experts, family, variant, 
             pins[key] -= 1
         else:
             key = keys[data.draw(st.integers(0, len(keys) - 1), label="acquire")]
-            acquires += 1
+            acquires += 1  # undone below for a refused acquire: a failed load is neither hit nor miss
             before = store.disk_bytes
             if key in lru:
                 lru.move_to_end(key)
@@ -268,6 +268,7 @@ def test_store_matches_lru_model(tiny_ckpt, canonical_experts, family, variant, 
                     with pytest.raises(BudgetError):
                         store.acquire(key)
                     assert store.disk_bytes == before
+                    acquires -= 1
                     continue
                 if len(lru) >= n_slots:
                     del lru[evictable[0]]

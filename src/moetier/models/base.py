@@ -55,8 +55,12 @@ class MoESite:
 
 
 def build_skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    with meta_parameters():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with meta_parameters():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        arch = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise CheckpointError(f"config.json: transformers cannot build {arch} from it: {exc!r}") from exc
     return model.eval()
 
 

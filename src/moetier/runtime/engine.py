@@ -103,6 +103,11 @@ class Engine:
     # -- tracing ---------------------------------------------------------------
     def record_trace(self, path: str | os.PathLike[str], with_scores: bool = False) -> None:
         """Record every MoE layer call's routing; written by save_trace() or close()."""
+        target = Path(path)
+        if target.is_dir():
+            raise ConfigError(f"trace path {target} is a directory; give a file name, e.g. {target / 't.parquet'}")
+        if target.parent.exists() and not os.access(target.parent, os.W_OK):
+            raise ConfigError(f"trace path {target}: cannot write in {target.parent}")
         meta = {
             "model": self.info.path, "family": self.info.family, "num_experts": self.info.num_experts,
             "top_k": self.info.top_k, "hidden_size": self.info.hidden_size,

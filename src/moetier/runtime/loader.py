@@ -32,7 +32,7 @@ from moetier.runtime.experts import ExpertFn, GptOssGLU, SwiGLU
 from moetier.runtime.moe_block import TieredMoE
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.layout import ExpertLayout
-from moetier.store.reader import ExpertReader
+from moetier.store.reader import TORCH_DTYPES, ExpertReader
 from moetier.store.store import ExpertStore
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -79,6 +79,8 @@ def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family]
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
     family = find_family(raw.get("model_type"), raw.get("architectures"))
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
@@ -98,10 +100,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, config: PretrainedConfig, device: torch.device, stored_experts: str | None = None
+) -> torch.dtype:
+    """auto: config.json's dtype, else the dtype the experts are stored in (e.g. "BF16"), else fp32."""
     if name != "auto":
         return DTYPES[name]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if stored is None and stored_experts in TORCH_DTYPES:
+        stored = TORCH_DTYPES[stored_experts]
     dtype = stored if isinstance(stored, torch.dtype) else DTYPES.get(str(stored).replace("bfloat16", "bf16")
                                                                       .replace("float32", "fp32")
                                                                       .replace("float16", "fp16"), torch.float32)
@@ -113,18 +120,32 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
 def expert_fn_for(family: Family, config: PretrainedConfig) -> ExpertFn:
     if family.expert_kind == "gptoss":
         return GptOssGLU(alpha=float(config.swiglu_alpha), limit=float(config.swiglu_limit))
-    return SwiGLU(act=ACT2FN[config.hidden_act])
+    act = getattr(config, "hidden_act", None)
+    if act not in ACT2FN:
+        raise CheckpointError(f"config.json: hidden_act {act!r} is not an activation transformers knows")
+    return SwiGLU(act=ACT2FN[act])
+
+
+def _expert_dtype(index: CheckpointIndex) -> str | None:
+    return next((loc.dtype for name, loc in index.tensors.items() if ".experts." in name), None)
+
+
+def _check_top_k(config: PretrainedConfig, num_experts: int) -> None:
+    k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    if not 1 <= k <= num_experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok is {k}, must be between 1 and {num_experts} experts")
 
 
 def describe(path: str | os.PathLike[str]) -> ModelInfo:
     """Steps 1-4 of open_model without allocating a pool or reading a weight: what `moetier info` shows,
     for models whose experts do not fit in memory too. Validates the checkpoint the same way."""
     config, family = read_config(path)
-    dtype = resolve_dtype("auto", config, torch.device("cpu"))
     index = CheckpointIndex(path)
+    dtype = resolve_dtype("auto", config, torch.device("cpu"), _expert_dtype(index))
     sites = find_moe_sites(build_skeleton(config, dtype), family)
     experts: Any = sites[0].block.experts
     num_experts = int(experts.num_experts)
+    _check_top_k(config, num_experts)
     hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
     reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
@@ -138,24 +159,28 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 1. config, family, device, dtype
     config, family = read_config(path)
     device = resolve_device(cfg.runtime.device)
-    dtype = resolve_dtype(cfg.runtime.dtype, config, device)
     # 2. the checkpoint's tensor index (headers validated here)
     index = CheckpointIndex(path)
+    dtype = resolve_dtype(cfg.runtime.dtype, config, device, _expert_dtype(index))
     # 3. the model skeleton, parameters on meta; its MoE blocks
     model = build_skeleton(config, dtype)
     sites = find_moe_sites(model, family)
     experts: Any = sites[0].block.experts
     num_experts = int(experts.num_experts)
+    _check_top_k(config, num_experts)
     hidden = int(config.hidden_size)
     inter = int(getattr(config, family.intermediate_attr))
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
-    # 4. expert reader (validates every expert tensor) and the tiered store
-    reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
-    store = ExpertStore(
-        reader, layout, dtype, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes, cfg.cache.policy
-    )
-    # 5. swap the blocks, load everything else, refuse leftovers
     fn = expert_fn_for(family, config)
+    # 4. expert reader (validates every expert tensor) and the tiered store; the non-expert
+    #    weights' bytes are reserved on their device before the pools are sized
+    reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
+    non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
+    store = ExpertStore(
+        reader, layout, dtype, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
+        cfg.cache.policy, reserve=non_expert,
+    )  # fmt: skip
+    # 5. swap the blocks, load everything else, refuse leftovers
     blocks = []
     for site in sites:
         block = TieredMoE(family, site.block, site.layer, num_experts, store, fn)

@@ -65,8 +65,10 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            if not (isinstance(dtype, str) and isinstance(begin, int) and isinstance(end, int)):
+                raise TypeError("dtype must be a string and data_offsets two integers")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from exc
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r} ({exc})") from exc
         if dtype not in DTYPE_SIZES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         expected = prod(shape) * DTYPE_SIZES[dtype]
@@ -111,6 +113,10 @@ class CheckpointIndex:
             weight_map = json.loads(index_file.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_file}: not a valid safetensors index ({exc})") from exc
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index_file}: weight_map must map tensor names to shard file names")
         for file_name in sorted(set(weight_map.values())):
             file = self.folder / file_name
             if not file.exists():

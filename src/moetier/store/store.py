@@ -126,6 +126,7 @@ class ExpertStore:
         host_budget: int | None,
         accel_budget: int | None,
         policy: str = "lru",
+        reserve: int = 0,  # bytes the non-expert weights will take on the compute device
     ) -> None:
         self.reader, self.layout, self.dtype, self.device = reader, layout, dtype, device
         total = len(reader.plans)
@@ -133,15 +134,19 @@ class ExpertStore:
         self.slot_bytes = slot_bytes
         self.staging_bytes = reader.staging_bytes
         cpu = torch.device("cpu")
-        n_host = slots_for_budget(
-            Tier.HOST, host_budget, slot_bytes, reader.staging_bytes, total, available_bytes(cpu)
-        )
+        host_free = available_bytes(cpu)
+        if host_free is not None and device.type == "cpu":
+            host_free -= reserve
+        n_host = slots_for_budget(Tier.HOST, host_budget, slot_bytes, reader.staging_bytes, total, host_free)
         host_pool = SlotPool(layout, n_host, dtype, cpu, pin=device.type == "cuda")
         self.host = TierState(Tier.HOST, host_pool, make_cache_policy(policy), _budget(host_budget, host_pool))
         self.host.free = list(range(n_host - 1, -1, -1))
         self.accel: TierState | None = None
         if device.type != "cpu":
-            n_acc = slots_for_budget(Tier.ACCEL, accel_budget, slot_bytes, 0, total, available_bytes(device))
+            acc_free = available_bytes(device)
+            n_acc = slots_for_budget(
+                Tier.ACCEL, accel_budget, slot_bytes, 0, total, None if acc_free is None else acc_free - reserve
+            )
             acc_pool = SlotPool(layout, n_acc, dtype, device)
             self.accel = TierState(Tier.ACCEL, acc_pool, make_cache_policy(policy), _budget(accel_budget, acc_pool))
             self.accel.free = list(range(n_acc - 1, -1, -1))
@@ -169,8 +174,8 @@ class ExpertStore:
                 state.hits += 1
                 state.policy.on_access(key)
             else:
-                state.misses += 1
                 slot = self._load_accel(key) if self.accel is not None else self._load_host(key)
+                state.misses += 1  # counted once the expert is resident, so a failed load is no miss
             state.pins[key] += 1
             return state.pool.views[slot]
 
@@ -197,17 +202,21 @@ class ExpertStore:
         host = self.host
         host_slot = host.slots.get(key)
         if host_slot is None:
-            host.misses += 1
             host_slot = self._load_host(key)
+            host.misses += 1
         else:
             host.hits += 1
             host.policy.on_access(key)
         host.pins[key] += 1
         try:
             slot = self.accel.take_slot()
-            # blocking on purpose: the host slot may be reused right after; the async mover
-            # (a CUDA stream with per-slot events) comes with the precision issue
-            self.accel.pool.views[slot].row.copy_(host.pool.views[host_slot].row)
+            try:
+                # blocking on purpose: the host slot may be reused right after; the async mover
+                # (a CUDA stream with per-slot events) comes with the precision issue
+                self.accel.pool.views[slot].row.copy_(host.pool.views[host_slot].row)
+            except BaseException:
+                self.accel.free.append(slot)  # never register a partial copy
+                raise
             self.h2d_bytes += self.slot_bytes
             self.accel.insert(key, slot)
         finally:

@@ -136,48 +136,61 @@ def _check_top_k(config: PretrainedConfig, num_experts: int) -> None:
         raise CheckpointError(f"config.json: num_experts_per_tok is {k}, must be between 1 and {num_experts} experts")
 
 
-def describe(path: str | os.PathLike[str]) -> ModelInfo:
-    """Steps 1-4 of open_model without allocating a pool or reading a weight: what `moetier info` shows,
-    for models whose experts do not fit in memory too. Validates the checkpoint the same way."""
+@dataclass
+class _Opened:
+    """Steps 1-3 of opening a checkpoint: everything but pools and weights."""
+
+    config: PretrainedConfig
+    family: Family
+    index: CheckpointIndex
+    dtype: torch.dtype
+    model: nn.Module
+    sites: list[MoESite]
+    num_experts: int
+    hidden: int
+    inter: int
+    reader: ExpertReader
+
+
+def _open(path: str | os.PathLike[str], dtype_name: str, device: torch.device) -> _Opened:
+    # 1. config and family; 2. the tensor index (headers validated) and the compute dtype
     config, family = read_config(path)
     index = CheckpointIndex(path)
-    dtype = resolve_dtype("auto", config, torch.device("cpu"), _expert_dtype(index))
-    sites = find_moe_sites(build_skeleton(config, dtype), family)
+    dtype = resolve_dtype(dtype_name, config, device, _expert_dtype(index))
+    # 3. the skeleton (parameters on meta), its MoE blocks, and the expert reader, which
+    #    validates every expert tensor against the config
+    model = build_skeleton(config, dtype)
+    sites = find_moe_sites(model, family)
     experts: Any = sites[0].block.experts
     num_experts = int(experts.num_experts)
     _check_top_k(config, num_experts)
     hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
     reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
+    return _Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader)
+
+
+def describe(path: str | os.PathLike[str]) -> ModelInfo:
+    """What `moetier info` shows, without allocating a pool or reading a weight (so it works for
+    models whose experts do not fit in memory). Validates the checkpoint as open_model does."""
+    o = _open(path, "auto", torch.device("cpu"))
     try:
-        return _info(path, family, config, sites, index, reader, num_experts, hidden, inter)
+        return _info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter)
     finally:
-        reader.close()
+        o.reader.close()
 
 
 def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
-    # 1. config, family, device, dtype
-    config, family = read_config(path)
+    # 1-3. config, index, dtype, skeleton, MoE blocks, expert reader
     device = resolve_device(cfg.runtime.device)
-    # 2. the checkpoint's tensor index (headers validated here)
-    index = CheckpointIndex(path)
-    dtype = resolve_dtype(cfg.runtime.dtype, config, device, _expert_dtype(index))
-    # 3. the model skeleton, parameters on meta; its MoE blocks
-    model = build_skeleton(config, dtype)
-    sites = find_moe_sites(model, family)
-    experts: Any = sites[0].block.experts
-    num_experts = int(experts.num_experts)
-    _check_top_k(config, num_experts)
-    hidden = int(config.hidden_size)
-    inter = int(getattr(config, family.intermediate_attr))
-    layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
+    o = _open(path, cfg.runtime.dtype, device)
+    config, family, model, sites, dtype, num_experts = o.config, o.family, o.model, o.sites, o.dtype, o.num_experts
     fn = expert_fn_for(family, config)
-    # 4. expert reader (validates every expert tensor) and the tiered store; the non-expert
-    #    weights' bytes are reserved on their device before the pools are sized
-    reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
+    # 4. the tiered store; the non-expert weights' bytes are reserved on their device before
+    #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
     store = ExpertStore(
-        reader, layout, dtype, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
+        o.reader, o.reader.layout, dtype, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
         cfg.cache.policy, reserve=non_expert,
     )  # fmt: skip
     # 5. swap the blocks, load everything else, refuse leftovers
@@ -188,10 +201,10 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
         setattr(layer, family.block_attr, block)
         blocks.append(block)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    consumed = load_non_experts(model, index, sites, family, dtype, tied)
-    check_all_consumed(index, consumed | reader.consumed, ignored_unexpected(model))
+    consumed = load_non_experts(model, o.index, sites, family, dtype, tied)
+    check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
     model.to(device)
-    info = _info(path, family, config, sites, index, reader, num_experts, hidden, inter)
+    info = _info(path, family, config, sites, o.index, o.reader, num_experts, o.hidden, o.inter)
     return LoadedModel(info, family, config, model, blocks, store, dtype, device)
 
 

@@ -8,6 +8,7 @@ reference model's logits.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -174,7 +175,7 @@ class Engine:
                 f"{self._max_len()} tokens (lower max_new_tokens or raise max_seq_len, --max-seq-len)"
             )
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        eos = self._eos_ids() if stop_at_eos else set()
+        eos = self._eos_ids if stop_at_eos else set()
         out: list[int] = []
         self.decoder.reset()
         t0 = time.perf_counter()
@@ -233,6 +234,7 @@ class Engine:
                 on_window(n_done + 1, len(starts))
         return EvalResult(ppl=math.exp(nll / count), tokens=count, nll=nll / count, stats=self.stats())
 
+    @functools.cached_property
     def _eos_ids(self) -> set[int]:
         """EOS ids of config.json and generation_config.json (transformers stops on the latter's list)."""
         found: set[int] = set()

@@ -129,31 +129,30 @@ class ExpertStore:
         reserve: int = 0,  # bytes the non-expert weights will take on the compute device
     ) -> None:
         self.reader, self.layout, self.dtype, self.device = reader, layout, dtype, device
-        total = len(reader.plans)
-        slot_bytes = layout.slot_bytes(torch.empty((), dtype=dtype).element_size())
-        self.slot_bytes = slot_bytes
+        self.slot_bytes = layout.slot_bytes(dtype.itemsize)
         self.staging_bytes = reader.staging_bytes
+        self._total, self._policy, self._reserve = len(reader.plans), policy, reserve
         cpu = torch.device("cpu")
-        host_free = available_bytes(cpu)
-        if host_free is not None and device.type == "cpu":
-            host_free -= reserve
-        n_host = slots_for_budget(Tier.HOST, host_budget, slot_bytes, reader.staging_bytes, total, host_free)
-        host_pool = SlotPool(layout, n_host, dtype, cpu, pin=device.type == "cuda")
-        self.host = TierState(Tier.HOST, host_pool, make_cache_policy(policy), _budget(host_budget, host_pool))
-        self.host.free = list(range(n_host - 1, -1, -1))
-        self.accel: TierState | None = None
-        if device.type != "cpu":
-            acc_free = available_bytes(device)
-            n_acc = slots_for_budget(
-                Tier.ACCEL, accel_budget, slot_bytes, 0, total, None if acc_free is None else acc_free - reserve
-            )
-            acc_pool = SlotPool(layout, n_acc, dtype, device)
-            self.accel = TierState(Tier.ACCEL, acc_pool, make_cache_policy(policy), _budget(accel_budget, acc_pool))
-            self.accel.free = list(range(n_acc - 1, -1, -1))
+        self.host = self._tier(Tier.HOST, cpu, host_budget, reader.staging_bytes, pin=device.type == "cuda")
+        self.accel = self._tier(Tier.ACCEL, device, accel_budget, 0) if device.type != "cpu" else None
         self.compute = self.accel or self.host
         self.disk_bytes = 0
         self.h2d_bytes = 0
         self._lock = threading.RLock()
+
+    def _tier(
+        self, tier: Tier, device: torch.device, budget: int | None, overhead: int, pin: bool = False
+    ) -> TierState:
+        """One tier's pool, sized from its budget (or, with none, from the device's free memory after
+        the non-expert weights that will live there), all slots free."""
+        free = available_bytes(device)
+        if free is not None and device.type == self.device.type:
+            free -= self._reserve
+        n = slots_for_budget(tier, budget, self.slot_bytes, overhead, self._total, free)
+        pool = SlotPool(self.layout, n, self.dtype, device, pin=pin)
+        state = TierState(tier, pool, make_cache_policy(self._policy), _budget(budget, pool))
+        state.free = list(range(n - 1, -1, -1))
+        return state
 
     # -- queries ---------------------------------------------------------------
     def resident(self, tier: Tier | None = None) -> set[ExpertKey]:

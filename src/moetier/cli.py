@@ -27,13 +27,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetier import __version__
-from moetier.cli_format import eval_report, generation_report, info_table
+from moetier.cli_format import eval_report, generation_report, info_table, quant_table
 from moetier.config import (
     Budgets,
     CacheConfig,
     DeviceName,
     DtypeName,
     EngineConfig,
+    PrecisionConfig,
     RuntimeConfig,
     SamplingConfig,
     parse_size,
@@ -130,6 +131,41 @@ TraceScores = Annotated[
         help="Also record all router probabilities (needs --trace).",
     ),
 ]
+_PREC = "Precision"
+PrecisionMode = Annotated[
+    str,
+    typer.Option("--precision", rich_help_panel=_PREC,
+                 help="Expert precision: full, int8, int4, int2 (static; quantized tiers from `moetier quantize`), "
+                      "or dynamic (hot experts at --hi, cold at --lo, under the expert budget)."),
+]  # fmt: skip
+HiPrecision = Annotated[
+    str, typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, int8, int4).")
+]
+LoPrecision = Annotated[
+    str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (int8, int4, int2).")
+]
+Groups = Annotated[
+    list[str] | None,
+    typer.Option("--group", metavar="PREC=SIZE", rich_help_panel=_PREC,
+                 help="Quantisation group size of a precision, e.g. --group int4=64 (repeatable); must match the "
+                      "quantized tier."),
+]  # fmt: skip
+QuantDir = Annotated[
+    Path | None,
+    typer.Option(metavar="DIR", rich_help_panel=_PREC, help="Where quantized tiers live; default MODEL/moetier-quant."),
+]
+Warmup = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE", rich_help_panel=_PREC,
+                 help="dynamic: text whose first --warmup-tokens tokens seed expert hotness before serving."),
+]  # fmt: skip
+WarmupTokens = Annotated[int, typer.Option(min=1, rich_help_panel=_PREC, help="dynamic: tokens of --warmup used.")]
+Period = Annotated[int, typer.Option(min=1, rich_help_panel=_PREC, help="dynamic: tokens between precision decisions.")]
+SyncSwitches = Annotated[
+    bool,
+    typer.Option("--sync-switches", rich_help_panel=_PREC,
+                 help="dynamic: wait for each decision's switches before the next forward (reproducible runs)."),
+]  # fmt: skip
 JsonOut = Annotated[
     bool,
     typer.Option("--json", help="Print one JSON object as the last line of stdout; the rest goes to stderr."),
@@ -144,14 +180,54 @@ def _engine_config(
     policy: str,
     max_seq_len: int,
     no_lean: bool,
+    precision: PrecisionConfig | None = None,
 ) -> EngineConfig:
     if policy not in CACHE_POLICIES:
         raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
     return EngineConfig(
         budgets=Budgets(host_expert_bytes=host, accel_expert_bytes=gpu),
         cache=CacheConfig(policy=policy),
+        precision=precision or PrecisionConfig(),
         runtime=RuntimeConfig(device=device, dtype=dtype, lean=not no_lean, max_seq_len=max_seq_len),
     )
+
+
+def parse_groups(items: list[str] | None) -> tuple[tuple[str, int], ...]:
+    """['int4=64', 'int2=32'] -> (('int4', 64), ('int2', 32)); a bad item raises ConfigError naming it."""
+    out = []
+    for item in items or []:
+        prec, sep, size = item.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise ConfigError(f"--group takes PREC=SIZE such as int4=64, got {item!r}")
+        out.append((prec.strip(), int(size)))
+    return tuple(out)
+
+
+def _precision_config(
+    mode: str, hi: str, lo: str, groups: list[str] | None, quant_dir: Path | None, warmup_tokens: int, period: int,
+    sync: bool,
+) -> PrecisionConfig:  # fmt: skip
+    return PrecisionConfig(
+        mode=mode, hi=hi, lo=lo, groups=parse_groups(groups), quant_dir=str(quant_dir) if quant_dir else None,
+        warmup_tokens=warmup_tokens, period=period, sync=sync,
+    )  # fmt: skip
+
+
+def _warmup(engine: Engine, warmup: Path | None, err: Console) -> None:
+    if warmup is None:
+        return
+    if engine.switching is None:
+        raise ConfigError("--warmup needs --precision dynamic")
+    with err.status(f"warming up on {warmup}"):
+        n = engine.warmup(_read_text(warmup))
+    err.print(f"warmup: {n} tokens, {engine.store.stats().get('promotions', 0)} experts promoted", highlight=False)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 # -- output and errors ------------------------------------------------------------
@@ -257,14 +333,27 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1]; used when temperature > 0.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampler, for reproducible sampling.")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at EOS.")] = False,
+    precision: PrecisionMode = "full",
+    hi: HiPrecision = "full",
+    lo: LoPrecision = "int4",
+    group: Groups = None,
+    quant_dir: QuantDir = None,
+    warmup: Warmup = None,
+    warmup_tokens: WarmupTokens = 256,
+    period: Period = 32,
+    sync_switches: SyncSwitches = False,
     json_out: JsonOut = False,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
     report, err = _consoles(json_out)
     with _user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-        config = _engine_config(host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean)
+        pcfg = _precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        config = _engine_config(
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg
+        )
         with _engine(model, config, trace, trace_scores, err) as engine:
+            _warmup(engine, warmup, err)
             stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
             try:
                 result = engine.generate(prompt, max_new_tokens, sampling, on_token=stream, stop_at_eos=not ignore_eos)
@@ -295,17 +384,27 @@ def eval_(
     no_lean: NoLean = False,
     trace: TraceFile = None,
     trace_scores: TraceScores = False,
+    precision: PrecisionMode = "full",
+    hi: HiPrecision = "full",
+    lo: LoPrecision = "int4",
+    group: Groups = None,
+    quant_dir: QuantDir = None,
+    warmup: Warmup = None,
+    warmup_tokens: WarmupTokens = 256,
+    period: Period = 32,
+    sync_switches: SyncSwitches = False,
     json_out: JsonOut = False,
 ) -> None:
     """Perplexity of a text file over non-overlapping windows."""
     report, err = _consoles(json_out)
     with _user_errors():
-        config = _engine_config(host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean)
-        try:
-            body = text.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{text}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        pcfg = _precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        config = _engine_config(
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg
+        )
+        body = _read_text(text)
         with _engine(model, config, trace, trace_scores, err) as engine:
+            _warmup(engine, warmup, err)
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()
             with Progress(
@@ -328,6 +427,36 @@ def eval_(
         report.print(eval_report(payload))
         if json_out:
             _emit_json(payload)
+
+
+@app.command()
+def quantize(
+    model: Model,
+    precisions: Annotated[str, typer.Option("--precisions", help="Comma-separated, of int8, int4, int2.")] = "int4",
+    group: Groups = None,
+    out: Annotated[Path | None, typer.Option(metavar="DIR", help="Tier root; default MODEL/moetier-quant.")] = None,
+    method: Annotated[str, typer.Option(help="hqq (half-quadratic fit, default) or rtn (round to nearest).")] = "hqq",
+    force: Annotated[bool, typer.Option("--force", help="Delete an incompatible existing tier, start over.")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Write quantized disk tiers of the routed experts, one per precision (resumable: rerun to go on)."""
+    report, err = _consoles(json_out)
+    with _user_errors():
+        from moetier.store.qreader import tier_summary
+        from moetier.store.quantize import quantize_model
+
+        precs = [p.strip() for p in precisions.split(",") if p.strip()]
+        groups: dict[str, int | None] = dict(parse_groups(group))
+        with Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=err,
+        ) as progress:  # fmt: skip
+            paths = quantize_model(model, precs, out=out, group_sizes=groups, method=method, progress=progress,
+                                   force=force)  # fmt: skip
+        rows = [tier_summary(p) | {"path": str(p)} for p in paths]
+        report.print(quant_table(rows))
+        if json_out:
+            _emit_json({"model": str(model), "tiers": rows})
 
 
 @app.command()

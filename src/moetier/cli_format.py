@@ -54,8 +54,22 @@ def tier_table(stats: Mapping[str, Any]) -> Table:
     return table
 
 
+def _precision_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Experts and bytes at each precision; promotions and demotions when dynamic."""
+    mix = stats.get("precision", {})
+    rows = [(f"experts at {p}", f"{m['experts']} ({format_size(m['bytes'])})") for p, m in mix.items()]
+    sw = stats.get("switching")
+    if sw is not None:
+        rows.append(("promotions / demotions", f"{stats.get('promotions', 0)} / {stats.get('demotions', 0)}"))
+        rows.append(("precision decisions", f"{sw['decisions']} ({sw['n_hot']} hot slots)"))
+        if sw["mover_errors"]:
+            rows.append(("mover errors", f"{len(sw['mover_errors'])}: {sw['mover_errors'][-1]}"))
+    return rows
+
+
 def _engine_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [
+        *_precision_rows(stats),
         ("expert hits / misses", f"{stats['hits']} / {stats['misses']}"),
         ("bytes read from disk", size(stats["disk_bytes"])),
         ("bytes host -> accelerator", size(stats["h2d_bytes"])),
@@ -110,3 +124,17 @@ def info_table(info: Mapping[str, Any]) -> Table:
         ("non-expert bytes", size(info["non_expert_bytes"])),
     ]
     return _kv_table("model", rows)
+
+
+def quant_table(tiers: Iterable[Mapping[str, Any]]) -> Table:
+    """`moetier quantize`: one row per quantized disk tier, with its relative weight error."""
+    table = Table(title="quantized tiers", title_justify="left")
+    for col in ("precision", "groups (w13 / w2)", "size", "rel. error w13", "rel. error w2", "path"):
+        table.add_column(col, justify="left" if col in ("precision", "path") else "right")
+    for t in tiers:
+        gs, err = t.get("group_sizes", {}), t.get("error", {})
+        table.add_row(
+            str(t["precision"]), f"{gs.get('w13', '?')} / {gs.get('w2', '?')}", format_size(t.get("bytes", 0)),
+            f"{err.get('w13', float('nan')):.4f}", f"{err.get('w2', float('nan')):.4f}", str(t["path"]),
+        )  # fmt: skip
+    return table

@@ -1,7 +1,7 @@
 """Frozen, composed configuration. The CLI only maps flags onto these.
 
-EngineConfig = Budgets + CacheConfig + RuntimeConfig. Later sections (precision,
-sparsity, prefetch, scheduler) join as their own dataclasses.
+EngineConfig = Budgets + CacheConfig + PrecisionConfig + RuntimeConfig. Later sections
+(sparsity, prefetch, scheduler) join as their own dataclasses.
 """
 
 from __future__ import annotations
@@ -69,6 +69,70 @@ class CacheConfig:
     policy: str = "lru"
 
 
+PRECISION_MODES = ("full", "int8", "int4", "int2", "dynamic")
+_BITS = {"full": 16, "int8": 8, "int4": 4, "int2": 2}
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Expert precision. A static mode keeps every expert at one precision; "dynamic" keeps
+    hot experts at `hi` and cold ones at `lo` under the compute tier's expert budget (DynaExq).
+
+    `groups` overrides the quantisation group size per precision, e.g. (("int4", 64),); the
+    quantized disk tiers are looked up under `quant_dir` (default MODEL/moetier-quant).
+    Controller: EMA factor `alpha` per token, a decision every `period` tokens, `hysteresis`
+    (a challenger must beat an incumbent's score by this factor), `warmup_tokens` of the first
+    text seed the hot set before serving. `spare_slots` extra low-precision slots let a
+    demotion start before a promotion frees one (counted in the budget). `sync` waits for every
+    switch to finish before the next forward (reproducible experiments).
+    """
+
+    mode: str = "full"
+    hi: str = "full"
+    lo: str = "int4"
+    groups: tuple[tuple[str, int], ...] = ()
+    quant_dir: str | None = None
+    alpha: float = 0.95
+    period: int = 32
+    hysteresis: float = 0.1
+    warmup_tokens: int = 256
+    spare_slots: int = 1
+    sync: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in PRECISION_MODES:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISION_MODES)}, got {self.mode!r}")
+        for name in ("hi", "lo"):
+            if getattr(self, name) not in _BITS:
+                raise ConfigError(f"--{name} precision must be one of full, int8, int4, int2, got {getattr(self, name)!r}")
+        if self.mode == "dynamic" and _BITS[self.hi] <= _BITS[self.lo]:
+            raise ConfigError(f"dynamic precision needs hi above lo, got hi={self.hi} lo={self.lo}")
+        for prec, group in self.groups:
+            if prec not in ("int8", "int4", "int2"):
+                raise ConfigError(f"group size given for {prec!r}; only int8, int4 and int2 have groups")
+            if group not in (32, 64, 128, 256) and not (prec == "int8" and group == 0):
+                raise ConfigError(f"{prec} group size must be 32, 64, 128 or 256, got {group}")
+        if not 0 < self.alpha < 1:
+            raise ConfigError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.period < 1:
+            raise ConfigError(f"period must be at least 1 token, got {self.period}")
+        if self.hysteresis < 0:
+            raise ConfigError(f"hysteresis must not be negative, got {self.hysteresis}")
+        if self.warmup_tokens < 0 or self.spare_slots < 1:
+            raise ConfigError(
+                f"warmup_tokens must be >= 0 and spare_slots >= 1, got {self.warmup_tokens}, {self.spare_slots}"
+            )
+
+    def group(self, precision: str) -> int | None:
+        """The configured group size of `precision`, None for its default (0 = per row for int8)."""
+        return next((g for p, g in self.groups if p == precision), None)
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions this config reads: one static, or (hi, lo)."""
+        return (self.hi, self.lo) if self.mode == "dynamic" else (self.mode,)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: DeviceName = "auto"
@@ -89,6 +153,7 @@ class RuntimeConfig:
 class EngineConfig:
     budgets: Budgets = field(default_factory=Budgets)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 

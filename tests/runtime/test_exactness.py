@@ -123,7 +123,7 @@ def test_tiny_models_route_diversely(tiny_ckpt, family):
         used.setdefault(layer, set()).update(ids.flatten().tolist())
 
     for block in engine.loaded.blocks:
-        block.on_route = hook
+        block.route_hooks.append(hook)
     engine.logits(PROMPT_A)
     assert set(used) == set(engine.info.moe_layers)
     for layer, experts in used.items():

@@ -20,6 +20,7 @@ from moetier.runtime.loader import read_config
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.layout import ExpertLayout
 from moetier.store.reader import ExpertReader
+from moetier.store.source import FullSource
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey, Tier
 
@@ -38,7 +39,7 @@ def make_store(path: Path, budget: int | None, dtype: torch.dtype = torch.float3
     )
     prefixes = {layer: f"model.layers.{layer}.{block}." for layer in layers}
     reader = ExpertReader(index, family, layout, prefixes, num_experts, dtype)
-    return ExpertStore(reader, layout, dtype, CPU, budget, None)
+    return ExpertStore(FullSource(reader, dtype), list(reader.plans), CPU, budget, None)
 
 
 def stored_bytes(pieces: dict[str, torch.Tensor], itemsize: int) -> int:
@@ -213,7 +214,7 @@ def test_failed_read_registers_nothing(ckpt_copy):
     file = path / "model.safetensors"
     with open(file, "r+b") as f:
         f.truncate(file.stat().st_size // 2)
-    bad = max((k for k in store.reader.plans), key=lambda k: store.reader.plans[k][0].offset)
+    bad = max((k for k in store.source.reader.plans), key=lambda k: store.source.reader.plans[k][0].offset)
     for _ in range(2):  # the second try must fail again, not "hit" a half-written slot
         with pytest.raises(CheckpointError, match=r"model\.safetensors"):
             store.acquire(bad)

@@ -26,6 +26,8 @@ from moetier.errors import CheckpointError, ConfigError
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.kernels import small_rows
 from moetier.runtime.loader import LoadedModel, ModelInfo, open_model
+from moetier.runtime.precision import Switching
+from moetier.store.dynamic import DynamicStore
 from moetier.traces import TraceRecorder
 
 
@@ -71,6 +73,10 @@ class Engine:
         self.store = loaded.store
         self.device, self.dtype = loaded.device, loaded.dtype
         self.decoder: Decoder = self._pick_decoder()
+        self.switching: Switching | None = None
+        if isinstance(self.store, DynamicStore):
+            n_hot = self.store.n_hot  # type: ignore[attr-defined]
+            self.switching = Switching(self.store, n_hot, self.info.num_experts, config.precision, loaded.blocks)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None
@@ -128,7 +134,7 @@ class Engine:
             recorder.record(layer, ids.tolist(), weights.float().tolist(), scores)
 
         for block in self.loaded.blocks:
-            block.on_route = hook
+            block.route_hooks.append(hook)
 
     def save_trace(self) -> Path | None:
         if self.recorder is None or self._trace_path is None:
@@ -151,7 +157,28 @@ class Engine:
     def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """One decoder call, with the matmul kernel chosen for its row count (runtime/kernels.py)."""
         with small_rows(ids.shape[1], self.dtype, self.device):
-            return self.decoder.forward(ids, all_logits)
+            out = self.decoder.forward(ids, all_logits)
+        if self.switching is not None:
+            self.switching.after_forward()
+        return out
+
+    @torch.inference_mode()
+    def warmup(self, text: str | list[int], max_tokens: int | None = None) -> int:
+        """DynaExq 3.5: run `text` (up to `max_tokens`, default precision.warmup_tokens) through the
+        model to seed expert hotness, fix each layer's threshold, and promote the hottest experts
+        before serving (waits for the switches). Returns the tokens used; no-op unless dynamic."""
+        if self.switching is None:
+            return 0
+        limit = max_tokens if max_tokens is not None else self.config.precision.warmup_tokens
+        ids = (self.encode(text) if isinstance(text, str) else list(text))[: min(limit, self._max_len())]
+        if not ids:
+            raise ConfigError("warmup text is empty after tokenization")
+        self.decoder.reset()
+        with small_rows(len(ids), self.dtype, self.device):
+            self.decoder.forward(torch.tensor([ids], device=self.device))
+        self.switching.after_forward(force=True)
+        self.switching.mover.drain()
+        return len(ids)
 
     @torch.inference_mode()
     def generate(
@@ -272,14 +299,19 @@ class Engine:
             "peak_host_expert_bytes": s["host"]["peak_resident_bytes"],
             "peak_accel_expert_bytes": s["accel"]["peak_resident_bytes"] if "accel" in s else 0,
             "staging_bytes": s["staging_bytes"],
+            "precision": s["precision"],
+            "promotions": s.get("promotions", 0),
+            "demotions": s.get("demotions", 0),
             "tiers": {k: v for k, v in s.items() if k in ("host", "accel")},
             "decoder": type(self.decoder).__name__,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-        }
+        } | ({"switching": self.switching.stats()} if self.switching is not None else {})
 
     def close(self) -> None:
         self.save_trace()
+        if self.switching is not None:
+            self.switching.close()
         self.store.close()
 
     def __enter__(self) -> Engine:

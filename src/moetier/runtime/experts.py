@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from moetier.store.pool import SlotViews
+from moetier.store.qformat import linear
 
-ExpertFn = Callable[[torch.Tensor, SlotViews], torch.Tensor]
+ExpertFn = Callable[[torch.Tensor, Any], torch.Tensor]  # x [N, H], slot views (full or quantized) -> [N, H]
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,10 @@ class SwiGLU:
 
     act: Callable[[torch.Tensor], torch.Tensor]
 
-    def __call__(self, x: torch.Tensor, v: SlotViews) -> torch.Tensor:
-        h = F.linear(x, v.w13)  # [N, 2I]
+    def __call__(self, x: torch.Tensor, v: Any) -> torch.Tensor:
+        h = linear(x, v.w13)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)  # [N, I] each
-        return F.linear(self.act(gate) * up, v.w2)  # [N, H]
+        return linear(self.act(gate) * up, v.w2)  # [N, H]
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class GptOssGLU:
     alpha: float
     limit: float
 
-    def __call__(self, x: torch.Tensor, v: SlotViews) -> torch.Tensor:
-        h = F.linear(x, v.w13, v.b13)  # [N, 2I]
+    def __call__(self, x: torch.Tensor, v: Any) -> torch.Tensor:
+        h = linear(x, v.w13, v.b13)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)  # de-interleaved at load: gate rows first
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return F.linear((up + 1) * glu, v.w2, v.b2)  # [N, H]
+        return linear((up + 1) * glu, v.w2, v.b2)  # [N, H]

@@ -30,9 +30,11 @@ from moetier.models.base import (
 from moetier.models.families import Family, find_family
 from moetier.runtime.experts import ExpertFn, GptOssGLU, SwiGLU
 from moetier.runtime.moe_block import TieredMoE
+from moetier.runtime.precision import build_store
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.layout import ExpertLayout
 from moetier.store.reader import TORCH_DTYPES, ExpertReader
+from moetier.store.dynamic import DynamicStore
 from moetier.store.store import ExpertStore
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -65,7 +67,7 @@ class LoadedModel:
     config: PretrainedConfig
     model: nn.Module
     blocks: list[TieredMoE]
-    store: ExpertStore
+    store: ExpertStore | DynamicStore
     dtype: torch.dtype
     device: torch.device
 
@@ -189,10 +191,7 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 4. the tiered store; the non-expert weights' bytes are reserved on their device before
     #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
-    store = ExpertStore(
-        o.reader, o.reader.layout, dtype, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
-        cfg.cache.policy, reserve=non_expert,
-    )  # fmt: skip
+    store = build_store(o.reader, path, cfg, dtype, device, reserve=non_expert)
     # 5. swap the blocks, load everything else, refuse leftovers
     blocks = []
     for site in sites:

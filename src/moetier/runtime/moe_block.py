@@ -15,7 +15,8 @@ tokens by expert with one argsort. Neither loops over all E experts or over toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,14 +24,25 @@ from torch import nn
 from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
 from moetier.runtime.experts import ExpertFn
-from moetier.store.store import ExpertStore
+from moetier.types import ExpertKey
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits
 
 
+class Store(Protocol):
+    """What a block needs of ExpertStore / DynamicStore."""
+
+    @property
+    def index(self) -> Container[ExpertKey]: ...
+
+    def acquire(self, key: ExpertKey) -> Any: ...
+
+    def release(self, key: ExpertKey) -> None: ...
+
+
 class TieredMoE(nn.Module):
     def __init__(
-        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: ExpertStore, expert_fn: ExpertFn
+        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: Store, expert_fn: ExpertFn
     ) -> None:
         super().__init__()
         self.family, self.layer, self.num_experts = family, layer, num_experts
@@ -40,13 +52,13 @@ class TieredMoE(nn.Module):
         for attr in (family.shared_attr, family.shared_gate_attr):
             if attr:
                 self.add_module(attr, getattr(block, attr))
-        self.on_route: RouteHook | None = None
+        self.route_hooks: list[RouteHook] = []  # trace recorder, precision controller
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k])."""
         logits, weights, ids = getattr(self, self.router_name)(x)
-        if self.on_route is not None:
-            self.on_route(self.layer, ids, weights, logits)
+        for hook in self.route_hooks:
+            hook(self.layer, ids, weights, logits)
         return logits, weights, ids
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -76,7 +88,7 @@ class TieredMoE(nn.Module):
         if x.shape[0] == 1:  # decode: k experts, one token each
             id_list = ids[0].tolist()
             w_of = dict(zip(id_list, weights[0].tolist(), strict=True))
-            plan = plan_layer(layer, dict.fromkeys(id_list, 1), store.compute.slots)
+            plan = plan_layer(layer, dict.fromkeys(id_list, 1), store.index)
             for task in plan.tasks:
                 views = store.acquire(task.key)
                 try:
@@ -94,7 +106,7 @@ class TieredMoE(nn.Module):
         starts = {e: end - active[e] for e, end in zip(active, ends[hit].tolist(), strict=True)}
         token_of = order // k  # [T*k] token index of each sorted slot
         w_sorted = weights.reshape(-1)[order]  # [T*k]
-        plan = plan_layer(layer, active, store.compute.slots)
+        plan = plan_layer(layer, active, store.index)
         for task in plan.tasks:
             e, c = task.key.expert, task.tokens
             tok = token_of[starts[e] : starts[e] + c]  # [c]

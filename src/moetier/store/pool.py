@@ -1,17 +1,23 @@
 """Fixed-slot expert pools: one tensor allocated once, sliced into per-slot views.
 
-A pool never allocates after construction: loading an expert writes into a free
-slot's existing memory. Per-slot views (w13, w2, b13, b2 and each named piece) are
+`SlotPool` holds full-precision experts (a [S, numel] tensor of the model dtype);
+`QuantPool` holds quantized ones (a [S, slot_bytes] uint8 tensor whose rows the
+precision's ExpertFormat views as packed weights and scales). A pool never allocates
+after construction: loading an expert writes into a free slot's existing memory. Per-slot views (w13, w2, b13, b2 and each named piece) are
 built once so that the hot path indexes a Python list rather than slicing tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moetier.store.layout import ExpertLayout
+
+if TYPE_CHECKING:
+    from moetier.store.qformat import ExpertFormat, QExpertViews
 
 
 @dataclass
@@ -52,6 +58,18 @@ class SlotPool:
             row=row,
             pieces=pieces,
         )
+
+
+class QuantPool:
+    def __init__(self, fmt: ExpertFormat, n_slots: int, device: torch.device, pin: bool = False) -> None:
+        if n_slots < 1:
+            raise ValueError(f"a pool needs at least one slot, got {n_slots}")
+        self.fmt, self.n_slots, self.device = fmt, n_slots, device
+        pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.slot_bytes = fmt.slot_bytes
+        self.buf = torch.empty((n_slots, self.slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+        self.nbytes = n_slots * self.slot_bytes
+        self.views: list[QExpertViews] = [fmt.views(self.buf[s]) for s in range(n_slots)]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -122,7 +122,7 @@ class ExpertReader:
         return fd
 
     def _pread(self, loc: TensorLocation, offset: int, dest: torch.Tensor) -> None:
-        view = memoryview(dest.view(torch.uint8).numpy().data)  # shares the slot's memory
+        view = memoryview(dest.view(torch.uint8).reshape(-1).numpy().data)  # flat bytes of the slot's memory
         done = 0
         while done < len(view):
             n = os.preadv(self._fd(loc), [view[done:]], offset + done)

@@ -1,5 +1,9 @@
 """ExpertStore: which expert is in which slot of which tier, under fixed budgets.
 
+Every expert is held at one precision, the one of its `source` (store/source.py): the
+checkpoint's own weights, or a quantized disk tier. (DynamicStore in store/dynamic.py
+holds two precisions at once.)
+
 Tiers are disk -> host -> accelerator. The compute tier is the accelerator when the
 engine runs on CUDA, else host. `acquire(key)` returns the slot views of `key` in the
 compute tier, loading it on a miss (disk -> host, then host -> accelerator) and
@@ -24,16 +28,14 @@ import torch
 from moetier.config import format_size
 from moetier.errors import BudgetError
 from moetier.policies import CachePolicy, make_cache_policy
-from moetier.store.layout import ExpertLayout
-from moetier.store.pool import SlotPool, SlotViews
-from moetier.store.reader import ExpertReader
-from moetier.types import ExpertKey, Tier
+from moetier.store.source import ExpertSource, Pool
+from moetier.types import ExpertKey, Precision, Tier
 
 
 @dataclass
 class TierState:
     tier: Tier
-    pool: SlotPool
+    pool: Pool
     policy: CachePolicy
     budget: int
     slots: dict[ExpertKey, int] = field(default_factory=dict)
@@ -119,21 +121,21 @@ def slots_for_budget(
 class ExpertStore:
     def __init__(
         self,
-        reader: ExpertReader,
-        layout: ExpertLayout,
-        dtype: torch.dtype,
+        source: ExpertSource,
+        keys: list[ExpertKey],
         device: torch.device,
         host_budget: int | None,
         accel_budget: int | None,
         policy: str = "lru",
         reserve: int = 0,  # bytes the non-expert weights will take on the compute device
     ) -> None:
-        self.reader, self.layout, self.dtype, self.device = reader, layout, dtype, device
-        self.slot_bytes = layout.slot_bytes(dtype.itemsize)
-        self.staging_bytes = reader.staging_bytes
-        self._total, self._policy, self._reserve = len(reader.plans), policy, reserve
+        self.source, self.device, self.keys = source, device, keys
+        self.precision: Precision = source.precision
+        self.slot_bytes = source.slot_bytes
+        self.staging_bytes = source.staging_bytes
+        self._total, self._policy, self._reserve = len(keys), policy, reserve
         cpu = torch.device("cpu")
-        self.host = self._tier(Tier.HOST, cpu, host_budget, reader.staging_bytes, pin=device.type == "cuda")
+        self.host = self._tier(Tier.HOST, cpu, host_budget, self.staging_bytes, pin=device.type == "cuda")
         self.accel = self._tier(Tier.ACCEL, device, accel_budget, 0) if device.type != "cpu" else None
         self.compute = self.accel or self.host
         self.disk_bytes = 0
@@ -149,7 +151,7 @@ class ExpertStore:
         if free is not None and device.type == self.device.type:
             free -= self._reserve
         n = slots_for_budget(tier, budget, self.slot_bytes, overhead, self._total, free)
-        pool = SlotPool(self.layout, n, self.dtype, device, pin=pin)
+        pool = self.source.make_pool(n, device, pin=pin)
         state = TierState(tier, pool, make_cache_policy(self._policy), _budget(budget, pool))
         state.free = list(range(n - 1, -1, -1))
         return state
@@ -159,12 +161,17 @@ class ExpertStore:
         state = self.compute if tier is None else (self.accel if tier is Tier.ACCEL else self.host)
         return set(state.slots) if state is not None else set()
 
-    def views(self, key: ExpertKey) -> SlotViews:
+    @property
+    def index(self) -> dict[ExpertKey, int]:
+        """Experts resident in the compute tier (key -> slot); planning puts these first."""
+        return self.compute.slots
+
+    def views(self, key: ExpertKey) -> Any:
         """Views of a resident (acquired) expert in the compute tier."""
         return self.compute.pool.views[self.compute.slots[key]]
 
     # -- pipeline: move --------------------------------------------------------
-    def acquire(self, key: ExpertKey) -> SlotViews:
+    def acquire(self, key: ExpertKey) -> Any:
         """Make `key` resident in the compute tier and pin it; loads on a miss."""
         with self._lock:
             state = self.compute
@@ -189,7 +196,7 @@ class ExpertStore:
         host = self.host
         slot = host.take_slot()
         try:
-            self.disk_bytes += self.reader.read_into(key, host.pool.views[slot].pieces)
+            self.disk_bytes += self.source.read_into(key, host.pool.views[slot])
         except BaseException:
             host.free.append(slot)  # the slot holds a partial expert: never register it
             raise
@@ -227,6 +234,8 @@ class ExpertStore:
     # -- accounting ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
+            "precision": {self.precision.value: {"experts": len(self.compute.slots),
+                                                 "bytes": len(self.compute.slots) * self.slot_bytes}},
             "slot_bytes": self.slot_bytes,
             "staging_bytes": self.staging_bytes,
             "disk_bytes": self.disk_bytes,
@@ -238,8 +247,8 @@ class ExpertStore:
         return out
 
     def close(self) -> None:
-        self.reader.close()
+        self.source.close()
 
 
-def _budget(budget: int | None, pool: SlotPool) -> int:
+def _budget(budget: int | None, pool: Pool) -> int:
     return pool.nbytes if budget is None else budget

@@ -1,0 +1,174 @@
+"""Expert precision in the engine: which store a config gets, and the switching loop of DynaExq.
+
+`build_store` turns EngineConfig.precision into a store:
+- full / int8 / int4 / int2: an ExpertStore whose pools hold that precision, read from
+  the checkpoint (full) or from the quantized disk tier `moetier quantize` wrote;
+- dynamic: a DynamicStore whose hi and lo pools are sized by `split_budget` (paper 3.5)
+  from the compute tier's expert budget, every expert resident at lo to begin with.
+
+`Switching` is the control loop (paper 3.2-3.3): a route hook collects each MoE layer's
+routing during a forward; `after_forward` feeds it to the PrecisionController, and every
+`period` tokens enqueues the decided demotions, then promotions, on the Mover. The
+forward pass never waits for them (unless `sync`), and always computes with the last
+registered version of each expert.
+"""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import EngineConfig, PrecisionConfig, format_size
+from moetier.errors import BudgetError, ConfigError
+from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
+from moetier.store.dynamic import DynamicStore
+from moetier.store.mover import Mover
+from moetier.store.qformat import ExpertFormat
+from moetier.store.qreader import QuantTier
+from moetier.store.quant import QuantSpec
+from moetier.store.reader import ExpertReader
+from moetier.store.source import ExpertSource, FullSource, QuantSource
+from moetier.store.store import ExpertStore
+from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
+
+
+def make_source(
+    precision: str, reader: ExpertReader, model_dir: str | Path, cfg: PrecisionConfig, dtype: torch.dtype,
+    device: torch.device,
+) -> ExpertSource:  # fmt: skip
+    """The disk tier of one precision: the checkpoint itself, or its quantized copy."""
+    if precision == "full":
+        return FullSource(reader, dtype)
+    spec = QuantSpec(Precision(precision), cfg.group(precision) or None)
+    tier = QuantTier.open(model_dir, spec.precision, spec.group_size, root=cfg.quant_dir, reader=reader)
+    if tier.layout != reader.layout:
+        tier.close()
+        raise ConfigError(f"quantized {precision} tier layout {tier.layout} does not match the model's {reader.layout}")
+    return QuantSource(tier, ExpertFormat(reader.layout, tier.spec, dtype, device))
+
+
+def build_store(
+    reader: ExpertReader, model_dir: str | Path, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+    reserve: int,
+) -> ExpertStore | DynamicStore:  # fmt: skip
+    pcfg = cfg.precision
+    keys = list(reader.plans)
+    if pcfg.mode != "dynamic":
+        source = make_source(pcfg.mode, reader, model_dir, pcfg, dtype, device)
+        try:
+            return ExpertStore(
+                source, keys, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
+                cfg.cache.policy, reserve=reserve,
+            )  # fmt: skip
+        except BaseException:
+            source.close()
+            raise
+    # dynamic: both pools in the compute tier, sized from its budget
+    budget = cfg.budgets.accel_expert_bytes if device.type == "cuda" else cfg.budgets.host_expert_bytes
+    flag = "--gpu-expert-mem" if device.type == "cuda" else "--host-expert-mem"
+    hi = make_source(pcfg.hi, reader, model_dir, pcfg, dtype, device)
+    lo = make_source(pcfg.lo, reader, model_dir, pcfg, dtype, device)
+    try:
+        per_layer: dict[int, int] = {}
+        for key in keys:
+            per_layer[key.layer] = per_layer.get(key.layer, 0) + 1
+        staging = hi.staging_bytes + lo.staging_bytes + pcfg.spare_slots * lo.slot_bytes
+        all_lo, all_hi = len(keys) * lo.slot_bytes + staging, len(keys) * hi.slot_bytes + staging
+        if budget is None:
+            raise ConfigError(
+                f"dynamic precision needs an expert budget ({flag}): between {format_size(all_lo)} "
+                f"(every expert {pcfg.lo}) and {format_size(all_hi)} (every expert {pcfg.hi})"
+            )
+        n_hot = split_budget(per_layer, hi.slot_bytes, lo.slot_bytes, budget, reserve=staging)
+        if sum(n_hot.values()) < 1:
+            raise BudgetError(
+                f"expert budget {format_size(budget)} holds every expert at {pcfg.lo} but no {pcfg.hi} one: "
+                f"raise it above {format_size(all_lo + hi.slot_bytes - lo.slot_bytes)} or use --precision {pcfg.lo}"
+            )
+        store = DynamicStore(hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget)
+        store.n_hot = n_hot  # type: ignore[attr-defined]
+        return store
+    except BaseException:
+        hi.close()
+        lo.close()
+        raise
+
+
+class Switching:
+    """The precision control loop around one DynamicStore and the engine's MoE blocks."""
+
+    def __init__(self, store: DynamicStore, n_hot: dict[int, int], num_experts: int, cfg: PrecisionConfig,
+                 blocks: list[Any]) -> None:  # fmt: skip
+        self.store, self.cfg = store, cfg
+        # every expert resident from the start: the first n_hot of each layer at hi until the
+        # first decision (after the warmup) picks the hot ones
+        initial = {layer: range(n) for layer, n in n_hot.items()}
+        store.preload(ExpertKey(layer, e) for layer, experts in initial.items() for e in experts)
+        self.controller = PrecisionController(
+            n_hot, num_experts, alpha=cfg.alpha, period=cfg.period, hysteresis=cfg.hysteresis, initial_hot=initial
+        )
+        self.hi_slots = sum(n_hot.values())
+        self.planned_hi = self.hi_slots  # experts at hi once every queued move has run
+        self.mover = Mover(self._run, lambda move, exc: self._failures.put(move))
+        self._failures: queue.SimpleQueue[Move] = queue.SimpleQueue()  # from the mover thread
+        self._seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for block in blocks:
+            block.route_hooks.append(self._hook)
+
+    def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> None:
+        self._seen.append((layer, ids, weights))
+
+    def after_forward(self, force: bool = False) -> None:
+        """Feed this forward's routing to the controller and enqueue what it decides."""
+        while not self._failures.empty():
+            self._failed(self._failures.get())
+        for layer, ids, weights in self._seen:
+            self.controller.observe(layer, ids.cpu().numpy(), weights.float().cpu().numpy())  # [T, k] each
+        self._seen.clear()
+        decision = self.controller.decide(force=force)
+        if decision.empty:
+            return
+        # pair demotions with promotions (policies.precision.order_switches); what cannot move
+        # keeps its precision, and the controller is told so
+        plan = order_switches(decision, self.hi_slots - self.planned_hi)
+        for key in plan.rejected_upgrades:
+            self.controller.reset_target(key, high=False)
+        for key in plan.kept_high:
+            self.controller.reset_target(key, high=True)
+        lo, hi = self.store.lo_precision, self.store.hi_precision
+        moves = [
+            Move(MoveKind.PROMOTE, k, Tier.DISK, Tier.HOST, hi) if state is ExpertState.HIGH
+            else Move(MoveKind.DEMOTE, k, Tier.DISK, Tier.HOST, lo)
+            for k, state in plan.moves
+        ]  # fmt: skip
+        self.planned_hi += sum(1 if m.kind is MoveKind.PROMOTE else -1 for m in moves)
+        self.mover.submit(moves)
+        if self.cfg.sync:
+            self.mover.drain()
+
+    def _run(self, move: Move) -> None:
+        self.store.switch(move.key, move.precision, timeout=30.0)
+
+    def _failed(self, move: Move) -> None:
+        """The expert stays at its registered precision; let the controller decide it again."""
+        self.planned_hi += -1 if move.kind is MoveKind.PROMOTE else 1
+        actual = self.store.precision_of(move.key)
+        self.controller.reset_target(move.key, high=actual == self.store.hi_precision)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.controller
+        return {
+            "decisions": c.decisions, "decided_promotions": c.promotions, "decided_demotions": c.demotions,
+            "pending_moves": self.mover.pending, "mover_errors": list(self.mover.errors),
+            "n_hot": sum(c.n_hot.values()),
+        }  # fmt: skip
+
+    def close(self) -> None:
+        self.mover.close()
+
+
+def hot_keys(controller: PrecisionController) -> list[ExpertKey]:
+    return [ExpertKey(layer, e) for layer in controller.layers for e in sorted(controller.hot_set(layer))]

@@ -1,0 +1,280 @@
+"""DynamicStore: every expert resident at a high or a low precision, switched online (DynaExq 3.3-3.5).
+
+Two pools of fixed-size slots live in the compute tier: `hi` (n_hot slots) and `lo`
+(n_experts - n_hot + spare slots), plus the sources' staging buffers. All of it is
+allocated once and sized so that pool bytes + staging bytes <= the expert budget; a
+switch allocates no pool memory. A CPU-side index maps each expert to its registered
+`Version` (precision, slot).
+
+A switch (run by the mover thread, store/mover.py) of expert e to precision p:
+1. takes a free slot of pool p (waits while none is free: a demotion waits for a
+   promotion to free a low slot, which the spare slots make rare);
+2. reads e at p from p's disk tier into that slot; the slot is registered to nobody, so
+   no forward can see it half-written;
+3. registers it under the lock: the index now points at the new version, and the old
+   one is reclaimed at once, or when the last forward holding it releases it.
+
+Invariants (tested, also under concurrent switches):
+- every slot is in exactly one state: free, registered, in flight, or retired-but-pinned;
+- a forward reads only registered versions (acquire pins the version it returns);
+- a key has exactly one registered version;
+- pool bytes + staging bytes <= budget, so resident bytes never exceed it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetier.config import format_size
+from moetier.errors import BudgetError
+from moetier.types import ExpertKey, Precision
+
+if TYPE_CHECKING:
+    from moetier.store.source import ExpertSource, Pool
+
+
+@dataclass(frozen=True)
+class Version:
+    precision: Precision
+    slot: int
+
+
+@dataclass
+class _PoolState:
+    source: ExpertSource
+    pool: Pool
+    free: list[int]
+    inflight: set[int] = field(default_factory=set)
+    retired: set[int] = field(default_factory=set)
+    peak_used: int = 0
+
+    def used(self) -> int:
+        return self.pool.n_slots - len(self.free)
+
+
+class DynamicStore:
+    def __init__(
+        self,
+        hi: ExpertSource,
+        lo: ExpertSource,
+        keys: list[ExpertKey],
+        n_hot: int,
+        spare: int,
+        device: torch.device,
+        budget: int,
+    ) -> None:
+        # 1. pool sizes: n_hot high slots, the rest low plus spares; refuse what cannot fit
+        self.keys, self.device, self.budget = keys, device, budget
+        self.hi_precision, self.lo_precision = hi.precision, lo.precision
+        n_lo = len(keys) - n_hot + spare
+        if not 1 <= n_hot <= len(keys):
+            raise BudgetError(
+                f"dynamic precision needs between 1 and {len(keys)} high-precision slots, got {n_hot}; "
+                f"with no room for one {hi.precision} expert, use the static {lo.precision} precision instead"
+            )
+        self.staging_bytes = hi.staging_bytes + lo.staging_bytes
+        need = n_hot * hi.slot_bytes + n_lo * lo.slot_bytes + self.staging_bytes
+        if need > budget:
+            raise BudgetError(
+                f"dynamic precision: {n_hot} {hi.precision} + {n_lo} {lo.precision} expert slots and "
+                f"{format_size(self.staging_bytes)} staging need {format_size(need)}, over the budget of "
+                f"{format_size(budget)}"
+            )
+        # 2. the pools, allocated once; a slot on CUDA is filled through a pinned host slot
+        self.pools: dict[Precision, _PoolState] = {}
+        for src, n in ((hi, n_hot), (lo, n_lo)):
+            pool = src.make_pool(n, device)
+            free = list(range(n - 1, -1, -1))
+            self.pools[src.precision] = _PoolState(src, pool, free)
+        self._stage = (
+            {p: st.source.make_pool(1, torch.device("cpu"), pin=True) for p, st in self.pools.items()}
+            if device.type == "cuda" else {}
+        )  # fmt: skip
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # unverified on GPU here
+        # 3. the index and counters
+        self.index: dict[ExpertKey, Version] = {}
+        self._pins: Counter[Version] = Counter()
+        self._held: dict[ExpertKey, list[Version]] = {}
+        self._lock = threading.Lock()
+        self._slot_freed = threading.Condition(self._lock)
+        self.closed = False
+        self.promotions = self.demotions = self.hits = self.misses = 0
+        self.disk_bytes = self.h2d_bytes = 0
+
+    # -- forward side --------------------------------------------------------------
+    def acquire(self, key: ExpertKey) -> Any:
+        """Views of the registered version of `key`, pinned until release(key); loads the low
+        version on the first touch."""
+        with self._lock:
+            version = self.index.get(key)
+            if version is None:
+                version = self._load_locked(key, self.lo_precision)
+                self.misses += 1
+            else:
+                self.hits += 1
+            self._pins[version] += 1
+            self._held.setdefault(key, []).append(version)
+            return self.pools[version.precision].pool.views[version.slot]
+
+    def release(self, key: ExpertKey) -> None:
+        with self._lock:
+            version = self._held[key].pop()
+            self._pins[version] -= 1
+            if self._pins[version] <= 0:
+                del self._pins[version]
+                st = self.pools[version.precision]
+                if version.slot in st.retired:  # replaced while this forward used it
+                    st.retired.discard(version.slot)
+                    st.free.append(version.slot)
+                    self._slot_freed.notify_all()
+
+    def _load_locked(self, key: ExpertKey, precision: Precision) -> Version:
+        """Demand load under the lock (first touch only: the pools hold every expert)."""
+        st = self.pools[precision]
+        if not st.free:
+            raise BudgetError(
+                f"no free {precision} slot to load {key} on first touch; the pools were sized for "
+                f"{len(self.keys)} experts"
+            )
+        slot = st.free.pop()
+        try:
+            self._fill(st, key, slot)
+        except BaseException:
+            st.free.append(slot)  # never register a partial expert
+            raise
+        version = Version(precision, slot)
+        self.index[key] = version
+        st.peak_used = max(st.peak_used, st.used())
+        return version
+
+    def preload(self, hot: Iterable[ExpertKey] = ()) -> None:
+        """Make every expert resident (paper 3.5): `hot` at hi, the rest at lo. The lo pool has
+        room for all but n_hot experts, so `hot` should fill the hi pool."""
+        hot = set(hot)
+        if len(hot) > self.pools[self.hi_precision].pool.n_slots:
+            raise BudgetError(f"{len(hot)} experts to preload at {self.hi_precision} but only "
+                              f"{self.pools[self.hi_precision].pool.n_slots} slots")
+        for key in self.keys:
+            with self._lock:
+                if key not in self.index:
+                    self._load_locked(key, self.hi_precision if key in hot else self.lo_precision)
+
+    # -- mover side ----------------------------------------------------------------
+    def switch(self, key: ExpertKey, precision: Precision, timeout: float = 60.0) -> bool:
+        """Move `key` to `precision` (runs on the mover thread). False if nothing to do."""
+        st = self.pools[precision]
+        # 1. a free slot of the target pool, waiting for a reclaim if needed
+        with self._lock:
+            current = self.index.get(key)
+            if current is None or current.precision == precision:
+                return False
+            while not st.free:
+                if self.closed:
+                    return False
+                if not self._slot_freed.wait(timeout):
+                    raise TimeoutError(f"no free {precision} slot for {key} after {timeout:.0f} s")
+            slot = st.free.pop()
+            st.inflight.add(slot)
+            st.peak_used = max(st.peak_used, st.used())
+        # 2. fill it outside the lock: nobody can see an unregistered slot
+        try:
+            self._fill(st, key, slot)
+        except BaseException:
+            with self._lock:
+                st.inflight.discard(slot)
+                st.free.append(slot)
+                self._slot_freed.notify_all()
+            raise
+        # 3. register, then reclaim the old version at once unless a forward holds it
+        with self._lock:
+            st.inflight.discard(slot)
+            old = self.index[key]
+            self.index[key] = Version(precision, slot)
+            old_st = self.pools[old.precision]
+            if self._pins[old]:
+                old_st.retired.add(old.slot)
+            else:
+                old_st.free.append(old.slot)
+                self._slot_freed.notify_all()
+            if precision == self.hi_precision:
+                self.promotions += 1
+            else:
+                self.demotions += 1
+        return True
+
+    def _fill(self, st: _PoolState, key: ExpertKey, slot: int) -> None:
+        views = st.pool.views[slot]
+        if self._stream is None:
+            self.disk_bytes += st.source.read_into(key, views)
+            return
+        stage = self._stage[st.source.precision]  # unverified on GPU here
+        self.disk_bytes += st.source.read_into(key, stage.views[0])
+        with torch.cuda.stream(self._stream):
+            views.row.copy_(stage.views[0].row, non_blocking=True)
+        self._stream.synchronize()
+        self.h2d_bytes += st.pool.slot_bytes
+
+    # -- accounting ------------------------------------------------------------------
+    def precision_of(self, key: ExpertKey) -> Precision | None:
+        version = self.index.get(key)
+        return version.precision if version is not None else None
+
+    def used_bytes(self) -> int:
+        """Bytes of slots in use (registered, in flight, retired) plus staging."""
+        with self._lock:
+            return sum(st.used() * st.pool.slot_bytes for st in self.pools.values()) + self.staging_bytes
+
+    def check(self) -> None:
+        """Assert the slot-state invariants (tests call this between and during switches)."""
+        with self._lock:
+            for p, st in self.pools.items():
+                registered = [v.slot for v in self.index.values() if v.precision == p]
+                states = [set(st.free), set(registered), st.inflight, st.retired]
+                assert len(registered) == len(set(registered)), f"two experts share a {p} slot"
+                union = set().union(*states)
+                assert len(union) == sum(len(s) for s in states), f"a {p} slot is in two states"
+                assert union == set(range(st.pool.n_slots)), f"a {p} slot is in no state"
+                assert st.used() * st.pool.slot_bytes <= self.budget
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            mix = {
+                p.value: {"experts": sum(v.precision == p for v in self.index.values()),
+                          "bytes": sum(v.precision == p for v in self.index.values()) * st.pool.slot_bytes}
+                for p, st in self.pools.items()
+            }  # fmt: skip
+            pool_bytes = sum(st.pool.n_slots * st.pool.slot_bytes for st in self.pools.values())
+            peak = sum(st.peak_used * st.pool.slot_bytes for st in self.pools.values())
+            tier = {
+                "hits": self.hits, "misses": self.misses, "evictions": 0,
+                "slots": sum(st.pool.n_slots for st in self.pools.values()),
+                "resident_bytes": sum(m["bytes"] for m in mix.values()),
+                "peak_resident_bytes": peak, "pool_bytes": pool_bytes, "budget_bytes": self.budget,
+            }  # fmt: skip
+            out: dict[str, Any] = {
+                "precision": mix, "promotions": self.promotions, "demotions": self.demotions,
+                "slot_bytes": {p.value: st.pool.slot_bytes for p, st in self.pools.items()},
+                "staging_bytes": self.staging_bytes, "disk_bytes": self.disk_bytes, "h2d_bytes": self.h2d_bytes,
+                "host": tier if self.device.type == "cpu" else _empty_tier(),
+            }  # fmt: skip
+            if self.device.type != "cpu":
+                out["accel"] = tier
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._slot_freed.notify_all()
+        for st in self.pools.values():
+            st.source.close()
+
+
+def _empty_tier() -> dict[str, int]:
+    keys = ("hits", "misses", "evictions", "slots", "resident_bytes", "peak_resident_bytes", "pool_bytes")
+    return dict.fromkeys(keys, 0) | {"budget_bytes": 0}

@@ -1,0 +1,396 @@
+"""Reads a quantized disk tier written by `moetier quantize` (store/quantize.py).
+
+A tier is a directory `<model>/moetier-quant/<precision>-g<group>/` (or under another
+root) holding `manifest.json` and one safetensors file per MoE layer,
+`layer-<L:03d>.safetensors`, with tensors `<expert>.<canonical name>` (e.g. `7.w13.q`),
+the canonical quantized tensors of store/quant.py. One expert's tensors are contiguous
+in the file, in `expert_tensor_specs` order, so reading an expert is one `os.preadv`.
+
+Invariants:
+- `QuantTier.open` refuses (CheckpointError naming the file, tensor or source change,
+  and the command that fixes it) a tier that is missing, incomplete, written for another
+  source (fingerprint), layout, expert count or layer list, or whose files differ from
+  the manifest (size, sha256 with `verify=True`, header dtypes and shapes);
+- `read_into` writes only into the caller's tensors, never allocates on the weight path
+  (biases of another float dtype go through one staging buffer), and is thread-safe.
+
+The source fingerprint is cheap by design: config.json bytes, and per safetensors file its
+size, header bytes and a sample of its data (all of it when under 1 MiB, else 16 evenly
+spaced 64 KiB blocks), never a full-data hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.errors import CheckpointError
+from moetier.store.checkpoint import CheckpointIndex, TensorLocation, read_header
+from moetier.store.layout import ExpertLayout
+from moetier.store.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs, resolve_group
+from moetier.store.reader import ExpertReader
+from moetier.types import ExpertKey, Precision
+
+FORMAT = "moetier-quant"
+FORMAT_VERSION = 1
+TIER_ROOT = "moetier-quant"
+MANIFEST = "manifest.json"
+ST_DTYPES = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_SAMPLE_FULL = 1 << 20  # data regions up to this size are hashed whole
+_SAMPLE_BLOCK, _SAMPLE_COUNT = 64 << 10, 16
+_BIASES = ("b13", "b2")
+
+TensorSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def group_label(spec: QuantSpec) -> str:
+    """`128` for an explicit or default group of 128; `K` for the per-channel default (int8)."""
+    group = spec.group_size if spec.group_size is not None else DEFAULT_GROUP.get(spec.precision)
+    return "K" if group is None else str(group)
+
+
+def tier_dir(model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None = None) -> Path:
+    base = Path(root) if root is not None else Path(model_dir) / TIER_ROOT
+    return base / f"{spec.precision.value}-g{group_label(spec)}"
+
+
+def layer_file(layer: int) -> str:
+    return f"layer-{layer:03d}.safetensors"
+
+
+def quantize_command(model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None) -> str:
+    cmd = f"moetier quantize {model_dir} --precisions {spec.precision.value}"
+    if spec.group_size is not None and spec.group_size != DEFAULT_GROUP.get(spec.precision):
+        cmd += f" --group {spec.precision.value}={spec.group_size}"
+    return cmd + (f" --out {root}" if root is not None else "")
+
+
+def resolved_groups(layout: ExpertLayout, spec: QuantSpec) -> dict[str, int]:
+    """The group size each matrix is quantised with: w13 [2I, H] groups along H, w2 [H, I] along I."""
+    h, i = layout.hidden, layout.inter
+    return {"w13": resolve_group(spec, h, shape=(2 * i, h)), "w2": resolve_group(spec, i, shape=(h, i))}
+
+
+# -- source fingerprint ----------------------------------------------------------------
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_print(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))  # the header was validated by CheckpointIndex
+        header = f.read(hlen)
+        start, data = 8 + hlen, size - 8 - hlen
+        sample = hashlib.sha256()
+        if data <= _SAMPLE_FULL:
+            sample.update(f.read(data))
+        else:
+            step = (data - _SAMPLE_BLOCK) // (_SAMPLE_COUNT - 1)
+            for i in range(_SAMPLE_COUNT):
+                f.seek(start + i * step)
+                sample.update(f.read(_SAMPLE_BLOCK))
+    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "sample_sha256": sample.hexdigest()}
+
+
+def source_fingerprint(index: CheckpointIndex) -> dict[str, Any]:
+    """{fingerprint, config_sha256, files: {name: {size, header_sha256, sample_sha256}}} of a checkpoint."""
+    folder = index.folder
+    files = sorted({loc.file for loc in index.tensors.values()})
+    out: dict[str, Any] = {
+        "config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
+        "files": {str(f.relative_to(folder)): _file_print(f) for f in files},
+    }
+    out["fingerprint"] = hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()
+    return out
+
+
+def source_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """What changed in the source since `recorded` was taken, in words; None if nothing."""
+    if recorded.get("fingerprint") == current["fingerprint"]:
+        return None
+    if recorded.get("config_sha256") != current["config_sha256"]:
+        return "config.json changed"
+    old, new = recorded.get("files") or {}, current["files"]
+    if set(old) != set(new):
+        gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+        return f"the safetensors files changed (gone: {gone or 'none'}, new: {added or 'none'})"
+    for name, now in new.items():
+        for field, what in (("size", "size"), ("header_sha256", "tensor header"), ("sample_sha256", "data")):
+            if old[name].get(field) != now[field]:
+                return f"{name} changed ({what} differs)"
+    return "the source fingerprint differs"
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable quantized-tier manifest ({exc})") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if data.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: manifest version {data.get('version')!r}, this moetier reads {FORMAT_VERSION}")
+    bad = _bad_fields(data, _FIELDS) or next(
+        (f"layers[{i}]: {b}" for i, r in enumerate(data["layers"]) if (b := _bad_fields(r, _LAYER_FIELDS))), None
+    )
+    if bad or data["dtype"] not in DTYPE_NAMES.values():
+        raise CheckpointError(f"{path}: malformed manifest ({bad or 'dtype ' + repr(data['dtype'])})")
+    return data
+
+
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "precision": str, "bits": int, "group": str, "group_sizes": dict, "method": str, "dtype": str, "layout": dict,
+    "num_experts": int, "moe_layers": list, "source": dict, "complete": bool, "layers": list,
+}  # fmt: skip
+_LAYER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "layer": int, "file": str, "bytes": int, "sha256": str, "sq_err": dict, "sq_ref": dict, "error": dict
+}  # fmt: skip
+
+
+def _bad_fields(obj: Any, fields: dict[str, type | tuple[type, ...]]) -> str | None:
+    if not isinstance(obj, dict):
+        return f"expected an object, got {type(obj).__name__}"
+    for key, kind in fields.items():
+        if not isinstance(obj.get(key), kind):
+            return f"{key!r} is {obj.get(key)!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class SourceShape:
+    """What the tier must match in the current model: canonical layout, experts per layer, MoE layers."""
+
+    layout: ExpertLayout
+    num_experts: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, reader: ExpertReader) -> SourceShape:
+        return cls(reader.layout, reader.num_experts, tuple(sorted({k.layer for k in reader.plans})))
+
+
+def source_shape(model_dir: str | os.PathLike[str]) -> tuple[SourceShape, CheckpointIndex]:
+    """Open the checkpoint as the loader does (meta skeleton, no weights) for its shape and index."""
+    from moetier.runtime.loader import _open  # lazy: the loader imports the store
+
+    o = _open(model_dir, "auto", torch.device("cpu"))
+    o.reader.close()
+    return SourceShape(o.reader.layout, o.num_experts, tuple(s.layer for s in o.sites)), o.index
+
+
+class QuantTier:
+    """One quantized disk tier of one model, validated at open; `read_into` fills canonical tensors."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], spec: QuantSpec, shape: SourceShape) -> None:
+        self.path, self.manifest, self.spec = path, manifest, spec
+        self.layout, self.num_experts, self.moe_layers = shape.layout, shape.num_experts, shape.moe_layers
+        self.dtype: torch.dtype = {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
+        self.group_sizes: dict[str, int] = dict(manifest["group_sizes"])
+        self.tensor_specs: TensorSpecs = expert_tensor_specs(self.layout, spec, self.dtype)
+        self.expert_bytes = sum(dt.itemsize * prod(s) for dt, s in self.tensor_specs.values())
+        self._offsets: dict[int, tuple[Path, int]] = {}  # layer -> (file, byte offset of expert 0)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        staging = [prod(s) * dt.itemsize for n, (dt, s) in self.tensor_specs.items() if n in _BIASES]
+        self._staging = torch.empty(sum(staging), dtype=torch.uint8)  # biases read into dest of another dtype
+        self.bytes_read = 0
+
+    @classmethod
+    def open(
+        cls, model_dir: str | os.PathLike[str], precision: Precision | str, group_size: int | None = None,
+        root: str | os.PathLike[str] | None = None, *, reader: ExpertReader | None = None, verify: bool = True,
+    ) -> QuantTier:  # fmt: skip
+        """Find and validate the tier. `reader`: the model's ExpertReader if the caller already opened the
+        checkpoint (its index and shape are reused), else the checkpoint is opened here (meta skeleton only).
+        `verify`: also sha256 every layer file (a full read of the tier); sizes and headers are always checked."""
+        spec = QuantSpec(Precision(precision), group_size)
+        path = tier_dir(model_dir, spec, root)
+        fix = quantize_command(model_dir, spec, root)
+        if not (path / MANIFEST).exists():
+            raise CheckpointError(f"{path}: no {spec.precision.value} quantized tier for {model_dir}; run `{fix}`")
+        manifest = load_manifest(path / MANIFEST)
+        if reader is None:
+            source, index = source_shape(model_dir)
+        else:
+            source, index = SourceShape.of(reader), reader.index
+        changed = source_mismatch(manifest["source"], source_fingerprint(index))
+        if changed:
+            raise CheckpointError(
+                f"{path}: the tier was written from another version of {model_dir}: {changed}; "
+                f"rewrite it with `{fix} --force`"
+            )
+        tier = cls(path, manifest, spec, source)
+        tier._validate(fix, verify)
+        return tier
+
+    def _validate(self, fix: str, verify: bool) -> None:
+        m, lay = self.manifest, self.layout
+        expected = {
+            "precision": self.spec.precision.value, "bits": self.spec.bits, "group": group_label(self.spec),
+            "group_sizes": resolved_groups(lay, self.spec), "num_experts": self.num_experts,
+            "layout": {"hidden": lay.hidden, "inter": lay.inter, "has_bias": lay.has_bias},
+            "moe_layers": list(self.moe_layers),
+        }  # fmt: skip
+        for key, want in expected.items():
+            if m.get(key) != want:
+                raise CheckpointError(f"{self.path / MANIFEST}: {key} is {m.get(key)!r}, the model needs {want!r}")
+        done = {int(rec["layer"]): rec for rec in m.get("layers", [])}
+        missing = [layer for layer in self.moe_layers if layer not in done]
+        if missing or not m.get("complete"):
+            raise CheckpointError(
+                f"{self.path}: incomplete tier ({len(missing)} of {len(self.moe_layers)} layers missing, "
+                f"first {missing[:1]}); finish it with `{fix}`"
+            )
+        for layer in self.moe_layers:
+            self._validate_layer(layer, done[layer], fix, verify)
+
+    def _validate_layer(self, layer: int, rec: dict[str, Any], fix: str, verify: bool) -> None:
+        file = self.path / layer_file(layer)
+        if not file.exists():
+            raise CheckpointError(f"{file}: missing from the quantized tier; rewrite it with `{fix}`")
+        if file.stat().st_size != rec["bytes"] or (verify and _sha256_file(file) != rec["sha256"]):
+            raise CheckpointError(
+                f"{file}: differs from the manifest (size or sha256): damaged or modified; rewrite it with `{fix}`"
+            )
+        header = read_header(file)
+        names = {f"{e}.{n}" for e in range(self.num_experts) for n in self.tensor_specs}
+        extra = sorted(set(header) - names)
+        if extra:
+            raise CheckpointError(f"{file}: unexpected tensor {extra[0]!r} in a quantized layer file")
+        first: TensorLocation | None = None
+        for e in range(self.num_experts):
+            pos = None
+            for name, (dt, shape) in self.tensor_specs.items():
+                full = f"{e}.{name}"
+                loc = header.get(full)
+                if loc is None:
+                    raise CheckpointError(f"{file}: tensor {full!r} is missing; rewrite the tier with `{fix}`")
+                if loc.dtype != ST_DTYPES[dt] or loc.shape != shape:
+                    raise CheckpointError(
+                        f"{file}: tensor {full!r} is {loc.dtype} {list(loc.shape)}, expected {ST_DTYPES[dt]} "
+                        f"{list(shape)}; rewrite the tier with `{fix} --force`"
+                    )
+                first = first or loc
+                want = first.offset + e * self.expert_bytes if pos is None else pos
+                if loc.offset != want:
+                    raise CheckpointError(f"{file}: tensor {full!r} is not where moetier quantize puts it")
+                pos = loc.offset + loc.nbytes
+        assert first is not None
+        self._offsets[layer] = (file, first.offset)
+
+    def _fd(self, layer: int) -> int:
+        fd = self._fds.get(layer)
+        if fd is None:
+            fd = self._fds[layer] = os.open(self._offsets[layer][0], os.O_RDONLY)
+        return fd
+
+    def read_into(self, key: ExpertKey, dest: dict[str, torch.Tensor]) -> int:
+        """Fill `dest` (canonical tensors as `tensor_specs`; contiguous CPU) with expert `key`; bytes read."""
+        if key.layer not in self._offsets or not 0 <= key.expert < self.num_experts:
+            raise KeyError(f"no expert {key} in the {self.spec.precision.value} tier {self.path}")
+        with self._lock:
+            views: list[memoryview] = []
+            casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            staged = 0
+            for name, (dt, shape) in self.tensor_specs.items():
+                t = dest[name]
+                if tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+                    raise ValueError(f"dest[{name!r}] is {tuple(t.shape)} on {t.device}; expected contiguous {shape}")
+                if t.dtype != dt:
+                    if name not in _BIASES or not t.dtype.is_floating_point:
+                        raise ValueError(f"dest[{name!r}] has dtype {t.dtype}; expected {dt}")
+                    nbytes = prod(shape) * dt.itemsize
+                    t = self._staging[staged : staged + nbytes].view(dt)
+                    staged += nbytes
+                    casts.append((dest[name], t))
+                views.append(t.view(torch.uint8).reshape(-1).numpy().data)  # 1-D bytes, the tensor's own memory
+            file, base = self._offsets[key.layer]
+            offset, done, total = base + key.expert * self.expert_bytes, 0, self.expert_bytes
+            fd = self._fd(key.layer)
+            while done < total:
+                n = os.preadv(fd, _skip(views, done), offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{file}: unexpected end of file reading expert {key.expert}")
+                done += n
+            for out, src in casts:
+                out.copy_(src.view(out.shape))
+            self.bytes_read += done
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers of `views` after the first `n` bytes (to resume a short read)."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+def list_tiers(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Every tier directory under the model (or `root`), for `moetier info`: `tier_summary` plus a status:
+    ok | incomplete | stale (the source changed since) | unreadable."""
+    base = Path(root) if root is not None else Path(model_dir) / TIER_ROOT
+    current: dict[str, Any] | None = None
+    out: list[dict[str, Any]] = []
+    for path in sorted(p for p in base.glob("*") if (p / MANIFEST).exists()):
+        try:
+            m = load_manifest(path / MANIFEST)
+            summary = tier_summary(path, m)
+        except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+            out.append({"path": str(path), "status": "unreadable", "error": str(exc)})
+            continue
+        if current is None:
+            current = source_fingerprint(CheckpointIndex(model_dir))
+        stale = source_mismatch(m.get("source", {}), current)
+        summary["status"] = "stale" if stale else "ok" if m.get("complete") else "incomplete"
+        summary["stale_reason"] = stale
+        out.append(summary)
+    return out
+
+
+def tier_summary(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One tier from its manifest alone: precision, bits, group, group_sizes, method, layers_done,
+    layers_total, bytes, and the relative weight error per matrix (`error_summary`)."""
+    m = manifest if manifest is not None else load_manifest(path / MANIFEST)
+    layers = m.get("layers", [])
+    return {
+        "path": str(path), "precision": m["precision"], "bits": m["bits"], "group": m["group"],
+        "group_sizes": m["group_sizes"], "method": m["method"], "complete": bool(m.get("complete")),
+        "layers_done": len(layers), "layers_total": len(m["moe_layers"]),
+        "bytes": sum(int(r["bytes"]) for r in layers), "error": error_summary(m),
+    }  # fmt: skip
+
+
+def error_summary(manifest: dict[str, Any]) -> dict[str, float]:
+    """Relative weight error sqrt(sum ||W - Q(W)||^2 / sum ||W||^2) over the written layers, per matrix."""
+    out = {}
+    for m in ("w13", "w2"):
+        err = sum(float(r["sq_err"][m]) for r in manifest.get("layers", []))
+        ref = sum(float(r["sq_ref"][m]) for r in manifest.get("layers", []))
+        out[m] = (err / ref) ** 0.5 if ref > 0 else 0.0
+    return out

@@ -1,0 +1,362 @@
+"""`moetier quantize`: writes quantized disk tiers of a model's routed experts.
+
+For each precision, a directory `<model>/moetier-quant/<precision>-g<group>/` (or
+`<out>/<precision>-g<group>/`) gets one safetensors file per MoE layer and a
+`manifest.json` (format in store/qreader.py, which reads it back). Experts are read one
+at a time through the model's ExpertReader in fp32, checked finite, quantised in fp32
+by store/quant.py's `quantize_expert` and streamed into the layer file, so memory stays
+at one expert whatever the model size. Each expert is read once for all precisions.
+
+Invariants:
+- a layer file is written to `<name>.tmp`, fsynced and renamed, and only then recorded
+  in the manifest (itself rewritten atomically after each layer): a crash never leaves
+  a recorded layer that is incomplete;
+- a restart skips layers recorded with a matching size and sha256, redoes any other,
+  and removes stray `.tmp` files; the result is byte-identical to an uninterrupted run;
+- a directory holding a tier of another source, precision, group, method or dtype is
+  refused unless `force=True`, which deletes that tier's files first;
+- a non-finite source expert weight stops the run with a CheckpointError naming the
+  checkpoint tensor, layer and expert; its layer is never recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from rich.progress import Progress, TaskID
+
+from moetier import __version__
+from moetier.errors import CheckpointError, ConfigError
+from moetier.runtime.loader import _expert_dtype, _open, resolve_dtype
+from moetier.store.layout import ExpertLayout
+from moetier.store.qreader import (
+    DTYPE_NAMES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ST_DTYPES,
+    TensorSpecs,
+    _sha256_file,
+    group_label,
+    layer_file,
+    load_manifest,
+    resolved_groups,
+    source_fingerprint,
+    source_mismatch,
+    tier_dir,
+)
+from moetier.store.quant import METHODS, QMatrix, QuantSpec, dequantize, expert_tensor_specs, quantize_expert
+from moetier.store.reader import ExpertReader
+from moetier.types import ExpertKey, Precision
+
+log = logging.getLogger(__name__)
+# manifest fields a resumed run must agree with (besides the source fingerprint)
+_IDENTITY = ("precision", "bits", "group", "group_sizes", "method", "dtype", "layout", "num_experts", "moe_layers")
+
+
+@dataclass(frozen=True)
+class QuantEvent:
+    """One (precision, layer) finished: `status` is "written", "skipped" (already done) or "redone"."""
+
+    precision: Precision
+    layer: int
+    done: int  # (precision, layer) pairs finished so far, this one included
+    total: int
+    status: str
+    path: Path
+    error: dict[str, float]  # relative weight error of w13 and w2 in this layer
+
+
+ProgressArg = Progress | Callable[[QuantEvent], None] | None
+
+
+def parse_specs(precisions: Sequence[Precision | str], group_sizes: dict[Any, int | None] | None) -> list[QuantSpec]:
+    """Precisions and optional per-precision group sizes -> QuantSpecs; ConfigError on anything unknown."""
+    specs, groups = [], {}
+    for p, g in (group_sizes or {}).items():
+        groups[_precision(p)] = g
+    if not precisions:
+        raise ConfigError("no precision to quantize to; choose from int8, int4, int2")
+    for p in dict.fromkeys(_precision(p) for p in precisions):
+        specs.append(QuantSpec(p, groups.pop(p, None)))  # QuantSpec refuses a bad group size
+    if groups:
+        raise ConfigError(f"group size given for {sorted(x.value for x in groups)}, which is not being quantized")
+    return specs
+
+
+def _precision(p: Precision | str) -> Precision:
+    try:
+        prec = Precision(p)
+    except ValueError:
+        raise ConfigError(f"unknown precision {p!r}; choose from int8, int4, int2") from None
+    if prec is Precision.FULL:
+        raise ConfigError("precision 'full' is the checkpoint itself and needs no quantized tier")
+    return prec
+
+
+class _TierWriter:
+    """One tier directory: resume state, the layer file being written, the manifest."""
+
+    def __init__(self, path: Path, spec: QuantSpec, identity: dict[str, Any], source: dict[str, Any]) -> None:
+        self.path, self.spec = path, spec
+        self.manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, **identity, "source": source,
+                                         "complete": False, "moetier": __version__, "layers": []}  # fmt: skip
+        self.specs: TensorSpecs = expert_tensor_specs(ExpertLayout(**identity["layout"]), spec, _dtype(identity))
+        self.layer_bytes_data = identity["num_experts"] * sum(dt.itemsize * prod(s) for dt, s in self.specs.values())
+        self.done: dict[int, dict[str, Any]] = {}
+        self.redo: set[int] = set()
+        self.wipe = False
+        self._file: IO[bytes] | None = None
+        self._hash = hashlib.sha256()
+        self._sq = {"sq_err": {"w13": 0.0, "w2": 0.0}, "sq_ref": {"w13": 0.0, "w2": 0.0}}
+
+    def check(self, force: bool) -> None:
+        """Adopt a compatible existing manifest (keeping its verified layers) or refuse. Writes nothing."""
+        mfile = self.path / MANIFEST
+        self.wipe = force
+        if mfile.exists() and not force:
+            try:
+                old = load_manifest(mfile)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{exc}; pass --force (force=True) to delete the tier and start over") from None
+            changed = source_mismatch(old.get("source") or {}, self.manifest["source"])
+            if changed:
+                raise CheckpointError(
+                    f"{mfile}: holds a tier of another version of the model ({changed}); "
+                    "pass --force (force=True) to delete it and start over"
+                )
+            for key in _IDENTITY:
+                if old.get(key) != self.manifest[key]:
+                    raise CheckpointError(
+                        f"{mfile}: holds a tier with another {key} ({old.get(key)!r}, now {self.manifest[key]!r}); "
+                        "pass --force (force=True) to delete it and start over"
+                    )
+            for rec in old.get("layers", []):
+                file = self.path / rec["file"]
+                if file.exists() and file.stat().st_size == rec["bytes"] and _sha256_file(file) == rec["sha256"]:
+                    self.done[int(rec["layer"])] = rec
+                else:
+                    log.warning("%s: recorded but missing or modified; it will be rewritten", file)
+                    self.redo.add(int(rec["layer"]))
+
+    def claim(self) -> None:
+        """Create the directory, delete the old tier (force) and stray partial files, write the manifest."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self.wipe:
+            for f in [self.path / MANIFEST, *self.path.glob("layer-*.safetensors")]:
+                f.unlink(missing_ok=True)
+        for f in self.path.glob("*.tmp"):
+            log.info("%s: removing a partial file left by an interrupted run", f)
+            f.unlink()
+        self._write_manifest()
+
+    def begin_layer(self, layer: int, num_experts: int) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "precision": self.spec.precision.value,
+                                                   "layer": str(layer)}}  # fmt: skip
+        pos = 0
+        for e in range(num_experts):
+            for name, (dt, shape) in self.specs.items():
+                n = dt.itemsize * prod(shape)
+                header[f"{e}.{name}"] = {"dtype": ST_DTYPES[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
+                pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self._file = open(self.path / (layer_file(layer) + ".tmp"), "wb")  # noqa: SIM115 (closed in end/abort)
+        self._hash = hashlib.sha256()
+        self._sq = {"sq_err": {"w13": 0.0, "w2": 0.0}, "sq_ref": {"w13": 0.0, "w2": 0.0}}
+        self._write(len(raw).to_bytes(8, "little") + raw)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        assert self._file is not None
+        self._file.write(data)
+        self._hash.update(data)
+
+    def add_expert(self, pieces: dict[str, torch.Tensor], method: str) -> None:
+        q = quantize_expert(pieces, self.spec, method)
+        for name, (dt, shape) in self.specs.items():
+            t = q.get(name)
+            if t is None or tuple(t.shape) != shape:
+                raise RuntimeError(f"quantize_expert gave {name} {None if t is None else tuple(t.shape)}, not {shape}")
+            if t.dtype != dt:
+                if name not in ("b13", "b2"):
+                    raise RuntimeError(f"quantize_expert gave {name} as {t.dtype}, not {dt}")
+                t = t.to(dt)
+            self._write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+        ref = {"w13": torch.cat([pieces["gate"], pieces["up"]]), "w2": pieces["down"]}  # [2I, H], [H, I]
+        for m, w in ref.items():
+            n, k = w.shape
+            deq = dequantize(QMatrix(q[f"{m}.q"], q[f"{m}.scale"], q[f"{m}.zero"], n, k, self.spec))  # [N, K]
+            self._sq["sq_err"][m] += float((deq.float() - w).square().sum())
+            self._sq["sq_ref"][m] += float(w.square().sum())
+
+    def end_layer(self, layer: int) -> dict[str, float]:
+        assert self._file is not None
+        f, self._file = self._file, None
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        final = self.path / layer_file(layer)
+        os.replace(final.with_name(final.name + ".tmp"), final)
+        _fsync_dir(self.path)
+        err = {m: (self._sq["sq_err"][m] / r) ** 0.5 if (r := self._sq["sq_ref"][m]) > 0 else 0.0
+               for m in ("w13", "w2")}  # fmt: skip
+        self.done[layer] = {"layer": layer, "file": final.name, "bytes": final.stat().st_size,
+                            "sha256": self._hash.hexdigest(), "error": err, **self._sq}  # fmt: skip
+        self._write_manifest()
+        return err
+
+    def abort(self) -> None:
+        if self._file is not None:
+            name = self._file.name
+            self._file.close()
+            self._file = None
+            Path(name).unlink(missing_ok=True)
+
+    def _write_manifest(self) -> None:
+        self.manifest["layers"] = sorted(self.done.values(), key=lambda r: int(r["layer"]))
+        self.manifest["complete"] = set(self.done) == set(self.manifest["moe_layers"])
+        tmp = self.path / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / MANIFEST)
+        _fsync_dir(self.path)
+
+
+def quantize_model(
+    model_dir: str | os.PathLike[str], precisions: Sequence[Precision | str], out: str | os.PathLike[str] | None = None,
+    group_sizes: dict[Any, int | None] | None = None, method: str = "hqq", progress: ProgressArg = None,
+    force: bool = False,
+) -> list[Path]:  # fmt: skip
+    """Write one quantized disk tier per precision; returns their directories (see the module docstring).
+    `progress`: a rich Progress (one bar over (precision, layer)) or a callable taking a QuantEvent."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
+    specs = parse_specs(precisions, group_sizes)
+    cpu = torch.device("cpu")
+    o = _open(model_dir, "fp32", cpu)  # the reader yields fp32 pieces; quantisation runs in fp32
+    try:
+        dtype = resolve_dtype("auto", o.config, cpu, _expert_dtype(o.index))  # biases are kept in this dtype
+        layout, layers = o.reader.layout, [s.layer for s in o.sites]
+        source = source_fingerprint(o.index)
+        writers = []
+        for spec in specs:
+            identity = {
+                "precision": spec.precision.value, "bits": spec.bits, "group": group_label(spec),
+                "group_sizes": resolved_groups(layout, spec), "method": method, "dtype": DTYPE_NAMES[dtype],
+                "layout": {"hidden": layout.hidden, "inter": layout.inter, "has_bias": layout.has_bias},
+                "num_experts": o.num_experts, "moe_layers": layers, "family": o.family.name,
+            }  # fmt: skip
+            writers.append(_TierWriter(tier_dir(model_dir, spec, out), spec, identity, source))
+        for w in writers:  # every refusal before the first write
+            w.check(force)
+        _check_space(writers, layers)
+        for w in writers:
+            w.claim()
+        rep = _Reporter(progress, len(writers) * len(layers))
+        for w in writers:
+            if w.done:
+                rep.note(f"{w.path}: {len(w.done)} of {len(layers)} layers already written and verified, resuming")
+        _run(o.reader, writers, layers, o.num_experts, method, rep)
+        return [w.path for w in writers]
+    finally:
+        o.reader.close()
+
+
+def _run(
+    reader: ExpertReader, writers: list[_TierWriter], layers: list[int], num_experts: int, method: str,
+    rep: _Reporter,
+) -> None:  # fmt: skip
+    pieces = {name: torch.empty(shape, dtype=torch.float32) for name, (_, shape) in reader.layout.pieces.items()}
+    for layer in layers:
+        todo = [w for w in writers if layer not in w.done]
+        for w in writers:
+            if layer in w.done:
+                log.info("%s: layer %d already written (size and sha256 match), skipped", w.path, layer)
+                rep.event(w, layer, "skipped", w.done[layer]["error"])
+        if not todo:
+            continue
+        rep.describe(f"{'/'.join(w.spec.precision.value for w in todo)} layer {layer}")
+        try:
+            for w in todo:
+                w.begin_layer(layer, num_experts)
+            for e in range(num_experts):
+                reader.read_into(ExpertKey(layer, e), pieces)
+                _check_finite(reader, ExpertKey(layer, e), pieces)
+                for w in todo:
+                    w.add_expert(pieces, method)
+            errors = [w.end_layer(layer) for w in todo]
+        finally:
+            for w in todo:
+                w.abort()
+        for w, err in zip(todo, errors, strict=True):
+            rep.event(w, layer, "redone" if layer in w.redo else "written", err)
+
+
+def _check_finite(reader: ExpertReader, key: ExpertKey, pieces: dict[str, torch.Tensor]) -> None:
+    for piece, t in pieces.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            r = next(r for r in reader.plans[key] if piece in (p for p, _ in r.pieces))
+            raise CheckpointError(
+                f"{r.loc.file}: expert tensor {r.loc.name!r} (layer {key.layer}, expert {key.expert}, {piece}) has "
+                f"{bad} NaN/Inf values; refusing to quantize a broken checkpoint"
+            )
+
+
+def _check_space(writers: list[_TierWriter], layers: list[int]) -> None:
+    need = sum(w.layer_bytes_data for w in writers for layer in layers if layer not in w.done)
+    where = writers[0].path
+    while not where.exists():  # the tier directories are created after every check passed
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ConfigError(f"{writers[0].path}: quantizing needs about {need / 2**30:.2f} GiB, {free / 2**30:.2f} free")
+
+
+class _Reporter:
+    def __init__(self, progress: ProgressArg, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        self.task: TaskID | None = None
+        if isinstance(progress, Progress):
+            self.task = progress.add_task("quantizing", total=total)
+
+    def note(self, text: str) -> None:
+        log.info(text)
+        if isinstance(self.progress, Progress):
+            self.progress.console.print(text)
+
+    def describe(self, text: str) -> None:
+        if isinstance(self.progress, Progress) and self.task is not None:
+            self.progress.update(self.task, description=f"quantizing {text}")
+
+    def event(self, w: _TierWriter, layer: int, status: str, error: dict[str, float]) -> None:
+        self.done += 1
+        if isinstance(self.progress, Progress):
+            assert self.task is not None
+            self.progress.update(self.task, advance=1, description=f"{w.spec.precision.value} layer {layer}: {status}")
+        elif self.progress is not None:
+            self.progress(QuantEvent(w.spec.precision, layer, self.done, self.total, status, w.path, error))
+
+
+def _dtype(identity: dict[str, Any]) -> torch.dtype:
+    return {v: k for k, v in DTYPE_NAMES.items()}[identity["dtype"]]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

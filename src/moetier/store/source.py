@@ -1,0 +1,91 @@
+"""Disk tiers: where an expert at one precision is read from, and the pools that hold it.
+
+A source fills one pool slot with one expert at its precision:
+- `FullSource` reads the model's own checkpoint (store/reader.py) into the canonical
+  full-precision layout of store/layout.py;
+- `QuantSource` reads a quantized disk tier written by `moetier quantize`
+  (store/qreader.py) into a staging area of canonical tensors allocated once, then packs
+  it into the slot's compute format (store/qformat.py).
+
+`make_pool` builds the fixed-slot pool of a precision. Every source is thread-safe (one
+lock), because the forward pass (demand loads) and the mover thread both read. The
+`staging_bytes` of a source is transient memory that budgets must count.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+import torch
+
+from moetier.store.layout import ExpertLayout
+from moetier.store.pool import QuantPool, SlotPool
+from moetier.store.qformat import ExpertFormat
+from moetier.store.qreader import QuantTier
+from moetier.store.reader import ExpertReader
+from moetier.types import ExpertKey, Precision
+
+Pool = SlotPool | QuantPool
+
+
+class ExpertSource(Protocol):
+    precision: Precision
+    slot_bytes: int
+    staging_bytes: int
+
+    def read_into(self, key: ExpertKey, views: Any) -> int: ...
+
+    def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> Pool: ...
+
+    def close(self) -> None: ...
+
+
+class FullSource:
+    """The checkpoint's own experts at the model dtype."""
+
+    precision = Precision.FULL
+
+    def __init__(self, reader: ExpertReader, dtype: torch.dtype) -> None:
+        self.reader, self.dtype, self.layout = reader, dtype, reader.layout
+        self.slot_bytes = reader.layout.slot_bytes(dtype.itemsize)
+        self.staging_bytes = reader.staging_bytes
+
+    def read_into(self, key: ExpertKey, views: Any) -> int:
+        return self.reader.read_into(key, views.pieces)
+
+    def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> SlotPool:
+        return SlotPool(self.layout, n_slots, self.dtype, device, pin=pin)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class QuantSource:
+    """A quantized disk tier, packed into the compute format of `fmt` on the way in."""
+
+    def __init__(self, tier: QuantTier, fmt: ExpertFormat) -> None:
+        self.tier, self.fmt = tier, fmt
+        self.precision = tier.spec.precision
+        self.slot_bytes = fmt.slot_bytes
+        # one expert's canonical tensors, allocated once; the mover and demand loads share it
+        self._staging = {name: torch.empty(shape, dtype=dt) for name, (dt, shape) in tier.tensor_specs.items()}
+        canonical = sum(t.numel() * t.element_size() for t in self._staging.values())
+        self.staging_bytes = canonical + fmt.pack_scratch_bytes
+        self._lock = threading.Lock()
+
+    def read_into(self, key: ExpertKey, views: Any) -> int:
+        with self._lock:
+            n = self.tier.read_into(key, self._staging)
+            self.fmt.pack_into(self._staging, views)
+        return n
+
+    def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
+        return QuantPool(self.fmt, n_slots, device, pin=pin)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def layout_of(source: ExpertSource) -> ExpertLayout:
+    return source.fmt.layout if isinstance(source, QuantSource) else source.layout  # type: ignore[attr-defined]

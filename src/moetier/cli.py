@@ -340,7 +340,7 @@ def generate(
     quant_dir: QuantDir = None,
     warmup: Warmup = None,
     warmup_tokens: WarmupTokens = 256,
-    period: Period = 32,
+    period: Period = 128,
     sync_switches: SyncSwitches = False,
     json_out: JsonOut = False,
 ) -> None:
@@ -391,7 +391,7 @@ def eval_(
     quant_dir: QuantDir = None,
     warmup: Warmup = None,
     warmup_tokens: WarmupTokens = 256,
-    period: Period = 32,
+    period: Period = 128,
     sync_switches: SyncSwitches = False,
     json_out: JsonOut = False,
 ) -> None:

@@ -92,8 +92,8 @@ class PrecisionConfig:
     lo: str = "int4"
     groups: tuple[tuple[str, int], ...] = ()
     quant_dir: str | None = None
-    alpha: float = 0.95
-    period: int = 32
+    alpha: float = 0.99
+    period: int = 128
     hysteresis: float = 0.1
     warmup_tokens: int = 256
     spare_slots: int = 1

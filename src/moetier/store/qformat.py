@@ -153,6 +153,11 @@ def _convert(
     return {"q": folded, "scale": torch.stack([s_eff, z_eff], dim=-1).transpose(0, 1).to(_BF16)}
 
 
+def _pack_rows(kind: str, n: int) -> int:
+    """Rows converted at a time by pack_into: one 64-row block of the int4 packer where it applies."""
+    return 64 if kind in ("int4", "int2") and n % 64 == 0 else n
+
+
 def _pick(spec: QuantSpec, n: int, k: int, g: int, dtype: torch.dtype, device: torch.device) -> str:
     """The CPU kernel format when the precision, dtype, device and shape allow it, else "generic"."""
     if device.type != "cpu" or dtype != _BF16:
@@ -291,7 +296,8 @@ class ExpertFormat:
         if kind == "int8":
             return n * k + 64 * n  # xor result; fp32 scale and offset rows
         if kind in ("int4", "int2"):
-            return 6 * n * k + 48 * n * (k // g)  # unpacked uint8 + int32 q + packer output; fp32 [N, G] rows
+            rows = _pack_rows(kind, n)  # converted a block of rows at a time
+            return 6 * rows * k + 48 * rows * (k // g)  # unpacked uint8 + int32 q + packer output; fp32 [N, G]
         canonical = n * k * self.spec.bits // 8 + 4 * n * (k // g)
         return canonical if self.device.type != "cpu" else 0  # a host -> device copy of the canonical tensors
 
@@ -340,9 +346,19 @@ class ExpertFormat:
                 )
         for m, w in (("w13", views.w13), ("w2", views.w2)):
             q, scale, zero = (canonical[f"{m}.{p}"].to(self.device) for p in ("q", "scale", "zero"))
-            for piece, t in _convert(self.kinds[m], q, scale, zero, w.k, w.bits).items():
-                dst = getattr(w, piece)
-                dst.copy_(t.reshape(dst.shape))
+            kind, n = self.kinds[m], w.n
+            rows = _pack_rows(kind, n)
+            for r in range(0, n, rows):  # the int4 packer's layout is per 64-row block: convert block by block
+                sl = slice(r, r + rows)  # so the temporaries stay a block's worth, not a matrix's
+                for piece, t in _convert(kind, q[sl], scale[sl], zero[sl], w.k, w.bits).items():
+                    dst = getattr(w, piece)
+                    if rows == n:
+                        dst.copy_(t.reshape(dst.shape))
+                    elif piece == "scale":  # [G, N, 2]
+                        dst[:, sl].copy_(t)
+                    else:  # int4 [N, K/2], int2 [N/64, K_lo*32]: rows of whole 64-row blocks
+                        per = n // dst.shape[0]
+                        dst[r // per : (r + rows) // per].copy_(t.reshape(rows // per, -1))
         for piece, dst in (("b13", views.b13), ("b2", views.b2)):
             if dst is not None:
                 dst.copy_(canonical[piece])

@@ -1,0 +1,253 @@
+"""Dynamic expert precision (DynaExq): quality, memory and speed against static precisions.
+
+All in one process, on the bundled model (models/tiny-shakespeare-moe) and its held-out text:
+1. quantized tiers int8/int4/int2 (HQQ fit), written once under .bench/quant-tiny;
+2. per precision: relative weight error (from the tier manifests) and expert output error on
+   real layer inputs (the MoE blocks' inputs over 512 held-out tokens, each expert on the tokens
+   routed to it);
+3. perplexity (windows of 256 tokens, the model's training context) and expert bytes of static
+   full / int8 / int4 / int2, and of dynamic (int4, int2) and (full, int4) at budgets between
+   the static extremes, after a 512-token warmup; switches synchronous so runs reproduce;
+   "recovered" is the share of the static lo -> static hi perplexity gap dynamic closes;
+4. decode tokens/s: dynamic at 1.25x static-lo's budget vs static lo (bundled model), and
+   static int4 vs bf16 with every expert resident on the Qwen3-MoE-shaped benchmark model;
+5. shift: warm up on Shakespeare, then score Python source (argparse.py of the standard
+   library); per window: promotions, and NLL of adaptive dynamic vs dynamic frozen after the
+   warmup vs static hi and lo.
+
+    python benchmarks/precision.py [--max-tokens 16384] [--skip-speed] [--skip-shift]
+
+An "expert budget" of a static precision is what it needs with every expert resident: its
+pool plus its staging buffer (stats: pool_bytes + staging_bytes). Prints tables, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse as argparse_module  # noqa: E402  (its source is the shift test's text)
+
+import torch  # noqa: E402
+
+import moetier  # noqa: E402
+from moetier.config import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig  # noqa: E402
+from moetier.store.qreader import tier_summary  # noqa: E402
+from moetier.store.quantize import quantize_model  # noqa: E402
+from moetier.types import ExpertKey  # noqa: E402
+
+MODEL = Path("models/tiny-shakespeare-moe")
+TEXT = Path("data/shakespeare_heldout.txt")
+QUANT = Path(".bench/quant-tiny")
+WINDOW, WARMUP = 256, 512
+
+
+def engine(model: Path, quant: Path, mode: str, budget: int | None = None, hi: str = "full", lo: str = "int4",
+           **pc: Any) -> Any:  # fmt: skip
+    pcfg = PrecisionConfig(mode=mode, hi=hi, lo=lo, quant_dir=str(quant), **pc)
+    cfg = EngineConfig(budgets=Budgets(host_expert_bytes=budget), precision=pcfg,
+                       runtime=RuntimeConfig(dtype="bf16"))  # fmt: skip
+    return moetier.load(model, cfg)
+
+
+def static_budget(stats: dict[str, Any]) -> int:
+    return int(stats["tiers"]["host"]["pool_bytes"] + stats["staging_bytes"])
+
+
+def expert_output_errors(ids: list[int]) -> dict[str, float]:
+    """sqrt(sum ||y_q - y||^2 / sum ||y||^2) over every (token, routed expert) of 512 tokens."""
+    full = engine(MODEL, QUANT, "full")
+    inputs: dict[int, torch.Tensor] = {}
+    routes: dict[int, torch.Tensor] = {}
+    for block in full.loaded.blocks:
+        block.register_forward_pre_hook(lambda mod, args: inputs.__setitem__(mod.layer, args[0].reshape(-1, args[0].shape[-1])))
+        block.route_hooks.append(lambda layer, i, w, lg: routes.__setitem__(layer, i))
+    full.logits(torch.tensor([ids[:WARMUP]]))
+
+    def outputs(eng: Any) -> dict[ExpertKey, torch.Tensor]:
+        out = {}
+        for block in eng.loaded.blocks:
+            x, ids_l = inputs[block.layer], routes[block.layer]  # [T, H], [T, k]
+            for e in ids_l.unique().tolist():
+                tok = (ids_l == e).any(-1).nonzero().flatten()
+                key = ExpertKey(block.layer, e)
+                views = eng.store.acquire(key)
+                out[key] = block.expert_fn(x[tok], views).float()
+                eng.store.release(key)
+        return out
+
+    ref = outputs(full)
+    full.close()
+    errors = {}
+    for p in ("int8", "int4", "int2"):
+        eng = engine(MODEL, QUANT, p)
+        got = outputs(eng)
+        eng.close()
+        num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref)
+        den = sum(float(ref[k].pow(2).sum()) for k in ref)
+        errors[p] = (num / den) ** 0.5
+    return errors
+
+
+def ppl_static(ids: list[int]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in ("full", "int8", "int4", "int2"):
+        eng = engine(MODEL, QUANT, p)
+        r = eng.perplexity(ids[WARMUP:], window=WINDOW)
+        s = eng.stats()
+        out[p] = {"ppl": r.ppl, "expert_bytes": s["precision"][p]["bytes"], "budget": static_budget(s)}
+        eng.close()
+    return out
+
+
+def ppl_dynamic(ids: list[int], hi: str, lo: str, budget: int, **pc: Any) -> dict[str, Any]:
+    eng = engine(MODEL, QUANT, "dynamic", budget, hi, lo, sync=True, **pc)
+    eng.warmup(ids[:WARMUP])
+    after_warmup = eng.stats()["promotions"]
+    r = eng.perplexity(ids[WARMUP:], window=WINDOW)
+    s = eng.stats()
+    eng.close()
+    mix = s["precision"]
+    return {
+        "hi": hi, "lo": lo, "budget": budget, "ppl": r.ppl, "n_hot": s["switching"]["n_hot"],
+        "expert_bytes": sum(m["bytes"] for m in mix.values()), "mix": mix, "warmup_promotions": after_warmup,
+        "promotions": s["promotions"], "demotions": s["demotions"],
+    }  # fmt: skip
+
+
+def decode_tok_s(eng: Any, prompt: list[int], n: int, repeats: int) -> float:
+    eng.generate(prompt, 8, stop_at_eos=False)  # warm the kernels
+    return statistics.median(eng.generate(prompt, n, stop_at_eos=False).decode_tok_s for _ in range(repeats))
+
+
+def speed(ids: list[int], budgets: dict[str, int], repeats: int) -> dict[str, Any]:
+    prompt = ids[:16]
+    out: dict[str, Any] = {}
+    for hi, lo in (("int4", "int2"), ("full", "int4")):
+        static = engine(MODEL, QUANT, lo)
+        t_lo = decode_tok_s(static, prompt, 128, repeats)
+        static.close()
+        dyn = engine(MODEL, QUANT, "dynamic", int(1.25 * budgets[lo]), hi, lo)
+        dyn.warmup(ids[:WARMUP])
+        t_dyn = decode_tok_s(dyn, prompt, 128, repeats)
+        dyn.close()
+        out[f"{hi}/{lo}"] = {"static_lo_tok_s": t_lo, "dynamic_tok_s": t_dyn, "ratio": t_dyn / t_lo}
+    # the Qwen3-MoE-shaped benchmark model, every expert resident: bf16 vs int4 (and int8, int2)
+    from benchmarks._models import qwen3_bench_model
+
+    bench = qwen3_bench_model()
+    bench_quant = Path(".bench/quant-bench")
+    quantize_model(bench, ["int8", "int4", "int2"], out=bench_quant, method="rtn")  # the fit does not change speed
+    bench_prompt = list(range(100, 116))
+    rates = {}
+    for p in ("full", "int8", "int4", "int2"):
+        eng = engine(bench, bench_quant, p)
+        rates[p] = decode_tok_s(eng, bench_prompt, 64, repeats)
+        eng.close()
+    out["bench_model"] = rates | {"int4_over_bf16": rates["int4"] / rates["full"]}
+    return out
+
+
+def shift(ids: list[int], budget: int, hi: str, lo: str, window: int = 128) -> dict[str, Any]:
+    """Warm up on Shakespeare, then score code window by window (period 64 so switching can follow)."""
+    code = inspect.getsource(argparse_module)
+    runs: dict[str, list[float]] = {}
+    promos: list[int] = []
+    for name in ("adaptive", "frozen", "static_hi", "static_lo"):
+        if name.startswith("static"):
+            eng = engine(MODEL, QUANT, hi if name == "static_hi" else lo)
+        else:
+            period = 64 if name == "adaptive" else 10**9
+            eng = engine(MODEL, QUANT, "dynamic", budget, hi, lo, sync=True, period=period)
+            eng.warmup(ids[:WARMUP])
+        text = eng.encode(code)[: 24 * window]
+        nll = []
+        for start in range(0, len(text) - 1, window):
+            chunk = text[start : start + window + 1]
+            nll.append(eng.perplexity(chunk, window=window).nll)
+            if name == "adaptive":
+                promos.append(eng.stats()["promotions"])
+        runs[name] = nll
+        eng.close()
+    return {"window": window, "nll": runs, "promotions": promos}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored after the warmup")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-shift", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    # 1. tiers
+    paths = quantize_model(MODEL, ["int8", "int4", "int2"], out=QUANT)
+    tiers = {tier_summary(p)["precision"]: tier_summary(p) for p in paths}
+    tok = engine(MODEL, QUANT, "full")
+    ids = tok.encode(TEXT.read_text(encoding="utf-8"))[: WARMUP + args.max_tokens]
+    tok.close()
+    # 2. errors
+    out_err = expert_output_errors(ids)
+    print("\nprecision  rel. weight error (w13 / w2)  expert output error")
+    for p in ("int8", "int4", "int2"):
+        e = tiers[p]["error"]
+        print(f"{p:9}  {e['w13']:.4f} / {e['w2']:.4f}               {out_err[p]:.4f}")
+    # 3. perplexity
+    static = ppl_static(ids)
+    print(f"\nstatic ({len(ids) - WARMUP} tokens, window {WINDOW})\nprecision  ppl      expert bytes  budget")
+    for p, r in static.items():
+        print(f"{p:9}  {r['ppl']:.3f}  {r['expert_bytes']:>12}  {r['budget']:>9}")
+    dynamic = []
+    for hi, lo, mults in (("int4", "int2", (1.1, 1.25, 1.5, 1.75)), ("full", "int4", (1.1, 1.25, 1.5, 2.0, 3.0))):
+        gap = static[lo]["ppl"] - static[hi]["ppl"]
+        for m in mults:
+            budget = int(m * static[lo]["budget"])
+            try:
+                r = ppl_dynamic(ids, hi, lo, budget)
+            except moetier.MoetierError as exc:
+                print(f"dynamic {hi}/{lo} at {m}x: {exc}")
+                continue
+            r["budget_x_static_lo"] = m
+            r["recovered"] = (static[lo]["ppl"] - r["ppl"]) / gap if gap else float("nan")
+            dynamic.append(r)
+    print("\ndynamic hi/lo  budget(x lo)  n_hot  ppl      recovered  promotions/demotions  expert bytes")
+    for r in dynamic:
+        print(f"{r['hi']:>4}/{r['lo']:<5}    {r['budget_x_static_lo']:>5.2f}x     {r['n_hot']:>5}  {r['ppl']:.3f}  "
+              f"{r['recovered']:>8.1%}  {r['promotions']:>6}/{r['demotions']:<6}        {r['expert_bytes']}")  # fmt: skip
+    result: dict[str, Any] = {"tiers": tiers, "expert_output_error": out_err, "static": static, "dynamic": dynamic}
+    # 4. speed
+    if not args.skip_speed:
+        result["speed"] = sp = speed(ids, {p: static[p]["budget"] for p in static}, args.repeats)
+        print("\ndecode tok/s (bundled model, 1.25x static lo budget)")
+        for pair in ("int4/int2", "full/int4"):
+            s = sp[pair]
+            print(f"  {pair:10} static lo {s['static_lo_tok_s']:.1f}  dynamic {s['dynamic_tok_s']:.1f}  "
+                  f"ratio {s['ratio']:.2f}")  # fmt: skip
+        b = sp["bench_model"]
+        print("decode tok/s (Qwen3-MoE-shaped benchmark model, all resident): "
+              + "  ".join(f"{p} {b[p]:.1f}" for p in ("full", "int8", "int4", "int2"))
+              + f"  int4/bf16 {b['int4_over_bf16']:.2f}x")  # fmt: skip
+    # 5. shift
+    if not args.skip_shift:
+        result["shift"] = sh = shift(ids, int(1.25 * static["int2"]["budget"]), "int4", "int2")
+        print("\nshift: warmup on Shakespeare, then argparse.py; NLL per window of 128 tokens")
+        print("window  promotions  adaptive  frozen  static_hi  static_lo")
+        for i, p in enumerate(sh["promotions"]):
+            n = sh["nll"]
+            print(f"{i:6}  {p:10}  {n['adaptive'][i]:8.3f}  {n['frozen'][i]:6.3f}  {n['static_hi'][i]:9.3f}  "
+                  f"{n['static_lo'][i]:9.3f}")  # fmt: skip
+    result["seconds"] = time.time() - t0
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()

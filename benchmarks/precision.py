@@ -34,15 +34,15 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import argparse as argparse_module  # noqa: E402  (its source is the shift test's text)
+import argparse as argparse_module
 
-import torch  # noqa: E402
+import torch
 
-import moetier  # noqa: E402
-from moetier.config import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig  # noqa: E402
-from moetier.store.qreader import tier_summary  # noqa: E402
-from moetier.store.quantize import quantize_model  # noqa: E402
-from moetier.types import ExpertKey  # noqa: E402
+import moetier
+from moetier.config import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig
+from moetier.store.qreader import tier_summary
+from moetier.store.quantize import quantize_model
+from moetier.types import ExpertKey
 
 MODEL = Path("models/tiny-shakespeare-moe")
 TEXT = Path("data/shakespeare_heldout.txt")
@@ -68,7 +68,9 @@ def expert_output_errors(ids: list[int]) -> dict[str, float]:
     inputs: dict[int, torch.Tensor] = {}
     routes: dict[int, torch.Tensor] = {}
     for block in full.loaded.blocks:
-        block.register_forward_pre_hook(lambda mod, args: inputs.__setitem__(mod.layer, args[0].reshape(-1, args[0].shape[-1])))
+        block.register_forward_pre_hook(
+            lambda mod, args: inputs.__setitem__(mod.layer, args[0].reshape(-1, args[0].shape[-1]))
+        )
         block.route_hooks.append(lambda layer, i, w, lg: routes.__setitem__(layer, i))
     full.logits(torch.tensor([ids[:WARMUP]]))
 
@@ -222,8 +224,9 @@ def main() -> None:
     print("\ndynamic hi/lo  budget(x lo)  n_hot  ppl      recovered  promotions/demotions  expert bytes")
     for r in dynamic:
         print(f"{r['hi']:>4}/{r['lo']:<5}    {r['budget_x_static_lo']:>5.2f}x     {r['n_hot']:>5}  {r['ppl']:.3f}  "
-              f"{r['recovered']:>8.1%}  {r['promotions']:>6}/{r['demotions']:<6}        {r['expert_bytes']}")  # fmt: skip
-    result: dict[str, Any] = {"tiers": tiers, "expert_output_error": out_err, "static": static, "dynamic": dynamic}
+              f"{r['recovered']:>8.1%}  {r['promotions']:>6}/{r["demotions"]:<6}  {r['expert_bytes']}")  # fmt: skip
+    result: dict[str, Any] = {"tiers": tiers, "expert_output_error": out_err}
+    result |= {"static": static, "dynamic": dynamic}
     # 4. speed
     if not args.skip_speed:
         result["speed"] = sp = speed(ids, {p: static[p]["budget"] for p in static}, args.repeats)

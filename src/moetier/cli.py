@@ -460,7 +460,7 @@ def quantize(
 
 
 @app.command()
-def info(model: Model, json_out: JsonOut = False) -> None:
+def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) -> None:
     """Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and non-expert bytes."""
     report, err = _consoles(json_out)
     with _user_errors():
@@ -468,12 +468,18 @@ def info(model: Model, json_out: JsonOut = False) -> None:
             from moetier.runtime.loader import describe
 
             data = describe(model).as_dict()
+            from moetier.store.qreader import list_tiers
+
+            tiers = list_tiers(model, root=quant_dir)
         data["moe_layers"] = list(data["moe_layers"])
         data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]
+        data["quantized_tiers"] = tiers
         if json_out:
             _emit_json(data)
         else:
             report.print(info_table(data))
+            if tiers:
+                report.print(quant_table(tiers))
 
 
 def _version(value: bool) -> None:

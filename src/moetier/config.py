@@ -104,7 +104,8 @@ class PrecisionConfig:
             raise ConfigError(f"precision must be one of {', '.join(PRECISION_MODES)}, got {self.mode!r}")
         for name in ("hi", "lo"):
             if getattr(self, name) not in _BITS:
-                raise ConfigError(f"--{name} precision must be one of full, int8, int4, int2, got {getattr(self, name)!r}")
+                value = getattr(self, name)
+                raise ConfigError(f"--{name} precision must be one of full, int8, int4, int2, got {value!r}")
         if self.mode == "dynamic" and _BITS[self.hi] <= _BITS[self.lo]:
             raise ConfigError(f"dynamic precision needs hi above lo, got hi={self.hi} lo={self.lo}")
         for prec, group in self.groups:

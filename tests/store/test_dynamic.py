@@ -138,7 +138,7 @@ def test_pools_over_budget_are_refused() -> None:
 
 def test_failed_switch_keeps_the_stable_version_and_is_reported() -> None:
     bad = ExpertKey(0, 1)
-    store, keys = make_store(1, 3, n_hot=1)
+    store, _ = make_store(1, 3, n_hot=1)
     store.preload()  # all low but one: the hot slot stays free
     store.pools[Precision.FULL].source.fail_on = {bad}  # type: ignore[attr-defined]
     failed: list[Move] = []

@@ -32,9 +32,9 @@ from moetier.runtime.experts import ExpertFn, GptOssGLU, SwiGLU
 from moetier.runtime.moe_block import TieredMoE
 from moetier.runtime.precision import build_store
 from moetier.store.checkpoint import CheckpointIndex
+from moetier.store.dynamic import DynamicStore
 from moetier.store.layout import ExpertLayout
 from moetier.store.reader import TORCH_DTYPES, ExpertReader
-from moetier.store.dynamic import DynamicStore
 from moetier.store.store import ExpertStore
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}

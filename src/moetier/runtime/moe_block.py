@@ -15,7 +15,7 @@ tokens by expert with one argsort. Neither loops over all E experts or over toke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +33,7 @@ class Store(Protocol):
     """What a block needs of ExpertStore / DynamicStore."""
 
     @property
-    def index(self) -> Container[ExpertKey]: ...
+    def index(self) -> Collection[ExpertKey]: ...
 
     def acquire(self, key: ExpertKey) -> Any: ...
 

@@ -15,8 +15,8 @@ registered version of each expert.
 
 from __future__ import annotations
 
+import os
 import queue
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
 
 
 def make_source(
-    precision: str, reader: ExpertReader, model_dir: str | Path, cfg: PrecisionConfig, dtype: torch.dtype,
+    precision: str, reader: ExpertReader, model_dir: str | os.PathLike[str], cfg: PrecisionConfig, dtype: torch.dtype,
     device: torch.device,
 ) -> ExpertSource:  # fmt: skip
     """The disk tier of one precision: the checkpoint itself, or its quantized copy."""
@@ -51,8 +51,8 @@ def make_source(
 
 
 def build_store(
-    reader: ExpertReader, model_dir: str | Path, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
-    reserve: int,
+    reader: ExpertReader, model_dir: str | os.PathLike[str], cfg: EngineConfig, dtype: torch.dtype,
+    device: torch.device, reserve: int,
 ) -> ExpertStore | DynamicStore:  # fmt: skip
     pcfg = cfg.precision
     keys = list(reader.plans)

@@ -64,7 +64,8 @@ class Mover:
                     self._run(item)
                     self.done += 1
                 except Exception as exc:  # keep serving: the old version stays registered
-                    self.errors.append(f"{item.kind} {tuple(item.key)} to {item.precision}: {type(exc).__name__}: {exc}")
+                    where = f"{item.kind} {tuple(item.key)} to {item.precision}"
+                    self.errors.append(f"{where}: {type(exc).__name__}: {exc}")
                     if self._on_error is not None:
                         self._on_error(item, exc)
             finally:

@@ -3,8 +3,9 @@
 `SlotPool` holds full-precision experts (a [S, numel] tensor of the model dtype);
 `QuantPool` holds quantized ones (a [S, slot_bytes] uint8 tensor whose rows the
 precision's ExpertFormat views as packed weights and scales). A pool never allocates
-after construction: loading an expert writes into a free slot's existing memory. Per-slot views (w13, w2, b13, b2 and each named piece) are
-built once so that the hot path indexes a Python list rather than slicing tensors.
+after construction: loading an expert writes into a free slot's existing memory.
+Per-slot views (w13, w2, b13, b2 and each named piece) are built once so that the hot
+path indexes a Python list rather than slicing tensors.
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def main() -> None:
     print("\ndynamic hi/lo  budget(x lo)  n_hot  ppl      recovered  promotions/demotions  expert bytes")
     for r in dynamic:
         print(f"{r['hi']:>4}/{r['lo']:<5}    {r['budget_x_static_lo']:>5.2f}x     {r['n_hot']:>5}  {r['ppl']:.3f}  "
-              f"{r['recovered']:>8.1%}  {r['promotions']:>6}/{r["demotions"]:<6}  {r['expert_bytes']}")  # fmt: skip
+              f"{r['recovered']:>8.1%}  {r['promotions']:>6}/{r['demotions']:<6}  {r['expert_bytes']}")  # fmt: skip
     result: dict[str, Any] = {"tiers": tiers, "expert_output_error": out_err}
     result |= {"static": static, "dynamic": dynamic}
     # 4. speed

@@ -18,8 +18,9 @@ hottest first). tau_l is set once, at warmup, to the n_hot-th largest score of t
 (paper 3.5: "tau_h = top(n_hot, S_i)") and stays fixed unless `set_threshold` is called.
 
 Invariants:
-- the number of HIGH targets of layer l never exceeds n_hot_l (after a failed move,
-  `reset_target` may exceed it until the next decision, which restores it);
+- a decision leaves at most n_hot_l HIGH targets in layer l; `reset_target` may exceed
+  that (a failed demotion, or one `order_switches` drops because no promotion needs its
+  slot), and the store's global count of hot slots is what bounds memory;
 - a decision never upgrades an expert that is HIGH nor downgrades one that is LOW, and
   no expert appears twice in a decision;
 - an expert with score 0 (never routed, or decayed to 0) is never made HIGH;

@@ -19,10 +19,11 @@ import os
 import queue
 from typing import Any
 
+import numpy as np
 import torch
 
 from moetier.config import EngineConfig, PrecisionConfig, format_size
-from moetier.errors import BudgetError, ConfigError
+from moetier.errors import BudgetError, ConfigError, MoetierError
 from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
 from moetier.store.dynamic import DynamicStore
 from moetier.store.mover import Mover
@@ -86,7 +87,8 @@ def build_store(
         if sum(n_hot.values()) < 1:
             raise BudgetError(
                 f"expert budget {format_size(budget)} holds every expert at {pcfg.lo} but no {pcfg.hi} one: "
-                f"raise it above {format_size(all_lo + hi.slot_bytes - lo.slot_bytes)} or use --precision {pcfg.lo}"
+                f"raise it to at least {format_size(all_lo + hi.slot_bytes - lo.slot_bytes)} "
+                f"or use --precision {pcfg.lo}"
             )
         store = DynamicStore(hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget)
         store.n_hot = n_hot  # type: ignore[attr-defined]
@@ -125,9 +127,15 @@ class Switching:
         """Feed this forward's routing to the controller and enqueue what it decides."""
         while not self._failures.empty():
             self._failed(self._failures.get())
-        for layer, ids, weights in self._seen:
-            self.controller.observe(layer, ids.cpu().numpy(), weights.float().cpu().numpy())  # [T, k] each
-        self._seen.clear()
+        seen, self._seen = self._seen, []
+        for layer, ids, weights in seen:
+            w = weights.float().cpu().numpy()  # [T, k]
+            if not np.isfinite(w).all():
+                raise MoetierError(
+                    f"layer {layer}: the router gave non-finite expert weights (the activations overflowed); "
+                    "expert hotness cannot be updated"
+                )
+            self.controller.observe(layer, ids.cpu().numpy(), w)
         decision = self.controller.decide(force=force)
         if decision.empty:
             return

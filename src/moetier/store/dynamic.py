@@ -7,8 +7,9 @@ switch allocates no pool memory. A CPU-side index maps each expert to its regist
 `Version` (precision, slot).
 
 A switch (run by the mover thread, store/mover.py) of expert e to precision p:
-1. takes a free slot of pool p (waits while none is free: a demotion waits for a
-   promotion to free a low slot, which the spare slots make rare);
+1. takes a free slot of pool p; if none is free it waits for a slot that a forward still
+   holds (retired) to be released, and fails at once if there is none (moves come in
+   pairs from policies.precision.order_switches, so that means a paired move failed);
 2. reads e at p from p's disk tier into that slot; the slot is registered to nobody, so
    no forward can see it half-written;
 3. registers it under the lock: the index now points at the new version, and the old
@@ -177,6 +178,11 @@ class DynamicStore:
             while not st.free:
                 if self.closed:
                     return False
+                if not st.retired:  # only a forward's release can free one now: nothing will
+                    raise BudgetError(
+                        f"no free {precision} slot for {key}: every one holds a registered expert "
+                        "(a demotion this promotion was paired with must have failed)"
+                    )
                 if not self._slot_freed.wait(timeout):
                     raise TimeoutError(f"no free {precision} slot for {key} after {timeout:.0f} s")
             slot = st.free.pop()

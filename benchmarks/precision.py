@@ -11,9 +11,10 @@ All in one process, on the bundled model (models/tiny-shakespeare-moe) and its h
    "recovered" is the share of the static lo -> static hi perplexity gap dynamic closes;
 4. decode tokens/s: dynamic at 1.25x static-lo's budget vs static lo (bundled model), and
    static int4 vs bf16 with every expert resident on the Qwen3-MoE-shaped benchmark model;
-5. shift: warm up on Shakespeare, then score Python source (argparse.py of the standard
-   library); per window: promotions, and NLL of adaptive dynamic vs dynamic frozen after the
-   warmup vs static hi and lo.
+5. shift: warm up on Python source (argparse.py of the standard library), then score
+   Shakespeare; per window: promotions, the share of the "oracle" hot set (warmed up on
+   Shakespeare) the adaptive engine holds at hi, and perplexity of adaptive dynamic vs
+   dynamic frozen after the code warmup vs the oracle vs static hi and lo.
 
     python benchmarks/precision.py [--max-tokens 16384] [--skip-speed] [--skip-shift]
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import statistics
 import time
@@ -174,28 +176,64 @@ def speed(ids: list[int], budgets: dict[str, int], repeats: int) -> dict[str, An
     return out
 
 
-def shift(ids: list[int], budget: int, hi: str, lo: str, window: int = 128) -> dict[str, Any]:
-    """Warm up on Shakespeare, then score code window by window (period 64 so switching can follow)."""
-    code = inspect.getsource(argparse_module)
-    runs: dict[str, list[float]] = {}
-    promos: list[int] = []
-    for name in ("adaptive", "frozen", "static_hi", "static_lo"):
-        if name.startswith("static"):
+def hot_set(eng: Any) -> set[ExpertKey]:
+    hi = eng.store.hi_precision
+    return {k for k, v in eng.store.index.items() if v.precision == hi}
+
+
+def shift(ids: list[int], budget: int, hi: str, lo: str, scenario: str, window: int = 128,
+          windows: int = 32) -> dict[str, Any]:  # fmt: skip
+    """Start from a hot set chosen on other text, then score Shakespeare window by window (period 64).
+
+    scenario "code": the warmup is argparse.py's source (a natural shift); "inverted": the
+    hot set is the one of a distribution whose expert ranking is Shakespeare's reversed (the
+    controller is seeded with the oracle's scores in reverse rank order, so the experts
+    coldest on Shakespeare start hot; a synthetic worst case). adaptive: the controller runs;
+    frozen: the starting hot set stays; oracle: warmed up on Shakespeare, then frozen; static
+    hi / lo for reference. Per window: NLL, promotions so far, and the share of the oracle's
+    hot set the adaptive engine holds at hi.
+    """
+    text = ids[WARMUP : WARMUP + windows * window + 1]
+    oracle = engine(MODEL, QUANT, "dynamic", budget, hi, lo, sync=True, period=10**9)
+    oracle.warmup(ids[:WARMUP])
+    oracle_hot = hot_set(oracle)
+    ctrl = oracle.switching.controller
+    inverted = {}
+    for layer in ctrl.layers:
+        scores = ctrl.hotness.scores(layer)  # [E]
+        inv = [0.0] * len(scores)
+        coldest_first = sorted(range(len(scores)), key=lambda i: scores[i])
+        for value, e in zip(sorted(scores, reverse=True), coldest_first, strict=True):
+            inv[e] = float(value)
+        inverted[layer] = inv
+    nll: dict[str, list[float]] = {}
+    promotions: list[int] = []
+    overlap: list[float] = []
+    for name in ("adaptive", "frozen", "oracle", "static_hi", "static_lo"):
+        if name == "oracle":
+            eng = oracle
+        elif name.startswith("static"):
             eng = engine(MODEL, QUANT, hi if name == "static_hi" else lo)
         else:
-            period = 64 if name == "adaptive" else 10**9
-            eng = engine(MODEL, QUANT, "dynamic", budget, hi, lo, sync=True, period=period)
-            eng.warmup(ids[:WARMUP])
-        text = eng.encode(code)[: 24 * window]
-        nll = []
+            eng = engine(MODEL, QUANT, "dynamic", budget, hi, lo, sync=True, period=64 if name == "adaptive" else 10**9)
+            if scenario == "code":
+                eng.warmup(eng.encode(inspect.getsource(argparse_module))[:WARMUP])
+            else:
+                eng.switching.controller.seed(inverted)
+                eng.switching.after_forward(force=True)
+                eng.switching.mover.drain()
+        if name == "adaptive":
+            overlap.append(len(hot_set(eng) & oracle_hot) / len(oracle_hot))
+            promotions.append(eng.stats()["promotions"])
+        nll[name] = []
         for start in range(0, len(text) - 1, window):
-            chunk = text[start : start + window + 1]
-            nll.append(eng.perplexity(chunk, window=window).nll)
+            nll[name].append(eng.perplexity(text[start : start + window + 1], window=window).nll)
             if name == "adaptive":
-                promos.append(eng.stats()["promotions"])
-        runs[name] = nll
+                overlap.append(len(hot_set(eng) & oracle_hot) / len(oracle_hot))
+                promotions.append(eng.stats()["promotions"])
         eng.close()
-    return {"window": window, "nll": runs, "promotions": promos}
+    return {"scenario": scenario, "window": window, "nll": nll, "promotions": promotions,
+            "overlap_with_oracle": overlap}  # fmt: skip
 
 
 def main() -> None:
@@ -256,13 +294,21 @@ def main() -> None:
               + f"  int4/bf16 {b['int4_over_bf16']:.2f}x")  # fmt: skip
     # 5. shift
     if not args.skip_shift:
-        result["shift"] = sh = shift(ids, int(1.25 * static["int2"]["budget"]), "int4", "int2")
-        print("\nshift: warmup on Shakespeare, then argparse.py; NLL per window of 128 tokens")
-        print("window  promotions  adaptive  frozen  static_hi  static_lo")
-        for i, p in enumerate(sh["promotions"]):
+        result["shift"] = []
+        for scenario in ("inverted", "code"):
+            sh = shift(ids, int(1.25 * static["int2"]["budget"]), "int4", "int2", scenario)
+            result["shift"].append(sh)
+            print(f"\nshift ({scenario}), int4/int2 at 1.25x: perplexity per 4 windows of 128 Shakespeare tokens")
+            print("windows  promotions  hot set = oracle's  adaptive  frozen  oracle  static_hi  static_lo")
             n = sh["nll"]
-            print(f"{i:6}  {p:10}  {n['adaptive'][i]:8.3f}  {n['frozen'][i]:6.3f}  {n['static_hi'][i]:9.3f}  "
-                  f"{n['static_lo'][i]:9.3f}")  # fmt: skip
+            print(f"start    {sh['promotions'][0]:10}  {sh['overlap_with_oracle'][0]:17.0%}")
+            for b in range(0, len(n["adaptive"]), 4):
+                ppl = {k: math.exp(statistics.fmean(v[b : b + 4])) for k, v in n.items()}
+                print(f"{b:3}-{b + 3:<3}  {sh['promotions'][b + 4]:10}  {sh['overlap_with_oracle'][b + 4]:17.0%}  "
+                      f"{ppl['adaptive']:8.2f}  {ppl['frozen']:6.2f}  {ppl['oracle']:6.2f}  {ppl['static_hi']:9.2f}  "
+                      f"{ppl['static_lo']:9.2f}")  # fmt: skip
+            whole = {k: math.exp(statistics.fmean(v)) for k, v in n.items()}
+            print("all windows: " + "  ".join(f"{k} {v:.2f}" for k, v in whole.items()))
     result["seconds"] = time.time() - t0
     print(json.dumps(result, default=str))
 

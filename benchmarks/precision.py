@@ -128,6 +128,36 @@ def ppl_dynamic(ids: list[int], hi: str, lo: str, budget: int, **pc: Any) -> dic
     }  # fmt: skip
 
 
+def which_experts(ids: list[int], budget: int, tokens: int = 8192) -> dict[str, float]:
+    """(int4, int2) with the hot slots frozen on the hottest (the controller's warmup choice), a
+    random set, or the coldest experts per layer: does the choice of hot experts matter?"""
+    import numpy as np
+
+    oracle = engine(MODEL, QUANT, "dynamic", budget, "int4", "int2", sync=True, period=10**9)
+    oracle.warmup(ids[:WARMUP])
+    ctrl = oracle.switching.controller
+    scores = {layer: ctrl.hotness.scores(layer) for layer in ctrl.layers}
+    oracle.close()
+    choosers = {
+        "hottest": lambda s: np.argsort(-s, kind="stable"),
+        "random": lambda s: np.random.RandomState(0).permutation(len(s)),
+        "coldest": lambda s: np.argsort(s, kind="stable"),
+    }  # fmt: skip
+    out = {}
+    for name, choose in choosers.items():
+        eng = engine(MODEL, QUANT, "dynamic", budget, "int4", "int2", sync=True, period=10**9)
+        store = eng.store
+        for layer in ctrl.layers:
+            want = {ExpertKey(layer, int(e)) for e in choose(scores[layer])[: ctrl.n_hot[layer]]}
+            have = {k for k in hot_set(eng) if k.layer == layer}
+            for down, up in zip(sorted(have - want), sorted(want - have), strict=True):  # pairs keep slots free
+                store.switch(down, store.lo_precision)
+                store.switch(up, store.hi_precision)
+        out[name] = eng.perplexity(ids[WARMUP : WARMUP + tokens], window=WINDOW).ppl
+        eng.close()
+    return out
+
+
 def ready(eng: Any, prompt: list[int]) -> Any:
     """Every expert resident (static stores load on first touch; dynamic ones preload), kernels warm."""
     if isinstance(eng.store, ExpertStore):
@@ -280,6 +310,8 @@ def main() -> None:
         print(f"{r['hi']:>4}/{r['lo']:<5}    {r['budget_x_static_lo']:>5.2f}x     {r['n_hot']:>5}  {r['ppl']:.3f}  "
               f"{r['recovered']:>8.1%}  {r['promotions']:>6}/{r['demotions']:<6}  {r['expert_bytes']}")  # fmt: skip
     result: dict[str, Any] = {"tiers": tiers, "expert_output_error": out_err}
+    result["which_experts"] = which = which_experts(ids, int(1.25 * static["int2"]["budget"]))
+    print("\nint4/int2 at 1.25x, hot slots frozen on: " + "  ".join(f"{k} {v:.2f}" for k, v in which.items()))
     result |= {"static": static, "dynamic": dynamic}
     # 4. speed
     if not args.skip_speed:

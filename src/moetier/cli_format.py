@@ -42,10 +42,15 @@ def tier_table(stats: Mapping[str, Any]) -> Table:
     for name, tier in stats.get("tiers", {}).items():
         slots = int(tier["slots"])
         slot_bytes = int(tier["pool_bytes"]) // slots if slots else 0
+        pools = tier.get("pools")  # dynamic precision: one pool per precision
+        pool = (
+            " + ".join(f"{n} x {format_size(b)} {p}" for p, (n, b) in pools.items())
+            if pools else f"{slots} x {format_size(slot_bytes)}"
+        )  # fmt: skip
         table.add_row(
             TIER_NAMES.get(name, name),
             format_size(tier["budget_bytes"]),
-            f"{slots} x {format_size(slot_bytes)}",
+            pool,
             format_size(tier["peak_resident_bytes"]),
             str(tier["hits"]),
             str(tier["misses"]),

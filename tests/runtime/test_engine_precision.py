@@ -260,7 +260,7 @@ def assert_settled(engine: moetier.Engine, budget: int) -> None:
         assert registered + len(pool.free) == pool.pool.n_slots, p
         assert not pool.inflight and not pool.retired, p
     s = engine.stats()
-    n_hot = sum(store.n_hot.values())
+    n_hot = sum(store.per_layer.values())
     hi = len(hi_set(engine))
     assert s["precision"][store.hi_precision.value]["experts"] == hi <= n_hot
     assert sum(m["experts"] for m in s["precision"].values()) == len(KEYS)
@@ -301,7 +301,7 @@ def test_dynamic_budget_errors(model, sizes, hi: str, lo: str) -> None:
         dynamic(model, hi, lo, z.budget(1) - 1)
     assert format_size(z.budget(1)) in str(err.value)
     with dynamic(model, hi, lo, z.budget(1)) as engine:  # the smallest budget that works: one hot slot
-        assert engine.store.n_hot == {0: 1, 1: 0}
+        assert engine.store.per_layer == {0: 1, 1: 0}
         assert len(hi_set(engine)) == 1 and engine.stats()["switching"]["n_hot"] == 1
         assert_settled(engine, z.budget(1))
 
@@ -319,7 +319,7 @@ def test_dynamic_engine_loads_warms_up_promotes_and_serves(model, sizes, hi: str
     budget = z.budget(5, slack=z.step // 2)
     with dynamic(model, hi, lo, budget, warmup_tokens=40) as engine:
         store, sw = engine.store, engine.switching
-        assert sw is not None and store.n_hot == {0: 3, 1: 2}  # spread over layers, lower ones first
+        assert sw is not None and store.per_layer == {0: 3, 1: 2}  # spread over layers, lower ones first
         initial = {ExpertKey(0, 0), ExpertKey(0, 1), ExpertKey(0, 2), ExpertKey(1, 0), ExpertKey(1, 1)}
         assert hi_set(engine) == initial
         s = engine.stats()
@@ -355,7 +355,7 @@ def test_dynamic_with_every_expert_hot_equals_the_static_engine(model, sizes, hi
     with load(model("qwen3_bf16"), PrecisionConfig(mode=hi)) as static:
         want = static.logits(PROBE)
     with dynamic(model, hi, lo, z.all_hi, sync=True, period=4) as engine:
-        assert engine.store.n_hot == {0: 6, 1: 6} and len(hi_set(engine)) == 12
+        assert engine.store.per_layer == {0: 6, 1: 6} and len(hi_set(engine)) == 12
         assert torch.equal(engine.logits(PROBE), want)
         engine.warmup(WARMUP)
         assert engine.stats()["promotions"] == 0 and torch.equal(engine.logits(PROBE), want)
@@ -413,7 +413,7 @@ def test_async_switching_keeps_budget_provenance_and_accounting(model, sizes, pa
     budget = z.budget(n_hot, int(slack * z.step))
     with dynamic(model, hi, lo, budget, period=period, hysteresis=0.0, alpha=0.5) as engine:
         store, sw = engine.store, engine.switching
-        assert sum(store.n_hot.values()) == n_hot
+        assert sum(store.per_layer.values()) == n_hot
         for p in store.pools.values():
             p.source.read_into = poisoned(p.source, 0.001)
         for prompt, new in calls:
@@ -460,7 +460,7 @@ def test_failed_promotion_keeps_serving_the_stable_version(model, sizes, monkeyp
             return int(real(key, views))
 
         monkeypatch.setattr(source, "read_into", flaky)
-        assert store.n_hot == {0: 3, 1: 2} and victim not in hi_set(engine)
+        assert store.per_layer == {0: 3, 1: 2} and victim not in hi_set(engine)
         keep = {1: [1.0, 1.0, 0, 0, 0, 0]}  # layer 1: its incumbents stay
 
         # 1. promote the victim, paired with demoting the coldest incumbent of layer 0

@@ -75,8 +75,9 @@ class Engine:
         self.decoder: Decoder = self._pick_decoder()
         self.switching: Switching | None = None
         if isinstance(self.store, DynamicStore):
-            n_hot = self.store.n_hot  # type: ignore[attr-defined]
-            self.switching = Switching(self.store, n_hot, self.info.num_experts, config.precision, loaded.blocks)
+            self.switching = Switching(
+                self.store, self.store.per_layer, self.info.num_experts, config.precision, loaded.blocks
+            )
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None

@@ -90,9 +90,7 @@ def build_store(
                 f"raise it to at least {format_size(all_lo + hi.slot_bytes - lo.slot_bytes)} "
                 f"or use --precision {pcfg.lo}"
             )
-        store = DynamicStore(hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget)
-        store.n_hot = n_hot  # type: ignore[attr-defined]
-        return store
+        return DynamicStore(hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget, per_layer=n_hot)
     except BaseException:
         hi.close()
         lo.close()

@@ -69,9 +69,11 @@ class DynamicStore:
         spare: int,
         device: torch.device,
         budget: int,
+        per_layer: dict[int, int] | None = None,  # how the n_hot slots split over layers (the controller's quotas)
     ) -> None:
         # 1. pool sizes: n_hot high slots, the rest low plus spares; refuse what cannot fit
         self.keys, self.device, self.budget = keys, device, budget
+        self.per_layer = per_layer if per_layer is not None else {}
         self.hi_precision, self.lo_precision = hi.precision, lo.precision
         n_lo = len(keys) - n_hot + spare
         if not 1 <= n_hot <= len(keys):
@@ -262,6 +264,7 @@ class DynamicStore:
                 "slots": sum(st.pool.n_slots for st in self.pools.values()),
                 "resident_bytes": sum(m["bytes"] for m in mix.values()),
                 "peak_resident_bytes": peak, "pool_bytes": pool_bytes, "budget_bytes": self.budget,
+                "pools": {p.value: [st.pool.n_slots, st.pool.slot_bytes] for p, st in self.pools.items()},
             }  # fmt: skip
             out: dict[str, Any] = {
                 "precision": mix, "promotions": self.promotions, "demotions": self.demotions,

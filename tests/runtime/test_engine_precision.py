@@ -36,8 +36,7 @@ from moetier.cli_format import eval_report
 from moetier.config import PrecisionConfig, format_size
 from moetier.errors import BudgetError, CheckpointError, ConfigError
 from moetier.models.tiny import build_tiny_checkpoint
-from moetier.policies.precision import ExpertState
-from moetier.runtime.precision import hot_keys
+from moetier.policies.precision import ExpertState, PrecisionController
 from moetier.store.quantize import quantize_model
 from moetier.types import ExpertKey, Precision
 
@@ -59,6 +58,11 @@ KINDS = {
     "gpt_oss_bf16": {"int8": ("int8", "int8")},
 }
 BITS = {"full": 16, "int8": 8, "int4": 4, "int2": 2}
+
+
+def hot_keys(controller: PrecisionController) -> list[ExpertKey]:
+    """The controller's HIGH targets over all layers."""
+    return [ExpertKey(layer, e) for layer in controller.layers for e in sorted(controller.hot_set(layer))]
 
 
 @pytest.fixture(scope="module")

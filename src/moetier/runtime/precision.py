@@ -175,6 +175,3 @@ class Switching:
     def close(self) -> None:
         self.mover.close()
 
-
-def hot_keys(controller: PrecisionController) -> list[ExpertKey]:
-    return [ExpertKey(layer, e) for layer in controller.layers for e in sorted(controller.hot_set(layer))]

@@ -37,7 +37,7 @@ from moetier.errors import CheckpointError
 from moetier.store.checkpoint import CheckpointIndex, TensorLocation, read_header
 from moetier.store.layout import ExpertLayout
 from moetier.store.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs, resolve_group
-from moetier.store.reader import ExpertReader
+from moetier.store.reader import ExpertReader, byte_view, pread_exact
 from moetier.types import ExpertKey, Precision
 
 FORMAT = "moetier-quant"
@@ -318,15 +318,11 @@ class QuantTier:
                     t = self._staging[staged : staged + nbytes].view(dt)
                     staged += nbytes
                     casts.append((dest[name], t))
-                views.append(t.view(torch.uint8).reshape(-1).numpy().data)  # 1-D bytes, the tensor's own memory
+                views.append(byte_view(t))
             file, base = self._offsets[key.layer]
-            offset, done, total = base + key.expert * self.expert_bytes, 0, self.expert_bytes
-            fd = self._fd(key.layer)
-            while done < total:
-                n = os.preadv(fd, _skip(views, done), offset + done)
-                if n <= 0:
-                    raise CheckpointError(f"{file}: unexpected end of file reading expert {key.expert}")
-                done += n
+            offset = base + key.expert * self.expert_bytes
+            eof = f"{file}: unexpected end of file reading expert {key.expert}"
+            done = pread_exact(self._fd(key.layer), views, offset, eof)
             for out, src in casts:
                 out.copy_(src.view(out.shape))
             self.bytes_read += done
@@ -337,18 +333,6 @@ class QuantTier:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-def _skip(views: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers of `views` after the first `n` bytes (to resume a short read)."""
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
 
 
 def list_tiers(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:

@@ -25,6 +25,34 @@ from moetier.types import ExpertKey
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The flat bytes of a CPU tensor's own memory (any shape), for os.preadv to fill."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy().data)
+
+
+def pread_exact(fd: int, views: list[memoryview], offset: int, eof_message: str) -> int:
+    """Fill `views` from `fd` at `offset`, resuming short reads; CheckpointError(eof_message) at EOF."""
+    done, total = 0, sum(len(v) for v in views)
+    while done < total:
+        n = os.preadv(fd, _after(views, done), offset + done)
+        if n <= 0:
+            raise CheckpointError(eof_message)
+        done += n
+    return done
+
+
+def _after(views: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers of `views` after their first `n` bytes (to resume a short read)."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
 @dataclass(frozen=True)
 class _Read:
     """One contiguous byte range of the checkpoint feeding one or more pieces."""
@@ -122,14 +150,8 @@ class ExpertReader:
         return fd
 
     def _pread(self, loc: TensorLocation, offset: int, dest: torch.Tensor) -> None:
-        view = memoryview(dest.view(torch.uint8).reshape(-1).numpy().data)  # flat bytes of the slot's memory
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd(loc), [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{loc.file}: unexpected end of file reading tensor {loc.name!r}")
-            done += n
-        self.bytes_read += done
+        what = f"{loc.file}: unexpected end of file reading tensor {loc.name!r}"
+        self.bytes_read += pread_exact(self._fd(loc), [byte_view(dest)], offset, what)
 
     def read_into(self, key: ExpertKey, pieces: dict[str, torch.Tensor]) -> int:
         """Fill a slot's pieces with expert `key`; returns bytes read from disk."""

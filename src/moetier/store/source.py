@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import torch
 
-from moetier.store.layout import ExpertLayout
 from moetier.store.pool import QuantPool, SlotPool
 from moetier.store.qformat import ExpertFormat
 from moetier.store.qreader import QuantTier
@@ -86,6 +85,3 @@ class QuantSource:
     def close(self) -> None:
         self.tier.close()
 
-
-def layout_of(source: ExpertSource) -> ExpertLayout:
-    return source.fmt.layout if isinstance(source, QuantSource) else source.layout  # type: ignore[attr-defined]

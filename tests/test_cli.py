@@ -22,7 +22,8 @@ import torch
 from typer.testing import CliRunner
 
 from moetier import traces
-from moetier.cli import TokenStream, _size, app
+from moetier.cli import TokenStream, app
+from moetier.cli_options import size_flag
 from moetier.models.tiny import build_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -211,9 +212,9 @@ def test_info_allocates_no_expert_pool(tiny: Path, monkeypatch: pytest.MonkeyPat
 
 # -- errors -------------------------------------------------------------------------------
 def test_size_parsing() -> None:
-    assert _size("512MiB") == 512 * 2**20
-    assert _size("2GiB") == 2 * 2**30
-    assert _size("4096") == 4096
+    assert size_flag("512MiB") == 512 * 2**20
+    assert size_flag("2GiB") == 2 * 2**30
+    assert size_flag("4096") == 4096
 
 
 @pytest.mark.parametrize(("value", "needle"), [("12 parsecs", "cannot parse size"), ("-5", "negative")])

@@ -1,7 +1,8 @@
-"""The `moetier` command line: generate, eval, info.
+"""The `moetier` command line: generate, eval, quantize, info.
 
-Thin by design (DESIGN.md): flags map onto the frozen config dataclasses in
-moetier.config and the commands call the Python API (`moetier.load`, `Engine`).
+Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
+config dataclasses in moetier.config and the commands call the Python API
+(`moetier.load`, `Engine`, `quantize_model`).
 Invariants:
 - every MoetierError, and any OSError on a file named by a flag, becomes one line
   `error: <message>` on stderr and exit code 2, never a traceback; bad flag values
@@ -28,19 +29,33 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetier import __version__
 from moetier.cli_format import eval_report, generation_report, info_table, quant_table
-from moetier.config import (
-    Budgets,
-    CacheConfig,
-    DeviceName,
-    DtypeName,
-    EngineConfig,
-    PrecisionConfig,
-    RuntimeConfig,
-    SamplingConfig,
-    parse_size,
+from moetier.cli_options import (
+    CachePolicy,
+    Device,
+    Dtype,
+    GpuMem,
+    Groups,
+    HiPrecision,
+    HostMem,
+    JsonOut,
+    LoPrecision,
+    MaxSeqLen,
+    Model,
+    NoLean,
+    Period,
+    PrecisionMode,
+    QuantDir,
+    SyncSwitches,
+    TraceFile,
+    TraceScores,
+    Warmup,
+    WarmupTokens,
+    engine_config,
+    parse_groups,
+    precision_config,
 )
+from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import ConfigError, MoetierError
-from moetier.policies import CACHE_POLICIES
 
 if TYPE_CHECKING:  # the engine (torch, transformers) loads only when a command runs: --help stays fast
     from moetier.runtime.engine import Engine
@@ -66,151 +81,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-
-
-# -- flag parsing ------------------------------------------------------------------
-def _size(text: str) -> int:
-    """A byte count or a number with a unit (512MiB, 2GiB, 1.5GB); never negative."""
-    if text.strip().startswith("-"):
-        raise typer.BadParameter(f"a size must not be negative, got {text!r}")
-    try:
-        return parse_size(text)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-_SIZE_HELP = "Bytes, or a number with a unit: 512MiB, 2GiB, 1.5GB."
-_ENGINE = "Engine"
-Model = Annotated[
-    Path,
-    typer.Argument(metavar="MODEL", help="Local Hugging Face checkpoint folder (config.json + *.safetensors)."),
-]
-HostMem = Annotated[
-    int | None,
-    typer.Option("--host-expert-mem", parser=_size, metavar="SIZE", rich_help_panel=_ENGINE,
-                 help=f"Host (CPU RAM) budget for expert weights; default: every expert. {_SIZE_HELP}"),
-]  # fmt: skip
-GpuMem = Annotated[
-    int | None,
-    typer.Option("--gpu-expert-mem", parser=_size, metavar="SIZE", rich_help_panel=_ENGINE,
-                 help=f"Accelerator (CUDA) budget for expert weights; default: every expert. {_SIZE_HELP}"),
-]  # fmt: skip
-Device = Annotated[
-    DeviceName,
-    typer.Option(rich_help_panel=_ENGINE, help="Compute device; auto picks cuda when torch sees one."),
-]
-Dtype = Annotated[
-    DtypeName,
-    typer.Option(rich_help_panel=_ENGINE, help="Compute dtype; auto uses the checkpoint's (fp16 becomes bf16 on CPU)."),
-]
-CachePolicy = Annotated[
-    str,
-    typer.Option(rich_help_panel=_ENGINE,
-                 help=f"Expert eviction policy of every tier; one of: {', '.join(sorted(CACHE_POLICIES))}."),
-]  # fmt: skip
-MaxSeqLen = Annotated[
-    int,
-    typer.Option(min=0, rich_help_panel=_ENGINE,
-                 help="KV-cache length of the lean decoder; 0 = the model's limit, capped at 4096."),
-]  # fmt: skip
-NoLean = Annotated[
-    bool,
-    typer.Option("--no-lean", rich_help_panel=_ENGINE,
-                 help="Use the transformers modules (with tiered MoE blocks) instead of the lean decoder."),
-]  # fmt: skip
-TraceFile = Annotated[
-    Path | None,
-    typer.Option(metavar="FILE.parquet", rich_help_panel=_ENGINE,
-                 help="Record the routing of every MoE layer call to this Parquet trace."),
-]  # fmt: skip
-TraceScores = Annotated[
-    bool,
-    typer.Option(
-        "--trace-scores",
-        rich_help_panel=_ENGINE,
-        help="Also record all router probabilities (needs --trace).",
-    ),
-]
-_PREC = "Precision"
-PrecisionMode = Annotated[
-    str,
-    typer.Option("--precision", rich_help_panel=_PREC,
-                 help="Expert precision: full, int8, int4, int2 (static; quantized tiers from `moetier quantize`), "
-                      "or dynamic (hot experts at --hi, cold at --lo, under the expert budget)."),
-]  # fmt: skip
-HiPrecision = Annotated[
-    str, typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, int8, int4).")
-]
-LoPrecision = Annotated[
-    str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (int8, int4, int2).")
-]
-Groups = Annotated[
-    list[str] | None,
-    typer.Option("--group", metavar="PREC=SIZE", rich_help_panel=_PREC,
-                 help="Quantisation group size of a precision, e.g. --group int4=64 (repeatable); must match the "
-                      "quantized tier."),
-]  # fmt: skip
-QuantDir = Annotated[
-    Path | None,
-    typer.Option(metavar="DIR", rich_help_panel=_PREC, help="Where quantized tiers live; default MODEL/moetier-quant."),
-]
-Warmup = Annotated[
-    Path | None,
-    typer.Option(metavar="FILE", rich_help_panel=_PREC,
-                 help="dynamic: text whose first --warmup-tokens tokens seed expert hotness before serving."),
-]  # fmt: skip
-WarmupTokens = Annotated[int, typer.Option(min=1, rich_help_panel=_PREC, help="dynamic: tokens of --warmup used.")]
-Period = Annotated[int, typer.Option(min=1, rich_help_panel=_PREC, help="dynamic: tokens between precision decisions.")]
-SyncSwitches = Annotated[
-    bool,
-    typer.Option("--sync-switches", rich_help_panel=_PREC,
-                 help="dynamic: wait for each decision's switches before the next forward (reproducible runs)."),
-]  # fmt: skip
-JsonOut = Annotated[
-    bool,
-    typer.Option("--json", help="Print one JSON object as the last line of stdout; the rest goes to stderr."),
-]
-
-
-def _engine_config(
-    host: int | None,
-    gpu: int | None,
-    device: DeviceName,
-    dtype: DtypeName,
-    policy: str,
-    max_seq_len: int,
-    no_lean: bool,
-    precision: PrecisionConfig | None = None,
-) -> EngineConfig:
-    if policy not in CACHE_POLICIES:
-        raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
-    return EngineConfig(
-        budgets=Budgets(host_expert_bytes=host, accel_expert_bytes=gpu),
-        cache=CacheConfig(policy=policy),
-        precision=precision or PrecisionConfig(),
-        runtime=RuntimeConfig(device=device, dtype=dtype, lean=not no_lean, max_seq_len=max_seq_len),
-    )
-
-
-def parse_groups(items: list[str] | None) -> tuple[tuple[str, int], ...]:
-    """['int4=64', 'int2=32'] -> (('int4', 64), ('int2', 32)); a bad item raises ConfigError naming it."""
-    out = []
-    for item in items or []:
-        prec, sep, size = item.partition("=")
-        if not sep or not size.strip().isdigit():
-            raise ConfigError(f"--group takes PREC=SIZE such as int4=64, got {item!r}")
-        out.append((prec.strip(), int(size)))
-    return tuple(out)
-
-
-def _precision_config(
-    mode: str, hi: str, lo: str, groups: list[str] | None, quant_dir: Path | None, warmup_tokens: int, period: int,
-    sync: bool,
-) -> PrecisionConfig:  # fmt: skip
-    return PrecisionConfig(
-        mode=mode, hi=hi, lo=lo, groups=parse_groups(groups), quant_dir=str(quant_dir) if quant_dir else None,
-        warmup_tokens=warmup_tokens, period=period, sync=sync,
-    )  # fmt: skip
 
 
 def _warmup(engine: Engine, warmup: Path | None, err: Console) -> None:
@@ -348,8 +218,8 @@ def generate(
     report, err = _consoles(json_out)
     with _user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-        pcfg = _precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
-        config = _engine_config(
+        pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        config = engine_config(
             host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg
         )
         with _engine(model, config, trace, trace_scores, err) as engine:
@@ -398,8 +268,8 @@ def eval_(
     """Perplexity of a text file over non-overlapping windows."""
     report, err = _consoles(json_out)
     with _user_errors():
-        pcfg = _precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
-        config = _engine_config(
+        pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        config = engine_config(
             host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg
         )
         body = _read_text(text)

@@ -1,0 +1,171 @@
+"""Command-line flags: the typed options of `moetier` and their mapping onto the config dataclasses.
+
+Declarations only (typer `Annotated` option types shared by the commands of cli.py) and
+the pure functions that turn flag values into EngineConfig / PrecisionConfig. Bad values
+raise typer.BadParameter or ConfigError, which cli.py reports in one line with exit 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moetier.config import (
+    Budgets,
+    CacheConfig,
+    DeviceName,
+    DtypeName,
+    EngineConfig,
+    PrecisionConfig,
+    RuntimeConfig,
+    parse_size,
+)
+from moetier.errors import ConfigError
+from moetier.policies import CACHE_POLICIES
+
+
+# -- flag parsing ------------------------------------------------------------------
+def size_flag(text: str) -> int:
+    """A byte count or a number with a unit (512MiB, 2GiB, 1.5GB); never negative."""
+    if text.strip().startswith("-"):
+        raise typer.BadParameter(f"a size must not be negative, got {text!r}")
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+_SIZE_HELP = "Bytes, or a number with a unit: 512MiB, 2GiB, 1.5GB."
+_ENGINE = "Engine"
+Model = Annotated[
+    Path,
+    typer.Argument(metavar="MODEL", help="Local Hugging Face checkpoint folder (config.json + *.safetensors)."),
+]
+HostMem = Annotated[
+    int | None,
+    typer.Option("--host-expert-mem", parser=size_flag, metavar="SIZE", rich_help_panel=_ENGINE,
+                 help=f"Host (CPU RAM) budget for expert weights; default: every expert. {_SIZE_HELP}"),
+]  # fmt: skip
+GpuMem = Annotated[
+    int | None,
+    typer.Option("--gpu-expert-mem", parser=size_flag, metavar="SIZE", rich_help_panel=_ENGINE,
+                 help=f"Accelerator (CUDA) budget for expert weights; default: every expert. {_SIZE_HELP}"),
+]  # fmt: skip
+Device = Annotated[
+    DeviceName,
+    typer.Option(rich_help_panel=_ENGINE, help="Compute device; auto picks cuda when torch sees one."),
+]
+Dtype = Annotated[
+    DtypeName,
+    typer.Option(rich_help_panel=_ENGINE, help="Compute dtype; auto uses the checkpoint's (fp16 becomes bf16 on CPU)."),
+]
+CachePolicy = Annotated[
+    str,
+    typer.Option(rich_help_panel=_ENGINE,
+                 help=f"Expert eviction policy of every tier; one of: {', '.join(sorted(CACHE_POLICIES))}."),
+]  # fmt: skip
+MaxSeqLen = Annotated[
+    int,
+    typer.Option(min=0, rich_help_panel=_ENGINE,
+                 help="KV-cache length of the lean decoder; 0 = the model's limit, capped at 4096."),
+]  # fmt: skip
+NoLean = Annotated[
+    bool,
+    typer.Option("--no-lean", rich_help_panel=_ENGINE,
+                 help="Use the transformers modules (with tiered MoE blocks) instead of the lean decoder."),
+]  # fmt: skip
+TraceFile = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE.parquet", rich_help_panel=_ENGINE,
+                 help="Record the routing of every MoE layer call to this Parquet trace."),
+]  # fmt: skip
+TraceScores = Annotated[
+    bool,
+    typer.Option(
+        "--trace-scores",
+        rich_help_panel=_ENGINE,
+        help="Also record all router probabilities (needs --trace).",
+    ),
+]
+_PREC = "Precision"
+PrecisionMode = Annotated[
+    str,
+    typer.Option("--precision", rich_help_panel=_PREC,
+                 help="Expert precision: full, int8, int4, int2 (static; quantized tiers from `moetier quantize`), "
+                      "or dynamic (hot experts at --hi, cold at --lo, under the expert budget)."),
+]  # fmt: skip
+HiPrecision = Annotated[
+    str, typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, int8, int4).")
+]
+LoPrecision = Annotated[
+    str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (int8, int4, int2).")
+]
+Groups = Annotated[
+    list[str] | None,
+    typer.Option("--group", metavar="PREC=SIZE", rich_help_panel=_PREC,
+                 help="Quantisation group size of a precision, e.g. --group int4=64 (repeatable); must match the "
+                      "quantized tier."),
+]  # fmt: skip
+QuantDir = Annotated[
+    Path | None,
+    typer.Option(metavar="DIR", rich_help_panel=_PREC, help="Where quantized tiers live; default MODEL/moetier-quant."),
+]
+Warmup = Annotated[
+    Path | None,
+    typer.Option(metavar="FILE", rich_help_panel=_PREC,
+                 help="dynamic: text whose first --warmup-tokens tokens seed expert hotness before serving."),
+]  # fmt: skip
+WarmupTokens = Annotated[int, typer.Option(min=1, rich_help_panel=_PREC, help="dynamic: tokens of --warmup used.")]
+Period = Annotated[int, typer.Option(min=1, rich_help_panel=_PREC, help="dynamic: tokens between precision decisions.")]
+SyncSwitches = Annotated[
+    bool,
+    typer.Option("--sync-switches", rich_help_panel=_PREC,
+                 help="dynamic: wait for each decision's switches before the next forward (reproducible runs)."),
+]  # fmt: skip
+JsonOut = Annotated[
+    bool,
+    typer.Option("--json", help="Print one JSON object as the last line of stdout; the rest goes to stderr."),
+]
+
+
+def engine_config(
+    host: int | None,
+    gpu: int | None,
+    device: DeviceName,
+    dtype: DtypeName,
+    policy: str,
+    max_seq_len: int,
+    no_lean: bool,
+    precision: PrecisionConfig | None = None,
+) -> EngineConfig:
+    if policy not in CACHE_POLICIES:
+        raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
+    return EngineConfig(
+        budgets=Budgets(host_expert_bytes=host, accel_expert_bytes=gpu),
+        cache=CacheConfig(policy=policy),
+        precision=precision or PrecisionConfig(),
+        runtime=RuntimeConfig(device=device, dtype=dtype, lean=not no_lean, max_seq_len=max_seq_len),
+    )
+
+
+def parse_groups(items: list[str] | None) -> tuple[tuple[str, int], ...]:
+    """['int4=64', 'int2=32'] -> (('int4', 64), ('int2', 32)); a bad item raises ConfigError naming it."""
+    out = []
+    for item in items or []:
+        prec, sep, size = item.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise ConfigError(f"--group takes PREC=SIZE such as int4=64, got {item!r}")
+        out.append((prec.strip(), int(size)))
+    return tuple(out)
+
+
+def precision_config(
+    mode: str, hi: str, lo: str, groups: list[str] | None, quant_dir: Path | None, warmup_tokens: int, period: int,
+    sync: bool,
+) -> PrecisionConfig:  # fmt: skip
+    return PrecisionConfig(
+        mode=mode, hi=hi, lo=lo, groups=parse_groups(groups), quant_dir=str(quant_dir) if quant_dir else None,
+        warmup_tokens=warmup_tokens, period=period, sync=sync,
+    )  # fmt: skip

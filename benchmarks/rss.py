@@ -17,8 +17,10 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks._models` from any cwd
 
 
 def peak_rss(argv: list[str]) -> int:

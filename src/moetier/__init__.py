@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moetier.config import Budgets, CacheConfig, EngineConfig, RuntimeConfig, SamplingConfig, parse_size
+from moetier.config import (
+    Budgets,
+    CacheConfig,
+    EngineConfig,
+    PrecisionConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    SparsityConfig,
+    parse_size,
+)
 from moetier.errors import (
     BudgetError,
     CheckpointError,
@@ -35,7 +44,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BudgetError", "Budgets", "CacheConfig", "CheckpointError", "ConfigError", "Engine", "EngineConfig",
-    "EvalResult", "GenerationResult", "MoetierError", "RuntimeConfig", "SamplingConfig", "TraceError",
+    "EvalResult", "GenerationResult", "MoetierError", "PrecisionConfig", "RuntimeConfig", "SamplingConfig",
+    "SparsityConfig", "TraceError",
     "UnknownArchitectureError", "load", "parse_size",
 ]  # fmt: skip
 __version__ = "0.1.0"

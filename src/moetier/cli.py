@@ -1,4 +1,4 @@
-"""The `moetier` command line: generate, eval, quantize, info.
+"""The `moetier` command line: generate, eval, quantize, calibrate, info.
 
 Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
 config dataclasses in moetier.config and the commands call the Python API
@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetier import __version__
-from moetier.cli_format import eval_report, generation_report, info_table, quant_table
+from moetier.cli_format import calibration_table, eval_report, generation_report, info_table, quant_table
 from moetier.cli_options import (
     CachePolicy,
     Device,
@@ -45,6 +45,10 @@ from moetier.cli_options import (
     Period,
     PrecisionMode,
     QuantDir,
+    Sparsity,
+    SparsityBlock,
+    SparsityTable,
+    SparsityTipping,
     SyncSwitches,
     TraceFile,
     TraceScores,
@@ -53,6 +57,7 @@ from moetier.cli_options import (
     engine_config,
     parse_groups,
     precision_config,
+    sparsity_config,
 )
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import ConfigError, MoetierError
@@ -212,6 +217,10 @@ def generate(
     warmup_tokens: WarmupTokens = 256,
     period: Period = 128,
     sync_switches: SyncSwitches = False,
+    sparsity: Sparsity = 0.0,
+    sparsity_table: SparsityTable = None,
+    sparsity_block: SparsityBlock = 1,
+    sparsity_tipping: SparsityTipping = None,
     json_out: JsonOut = False,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
@@ -219,8 +228,9 @@ def generate(
     with _user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
         pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
         config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg
         )
         with _engine(model, config, trace, trace_scores, err) as engine:
             _warmup(engine, warmup, err)
@@ -263,14 +273,19 @@ def eval_(
     warmup_tokens: WarmupTokens = 256,
     period: Period = 128,
     sync_switches: SyncSwitches = False,
+    sparsity: Sparsity = 0.0,
+    sparsity_table: SparsityTable = None,
+    sparsity_block: SparsityBlock = 1,
+    sparsity_tipping: SparsityTipping = None,
     json_out: JsonOut = False,
 ) -> None:
     """Perplexity of a text file over non-overlapping windows."""
     report, err = _consoles(json_out)
     with _user_errors():
         pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
         config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg
         )
         body = _read_text(text)
         with _engine(model, config, trace, trace_scores, err) as engine:
@@ -327,6 +342,68 @@ def quantize(
         report.print(quant_table(rows))
         if json_out:
             _emit_json({"model": str(model), "tiers": rows})
+
+
+@app.command()
+def calibrate(
+    model: Model,
+    text: Annotated[Path, typer.Option(help="UTF-8 calibration text (held-out text of the model's domain).")],
+    out: Annotated[Path | None, typer.Option(metavar="FILE",
+                   help="Where to write the table; default MODEL/moetier-sparsity/thresholds.json.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=2, help="Calibrate on the first N tokens.")] = 16384,
+    window: Annotated[int, typer.Option(min=0, help="Tokens per forward; 0 = the context length, capped at 1024.")] = 0,
+    host_expert_mem: HostMem = None,
+    gpu_expert_mem: GpuMem = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    max_seq_len: MaxSeqLen = 0,
+    json_out: JsonOut = False,
+) -> None:
+    """Thresholds of intra-expert activation sparsity: per MoE layer, target sparsity 0-0.95 -> threshold on
+    |act(gate x)| of routed experts (shared experts stay dense)."""
+    import hashlib
+
+    report, err = _consoles(json_out)
+    with _user_errors():
+        from moetier.runtime.sparsity import calibrate as run_calibration
+        from moetier.runtime.sparsity import model_identity
+        from moetier.store.checkpoint import CheckpointIndex
+        from moetier.store.qreader import source_fingerprint
+        from moetier.store.sparse import default_table_path
+
+        body = _read_text(text)
+        target = out or default_table_path(model)
+        if target.is_dir():
+            raise ConfigError(f"--out {target} is a directory; give a file name, e.g. {target / 'thresholds.json'}")
+        config = engine_config(host_expert_mem, gpu_expert_mem, device, dtype, "lru", max_seq_len, False)
+        with _engine(model, config, None, False, err) as engine:
+            ids = engine.encode(body)[:max_tokens]
+            limit = min(int(getattr(engine.loaded.config, "max_position_embeddings", 1024)), 1024,
+                        engine.max_len)  # fmt: skip
+            win = window or limit
+            if win > engine.max_len:
+                raise ConfigError(f"--window {win} exceeds the KV cache of {engine.max_len} tokens")
+            identity = model_identity(engine.info, source_fingerprint(CheckpointIndex(model))["fingerprint"])
+            meta = {"text": str(text), "sha256": hashlib.sha256(body.encode()).hexdigest()}
+            act = str(getattr(engine.loaded.config, "hidden_act", "?"))
+            t0 = time.perf_counter()
+            with Progress(
+                TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=err, transient=True,
+            ) as progress:  # fmt: skip
+                task = progress.add_task(f"calibrating on {len(ids)} tokens", total=None)
+                table = run_calibration(
+                    engine, ids, win, identity, act, meta,
+                    on_window=lambda done, total: progress.update(task, completed=done, total=total),
+                )  # fmt: skip
+            elapsed = time.perf_counter() - t0
+        path = table.save(target)
+        payload = {"model": str(model), "table": str(path), "tokens": len(ids), "window": win,
+                   "calibrate_s": elapsed} | table.to_json()  # fmt: skip
+        report.print(calibration_table(payload))
+        report.print(f"wrote {path}", highlight=False)
+        if json_out:
+            _emit_json(payload)
 
 
 @app.command()

@@ -72,9 +72,57 @@ def _precision_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _sparsity_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
+    sp = stats.get("sparsity")
+    if sp is None:
+        return []
+    tip = sp["tipping_tokens"]
+    return [
+        ("sparsity target / achieved", f"{sp['target']:.2f} / {sp['achieved']:.3f}"
+                                        + (f" (blocks of {sp['block']})" if sp["block"] > 1 else "")),
+        ("gather path below", f"{tip} tokens per expert ({sp['kernel']})"),
+    ]  # fmt: skip
+
+
+def sparsity_table(stats: Mapping[str, Any]) -> Table | None:
+    """Achieved sparsity per MoE layer, with the calls each path took."""
+    sp = stats.get("sparsity")
+    if sp is None:
+        return None
+    table = Table(title="intra-expert sparsity per MoE layer", title_justify="left")
+    for col in ("layer", "threshold", "achieved", "gather calls", "dense calls"):
+        table.add_column(col, justify="right")
+    for layer, row in sp["layers"].items():
+        table.add_row(str(layer), f"{row['threshold']:.4g}", f"{row['achieved']:.3f}", str(row["sparse_calls"]),
+                      str(row["dense_calls"]))  # fmt: skip
+    return table
+
+
+def _nearest(values: list[float], x: float) -> int:
+    return min(range(len(values)), key=lambda j: abs(values[j] - x))
+
+
+def calibration_table(payload: Mapping[str, Any]) -> Table:
+    """`moetier calibrate`: thresholds per MoE layer at a few targets (block 1)."""
+    targets = [float(t) for t in payload["targets"]]
+    shown = [t for t in (0.5, 0.7, 0.8, 0.85, 0.9, 0.95) if any(abs(t - x) < 1e-9 for x in targets)]
+    table = Table(title=f"sparsity thresholds ({payload['tokens']} tokens)", title_justify="left")
+    table.add_column("layer", justify="right")
+    for t in shown:
+        table.add_column(f"s={t:g}", justify="right")
+    table.add_column("pairs", justify="right")
+    pairs = payload.get("calibration", {}).get("pairs", {})
+    for layer, rows in payload["thresholds"].items():
+        row = rows.get("1") or next(iter(rows.values()))
+        vals = [row[_nearest(targets, t)] for t in shown]
+        table.add_row(str(layer), *(f"{v:.4g}" for v in vals), str(pairs.get(str(layer), "")))
+    return table
+
+
 def _engine_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [
         *_precision_rows(stats),
+        *_sparsity_rows(stats),
         ("expert hits / misses", f"{stats['hits']} / {stats['misses']}"),
         ("bytes read from disk", size(stats["disk_bytes"])),
         ("bytes host -> accelerator", size(stats["h2d_bytes"])),
@@ -94,7 +142,7 @@ def generation_report(payload: Mapping[str, Any]) -> Group:
         ("new tokens", str(payload["new_tokens"])),
         *_engine_rows(payload),
     ]
-    return Group(_kv_table("generation", rows), tier_table(payload))
+    return Group(_kv_table("generation", rows), tier_table(payload), *_optional(sparsity_table(payload)))
 
 
 def eval_report(payload: Mapping[str, Any]) -> Group:
@@ -106,7 +154,11 @@ def eval_report(payload: Mapping[str, Any]) -> Group:
         ("wall time", f"{payload['eval_s']:.3f} s ({payload['eval_tok_s']:.1f} tok/s)"),
         *_engine_rows(payload),
     ]
-    return Group(_kv_table("evaluation", rows), tier_table(payload))
+    return Group(_kv_table("evaluation", rows), tier_table(payload), *_optional(sparsity_table(payload)))
+
+
+def _optional(table: Table | None) -> list[Table]:
+    return [table] if table is not None else []
 
 
 def info_table(info: Mapping[str, Any]) -> Table:

@@ -20,6 +20,7 @@ from moetier.config import (
     EngineConfig,
     PrecisionConfig,
     RuntimeConfig,
+    SparsityConfig,
     parse_size,
 )
 from moetier.errors import ConfigError
@@ -124,6 +125,29 @@ SyncSwitches = Annotated[
     typer.Option("--sync-switches", rich_help_panel=_PREC,
                  help="dynamic: wait for each decision's switches before the next forward (reproducible runs)."),
 ]  # fmt: skip
+_SPARSE = "Sparsity"
+Sparsity = Annotated[
+    float,
+    typer.Option("--sparsity", min=0.0, max=0.95, rich_help_panel=_SPARSE,
+                 help="Fraction of routed-expert neurons to skip (0 = off, up to 0.95), through the calibrated "
+                      "thresholds of `moetier calibrate`."),
+]  # fmt: skip
+SparsityTable = Annotated[
+    Path | None,
+    typer.Option("--sparsity-table", metavar="FILE", rich_help_panel=_SPARSE,
+                 help="Threshold table; default MODEL/moetier-sparsity/thresholds.json."),
+]  # fmt: skip
+SparsityBlock = Annotated[
+    int,
+    typer.Option("--sparsity-block", rich_help_panel=_SPARSE,
+                 help="Mask neurons in blocks of 1 (per neuron), 4, 8, 16 or 32."),
+]  # fmt: skip
+SparsityTipping = Annotated[
+    int | None,
+    typer.Option("--sparsity-tipping", min=0, metavar="TOKENS", rich_help_panel=_SPARSE,
+                 help="Tokens per expert from which the masked dense path runs; default: measured at start "
+                      "(cached). 0 = always dense."),
+]  # fmt: skip
 JsonOut = Annotated[
     bool,
     typer.Option("--json", help="Print one JSON object as the last line of stdout; the rest goes to stderr."),
@@ -139,6 +163,7 @@ def engine_config(
     max_seq_len: int,
     no_lean: bool,
     precision: PrecisionConfig | None = None,
+    sparsity: SparsityConfig | None = None,
 ) -> EngineConfig:
     if policy not in CACHE_POLICIES:
         raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
@@ -146,6 +171,7 @@ def engine_config(
         budgets=Budgets(host_expert_bytes=host, accel_expert_bytes=gpu),
         cache=CacheConfig(policy=policy),
         precision=precision or PrecisionConfig(),
+        sparsity=sparsity or SparsityConfig(),
         runtime=RuntimeConfig(device=device, dtype=dtype, lean=not no_lean, max_seq_len=max_seq_len),
     )
 
@@ -169,3 +195,7 @@ def precision_config(
         mode=mode, hi=hi, lo=lo, groups=parse_groups(groups), quant_dir=str(quant_dir) if quant_dir else None,
         warmup_tokens=warmup_tokens, period=period, sync=sync,
     )  # fmt: skip
+
+
+def sparsity_config(target: float, table: Path | None, block: int, tipping: int | None) -> SparsityConfig:
+    return SparsityConfig(target=target, table=str(table) if table else None, block=block, tipping=tipping)

@@ -1,7 +1,7 @@
 """Frozen, composed configuration. The CLI only maps flags onto these.
 
-EngineConfig = Budgets + CacheConfig + PrecisionConfig + RuntimeConfig. Later sections
-(sparsity, prefetch, scheduler) join as their own dataclasses.
+EngineConfig = Budgets + CacheConfig + PrecisionConfig + SparsityConfig + RuntimeConfig. Later
+sections (prefetch, scheduler) join as their own dataclasses.
 """
 
 from __future__ import annotations
@@ -134,6 +134,38 @@ class PrecisionConfig:
         return (self.hi, self.lo) if self.mode == "dynamic" else (self.mode,)
 
 
+SPARSITY_MAX = 0.95
+SPARSITY_BLOCKS = (1, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """Intra-expert activation sparsity of routed experts. `target` is the fraction of neurons
+    skipped (0 = off, up to 0.95); it maps to a per-layer threshold through the calibrated table
+    at `table` (default MODEL/moetier-sparsity/thresholds.json, written by `moetier calibrate`).
+    `block` > 1 masks neurons in groups of that many (beyond the paper). `tipping` is the token
+    count per expert from which the masked dense path runs instead of the gather path; None
+    measures it at start (cached per machine and shape), 0 always uses the dense path.
+    """
+
+    target: float = 0.0
+    table: str | None = None
+    block: int = 1
+    tipping: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.target <= SPARSITY_MAX:
+            raise ConfigError(f"sparsity must be between 0 and {SPARSITY_MAX}, got {self.target}")
+        if self.block not in SPARSITY_BLOCKS:
+            raise ConfigError(f"sparsity block must be one of {', '.join(map(str, SPARSITY_BLOCKS))}, got {self.block}")
+        if self.tipping is not None and self.tipping < 0:
+            raise ConfigError(f"sparsity tipping point must be >= 0 tokens, got {self.tipping}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.target > 0
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: DeviceName = "auto"
@@ -155,6 +187,7 @@ class EngineConfig:
     budgets: Budgets = field(default_factory=Budgets)
     cache: CacheConfig = field(default_factory=CacheConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from moetier.policies.sparsity import use_sparse
 from moetier.types import Domain, ExpertKey, ExpertTask, Plan
 
 
@@ -18,10 +19,20 @@ def plan_layer(
     token_counts: Mapping[int, int],
     resident: Collection[ExpertKey],
     domain: Domain = Domain.HOST,
+    sparsity: float = 0.0,
+    tipping: int = 0,
 ) -> Plan:
-    """token_counts: expert id -> number of tokens routed to it in this call (> 0)."""
+    """token_counts: expert id -> number of tokens routed to it in this call (> 0). With a
+    sparsity target, tasks of fewer tokens than `tipping` carry it (they run the gather path)."""
     keys = [ExpertKey(layer, e) for e in sorted(token_counts)]
     hits = [k for k in keys if k in resident]
     misses = [k for k in keys if k not in resident]
-    tasks = tuple(ExpertTask(key=k, tokens=token_counts[k.expert]) for k in hits + misses)
+    tasks = tuple(
+        ExpertTask(
+            key=k,
+            tokens=token_counts[k.expert],
+            sparsity=sparsity if sparsity > 0 and use_sparse(token_counts[k.expert], tipping) else 0.0,
+        )
+        for k in hits + misses
+    )
     return Plan(tasks=tasks, domains=(domain,) * len(tasks))

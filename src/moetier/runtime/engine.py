@@ -278,6 +278,11 @@ class Engine:
                 found |= {int(e) for e in eos} if isinstance(eos, list) else {int(eos)}
         return found
 
+    @property
+    def max_len(self) -> int:
+        """Longest sequence one forward can take (the KV cache of the lean decoder)."""
+        return self._max_len()
+
     def _max_len(self) -> int:
         """Longest sequence the decoder can hold (the lean decoder's KV cache; unbounded otherwise)."""
         return int(getattr(self.decoder, "max_len", 1 << 30))
@@ -307,7 +312,9 @@ class Engine:
             "decoder": type(self.decoder).__name__,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-        } | ({"switching": self.switching.stats()} if self.switching is not None else {})
+        } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (
+            {"sparsity": self.loaded.sparsity.stats()} if self.loaded.sparsity is not None else {}
+        )
 
     def close(self) -> None:
         self.save_trace()

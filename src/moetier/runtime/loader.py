@@ -31,10 +31,13 @@ from moetier.models.families import Family, find_family
 from moetier.runtime.experts import ExpertFn, GptOssGLU, SwiGLU
 from moetier.runtime.moe_block import TieredMoE
 from moetier.runtime.precision import build_store
+from moetier.runtime.sparsity import SparsityState, attach, check_supported, model_identity
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.dynamic import DynamicStore
 from moetier.store.layout import ExpertLayout
+from moetier.store.qreader import source_fingerprint
 from moetier.store.reader import TORCH_DTYPES, ExpertReader
+from moetier.store.sparse import ThresholdTable, default_table_path
 from moetier.store.store import ExpertStore
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -70,6 +73,7 @@ class LoadedModel:
     store: ExpertStore | DynamicStore
     dtype: torch.dtype
     device: torch.device
+    sparsity: SparsityState | None = None
 
 
 def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family]:
@@ -154,7 +158,7 @@ class _Opened:
     reader: ExpertReader
 
 
-def _open(path: str | os.PathLike[str], dtype_name: str, device: torch.device) -> _Opened:
+def _open(path: str | os.PathLike[str], dtype_name: str, device: torch.device, down_rows: bool = False) -> _Opened:
     # 1. config and family; 2. the tensor index (headers validated) and the compute dtype
     config, family = read_config(path)
     index = CheckpointIndex(path)
@@ -167,7 +171,7 @@ def _open(path: str | os.PathLike[str], dtype_name: str, device: torch.device) -
     num_experts = int(experts.num_experts)
     _check_top_k(config, num_experts)
     hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
-    layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources)
+    layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources, down_rows=down_rows)
     reader = ExpertReader(index, family, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
     return _Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader)
 
@@ -185,8 +189,13 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
 def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 1-3. config, index, dtype, skeleton, MoE blocks, expert reader
     device = resolve_device(cfg.runtime.device)
-    o = _open(path, cfg.runtime.dtype, device)
+    o = _open(path, cfg.runtime.dtype, device, down_rows=cfg.sparsity.enabled)
     config, family, model, sites, dtype, num_experts = o.config, o.family, o.model, o.sites, o.dtype, o.num_experts
+    try:
+        check_supported(cfg, family)
+    except BaseException:
+        o.reader.close()
+        raise
     fn = expert_fn_for(family, config)
     # 4. the tiered store; the non-expert weights' bytes are reserved on their device before
     #    the pools are sized
@@ -204,7 +213,15 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
     model.to(device)
     info = _info(path, family, config, sites, o.index, o.reader, num_experts, o.hidden, o.inter)
-    return LoadedModel(info, family, config, model, blocks, store, dtype, device)
+    # 6. intra-expert sparsity: the calibrated thresholds and the per-layer sparse executors
+    sparsity = None
+    if cfg.sparsity.enabled:
+        table_path = cfg.sparsity.table or str(default_table_path(path))
+        table = ThresholdTable.load(table_path)
+        table.check_model(model_identity(info, source_fingerprint(o.index)["fingerprint"]), table_path)
+        act = getattr(config, "hidden_act", None)
+        sparsity = attach(blocks, table, table_path, cfg.sparsity, o.hidden, o.inter, dtype, device, act)
+    return LoadedModel(info, family, config, model, blocks, store, dtype, device, sparsity)
 
 
 def _info(

@@ -9,6 +9,9 @@ One call runs the pipeline once: route -> plan -> move -> compute -> combine.
 4. compute: the family's expert function on the slot's views, only for active experts;
 5. combine: weighted outputs summed in token order, plus shared experts.
 
+With intra-expert sparsity on, steps 2-5 of the routed experts are `sparse`'s
+(runtime/sparsity.py); shared experts stay dense.
+
 Decode (one token) takes a short path with no sort and no scatter; prefill groups
 tokens by expert with one argsort. Neither loops over all E experts or over tokens.
 """
@@ -24,6 +27,7 @@ from torch import nn
 from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
 from moetier.runtime.experts import ExpertFn
+from moetier.runtime.kernels import small_rows
 from moetier.types import ExpertKey
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits
@@ -53,6 +57,7 @@ class TieredMoE(nn.Module):
             if attr:
                 self.add_module(attr, getattr(block, attr))
         self.route_hooks: list[RouteHook] = []  # trace recorder, precision controller
+        self.sparse: Any = None  # runtime.sparsity.SparseExperts (or a calibration recorder): replaces compute
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k])."""
@@ -83,6 +88,9 @@ class TieredMoE(nn.Module):
 
     def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]."""
+        if self.sparse is not None:
+            out: torch.Tensor = self.sparse.forward(self, x, ids, weights)
+            return out
         store, layer, fn = self.store, self.layer, self.expert_fn
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: k experts, one token each
@@ -112,7 +120,8 @@ class TieredMoE(nn.Module):
             tok = token_of[starts[e] : starts[e] + c]  # [c]
             views = store.acquire(task.key)
             try:
-                y = fn(x[tok], views)  # [c, H]
+                with small_rows(c, x.dtype, x.device):  # an expert with 1-2 of the call's tokens: native GEMV
+                    y = fn(x[tok], views)  # [c, H]
                 out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e] + c, None]).to(out.dtype))
             finally:
                 store.release(task.key)

@@ -3,8 +3,10 @@
     [ gate (I*H) | up (I*H) | down (H*I) | gate_bias (I) | up_bias (I) | down_bias (H) ]
        \\_____ w13 [2I, H] ___/   w2 [H, I]     \\____ b13 [2I] ____/     b2 [H]
 
-Biases are present only for families that have them. Every slot of every pool uses
-this layout, so a tier-to-tier move is one contiguous copy of `numel` elements.
+Biases are present only for families that have them. With `down_rows` (sparse execution,
+store/sparse.py) the down projection is stored transposed, as rows [I, H], so that each
+neuron's gate, up and down weights are contiguous rows of H. Every slot of every pool of a
+store uses one layout, so a tier-to-tier move is one contiguous copy of `numel` elements.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class ExpertLayout:
     hidden: int
     inter: int
     has_bias: bool
+    down_rows: bool = False  # down stored as [I, H] (its transpose) instead of [H, I]
 
     @property
     def pieces(self) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -25,7 +28,7 @@ class ExpertLayout:
         out: dict[str, tuple[int, tuple[int, ...]]] = {
             "gate": (0, (i, h)),
             "up": (i * h, (i, h)),
-            "down": (2 * i * h, (h, i)),
+            "down": (2 * i * h, (i, h) if self.down_rows else (h, i)),
         }
         if self.has_bias:
             base = 3 * i * h

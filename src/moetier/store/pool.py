@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 @dataclass
 class SlotViews:
     w13: torch.Tensor  # [2I, H]
-    w2: torch.Tensor  # [H, I]
+    w2: torch.Tensor  # [H, I] (a transposed view when the layout stores down rows)
     b13: torch.Tensor | None  # [2I]
     b2: torch.Tensor | None  # [H]
     row: torch.Tensor  # [numel], the whole slot
     pieces: dict[str, torch.Tensor]  # canonical pieces, see ExpertLayout
+    down_rows: torch.Tensor | None = None  # [I, H] when the layout stores down rows
 
 
 class SlotPool:
@@ -51,13 +52,15 @@ class SlotPool:
             name: row[off : off + _numel(shape)].view(shape) for name, (off, shape) in self.layout.pieces.items()
         }
         b13 = row[3 * i * h : 3 * i * h + 2 * i] if self.layout.has_bias else None
+        down = pieces["down"]
         return SlotViews(
             w13=row[: 2 * i * h].view(2 * i, h),
-            w2=pieces["down"],
+            w2=down.t() if self.layout.down_rows else down,
             b13=b13,
             b2=pieces.get("down_bias"),
             row=row,
             pieces=pieces,
+            down_rows=down if self.layout.down_rows else None,
         )
 
 

@@ -122,7 +122,8 @@ class ExpertReader:
                     f"{loc.file}: expert tensor {name!r} has dtype {loc.dtype}; moetier reads F32, F16, BF16 "
                     "(quantized checkpoints such as MXFP4 must be dequantized to bf16 first)"
                 )
-            shapes = {_expected_src_shape(src.op, pieces[piece][1]) for piece, src in members}
+            ops = [(piece, self._op(piece, src.op)) for piece, src in members]
+            shapes = {_expected_src_shape(op, pieces[piece][1]) for piece, op in ops}
             (want,) = shapes
             fused = members[0][1].fused
             full_want = (self.num_experts, *want) if fused else want
@@ -133,9 +134,17 @@ class ExpertReader:
                 )
             nbytes = loc.nbytes // self.num_experts if fused else loc.nbytes
             offset = loc.offset + (e * nbytes if fused else 0)
-            reads.append(_Read(loc, offset, nbytes, want, tuple((p, s.op) for p, s in members)))
+            reads.append(_Read(loc, offset, nbytes, want, tuple(ops)))
             self.consumed.add(name)
         return reads
+
+    def _op(self, piece: str, op: str) -> str:
+        """The family's op for `piece`, transposed once more when the layout stores down rows."""
+        if piece != "down" or not self.layout.down_rows:
+            return op
+        if op not in ("copy", "T"):
+            raise CheckpointError(f"down rows cannot be read from a source with op {op!r}")
+        return "T" if op == "copy" else "copy"
 
     def _direct(self, r: _Read) -> bool:
         return (

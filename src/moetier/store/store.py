@@ -166,6 +166,11 @@ class ExpertStore:
         """Experts resident in the compute tier (key -> slot); planning puts these first."""
         return self.compute.slots
 
+    @property
+    def capacity(self) -> int:
+        """Experts the compute tier can hold pinned at once (its slots)."""
+        return self.compute.pool.n_slots
+
     def views(self, key: ExpertKey) -> Any:
         """Views of a resident (acquired) expert in the compute tier."""
         return self.compute.pool.views[self.compute.slots[key]]

@@ -1,0 +1,235 @@
+"""Intra-expert activation sparsity: quality on the bundled model, speed on the benchmark model.
+
+All in one process:
+1. quality (models/tiny-shakespeare-moe, data/shakespeare_heldout.txt): thresholds calibrated on
+   the first CALIB tokens, then on the next --max-tokens tokens (windows of 256, the training
+   context): achieved sparsity and perplexity for targets 0, 0.5, 0.7, 0.8, 0.85, 0.9 (and 0.95),
+   and the cutoff (largest target whose perplexity is within 5% of dense, interpolated);
+2. beyond the paper: (a) masks in blocks of 4-32 neurons at 0.85: achieved sparsity, perplexity,
+   and MoE-layer time at batch 1; (b) mask reuse: how well an expert's previous active set (and
+   the union of its last 4) predicts its next one at decode (recall and the share of neurons it
+   would compute), which decides whether the gate projection could be skipped;
+3. speed (the Qwen3-MoE-shaped random benchmark model, bf16, every expert resident): one MoE
+   layer's time dense vs sparse at 0.85 for batch sizes 1, 4, 16, 64 (candidates interleaved,
+   median of rounds), the tipping point the engine measured, and end-to-end decode tokens/s.
+
+    python benchmarks/sparsity.py [--max-tokens 16384] [--skip-quality] [--skip-speed] [--repeats 5]
+
+Prints tables, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks._models` from any cwd
+
+import torch
+
+import moetier
+from moetier.config import EngineConfig, RuntimeConfig, SparsityConfig
+from moetier.runtime.kernels import small_rows
+from moetier.runtime.sparsity import calibrate, model_identity
+from moetier.store.checkpoint import CheckpointIndex
+from moetier.store.qreader import source_fingerprint
+
+MODEL = Path("models/tiny-shakespeare-moe")
+TEXT = Path("data/shakespeare_heldout.txt")
+WINDOW, CALIB = 256, 8192
+TARGETS = (0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+def make_table(model: Path, ids: list[int], out: Path, window: int) -> Path:
+    eng = moetier.load(model, EngineConfig(runtime=RuntimeConfig(dtype="bf16")))
+    ident = model_identity(eng.info, source_fingerprint(CheckpointIndex(model))["fingerprint"])
+    table = calibrate(eng, ids, window, ident, "silu", {"text": "benchmark calibration split"})
+    eng.close()
+    return table.save(out)
+
+
+def engine(model: Path, target: float, table: Path | None, **sc: Any) -> Any:
+    scfg = SparsityConfig(target=target, table=str(table) if table else None, **sc)
+    return moetier.load(model, EngineConfig(sparsity=scfg, runtime=RuntimeConfig(dtype="bf16")))
+
+
+def quality(ids: list[int], max_tokens: int) -> dict[str, Any]:
+    table = make_table(MODEL, ids[:CALIB], Path(".bench/sparsity-tiny.json"), WINDOW)
+    evalset = ids[CALIB : CALIB + max_tokens]
+    rows: dict[str, Any] = {}
+    for t in TARGETS:
+        eng = engine(MODEL, t, table)
+        r = eng.perplexity(evalset, window=WINDOW)
+        sp = r.stats.get("sparsity", {"achieved": 0.0, "layers": {}})
+        rows[f"{t:g}"] = {"ppl": r.ppl, "achieved": sp["achieved"],
+                          "per_layer": {k: v["achieved"] for k, v in sp["layers"].items()}}  # fmt: skip
+        eng.close()
+    dense = rows["0"]["ppl"]
+    cutoff = 0.0
+    pts = [(t, rows[f"{t:g}"]["ppl"]) for t in TARGETS]
+    for (t0, p0), (t1, p1) in itertools.pairwise(pts):
+        if p1 > 1.05 * dense:
+            cutoff = t0 + (t1 - t0) * (1.05 * dense - p0) / (p1 - p0) if p1 != p0 else t0
+            break
+        cutoff = t1
+    blocks: dict[str, Any] = {}
+    for b in (1, 4, 8, 16, 32):
+        eng = engine(MODEL, 0.85, table, block=b)
+        r = eng.perplexity(evalset, window=WINDOW)
+        blocks[str(b)] = {"ppl": r.ppl, "achieved": r.stats["sparsity"]["achieved"]}
+        eng.close()
+    reuse = mask_reuse(table, ids[CALIB : CALIB + 1024])
+    return {"targets": rows, "dense_ppl": dense, "cutoff_5pct": cutoff, "blocks_at_0.85": blocks,
+            "mask_reuse": reuse, "eval_tokens": len(evalset), "calib_tokens": CALIB}  # fmt: skip
+
+
+def mask_reuse(table: Path, ids: list[int], target: float = 0.85) -> dict[str, float]:
+    """Decode `ids` one token at a time; per (layer, expert) compare each active set with the expert's
+    previous one and with the union of its last 4."""
+    eng = engine(MODEL, target, table, tipping=0)  # masked dense: simple to observe
+    hist: dict[tuple[int, int], list[torch.Tensor]] = {}
+    stats = {"prev_recall": [], "prev_size": [], "union4_recall": [], "union4_size": []}
+    for block in eng.loaded.blocks:
+        sp = block.sparse
+
+        def hook(layer: int, ids_: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, sp: Any = sp,
+                 block: Any = block) -> None:  # fmt: skip
+            x = block._probe_x  # set by the wrapper below
+            for e in ids_[0].tolist():
+                views = block.store.acquire(block_key(layer, e))
+                try:
+                    a = sp.act(torch.nn.functional.linear(x, views.w13[: sp.inter]))[0]
+                finally:
+                    block.store.release(block_key(layer, e))
+                m = a.abs() >= sp.threshold
+                past = hist.setdefault((layer, e), [])
+                if past and m.any():
+                    for name, ref in (("prev", past[-1]), ("union4", torch.stack(past[-4:]).any(0))):
+                        stats[f"{name}_recall"].append(float((m & ref).sum() / m.sum()))
+                        stats[f"{name}_size"].append(float(ref.float().mean()))
+                past.append(m)
+                del past[:-4]
+
+        block.route_hooks.append(hook)
+        orig = block.route
+
+        def route(x: torch.Tensor, block: Any = block, orig: Any = orig) -> Any:
+            block._probe_x = x
+            return orig(x)
+
+        block.route = route
+    eng.decoder.reset()
+    with torch.inference_mode():
+        for tok in ids:
+            eng._forward(torch.tensor([[tok]]))
+    eng.close()
+    return {k: statistics.mean(v) for k, v in stats.items() if v}
+
+
+def block_key(layer: int, e: int) -> Any:
+    from moetier.types import ExpertKey
+
+    return ExpertKey(layer, e)
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def layer_time(eng: Any, x: torch.Tensor, layer: int) -> float:
+    block = eng.loaded.blocks[layer]
+    with torch.inference_mode(), small_rows(x.shape[0], torch.bfloat16, torch.device("cpu")):
+        block(x[None])
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.2:
+            block(x[None])
+            n += 1
+        return (time.perf_counter() - t0) / n
+
+
+def speed(repeats: int) -> dict[str, Any]:
+    from benchmarks._models import qwen3_bench_model
+
+    bench = qwen3_bench_model()
+    gen = torch.Generator().manual_seed(1)
+    calib_ids = torch.randint(100, 30000, (2048,), generator=gen).tolist()
+    table = make_table(bench, calib_ids, Path(".bench/sparsity-bench.json"), 256)
+    engines = {"dense": engine(bench, 0.0, None), "sparse": engine(bench, 0.85, table)}
+    for b in (4, 16):
+        engines[f"sparse_block{b}"] = engine(bench, 0.85, table, block=b)
+    for eng in engines.values():
+        eng.store.preload()
+    tipping = engines["sparse"].loaded.sparsity.tipping
+    profile = engines["sparse"].loaded.sparsity.profile
+    xs = {bs: torch.randn(bs, 1024, generator=gen).to(torch.bfloat16) for bs in (1, 4, 16, 64)}
+    times: dict[str, dict[int, list[float]]] = {n: {bs: [] for bs in xs} for n in engines}
+    for _ in range(repeats):
+        for bs, x in xs.items():
+            for name, eng in engines.items():
+                if name.startswith("sparse_block") and bs != 1:
+                    continue
+                times[name][bs].append(sum(layer_time(eng, x, layer) for layer in (0, 3, 6)) / 3)
+    layer = {n: {bs: statistics.median(v) for bs, v in d.items() if v} for n, d in times.items()}
+    prompt = list(range(100, 116))
+    for eng in engines.values():
+        eng.generate(prompt, 8, stop_at_eos=False)
+    rates: dict[str, list[float]] = {"dense": [], "sparse": []}
+    for _ in range(repeats):
+        for name in rates:
+            rates[name].append(engines[name].generate(prompt, 64, stop_at_eos=False).decode_tok_s)
+    achieved = engines["sparse"].stats()["sparsity"]["achieved"]
+    for eng in engines.values():
+        eng.close()
+    decode = {n: statistics.median(v) for n, v in rates.items()}
+    return {
+        "layer_s": layer, "speedup": {bs: layer["dense"][bs] / layer["sparse"][bs] for bs in xs},
+        "block_speedup_b1": {n: layer["dense"][1] / layer[n][1] for n in layer if n.startswith("sparse")},
+        "tipping_tokens": tipping, "profile": profile, "decode_tok_s": decode,
+        "decode_speedup": decode["sparse"] / decode["dense"], "decode_achieved": achieved,
+        "threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true")
+    args = ap.parse_args()
+    out: dict[str, Any] = {}
+    if not args.skip_quality:
+        tok = moetier.load(MODEL).tokenizer
+        ids = list(tok.encode(TEXT.read_text(), add_special_tokens=False))
+        q = out["quality"] = quality(ids, args.max_tokens)
+        print(f"bundled model: calibrated on {q['calib_tokens']} tokens, scored {q['eval_tokens']} (window {WINDOW})")
+        print(f"{'target':>7} {'achieved':>9} {'ppl':>9} {'vs dense':>9}")
+        for t, r in q["targets"].items():
+            print(f"{t:>7} {r['achieved']:>9.3f} {r['ppl']:>9.3f} {r['ppl'] / q['dense_ppl']:>9.3f}")
+        print(f"cutoff (ppl +5%): {q['cutoff_5pct']:.3f}")
+        print("blocks at 0.85: " + ", ".join(f"{b}: ppl {r['ppl']:.3f} achieved {r['achieved']:.3f}"
+                                              for b, r in q["blocks_at_0.85"].items()))  # fmt: skip
+        print("mask reuse: " + ", ".join(f"{k} {v:.3f}" for k, v in q["mask_reuse"].items()))
+    if not args.skip_speed:
+        s = out["speed"] = speed(args.repeats)
+        print(f"benchmark model, {s['threads']} threads; tipping point {s['tipping_tokens']} tokens per expert")
+        print(f"{'batch':>5} {'dense ms':>9} {'sparse ms':>9} {'speedup':>8}")
+        for bs, sp in s["speedup"].items():
+            dense_ms, sparse_ms = 1e3 * s["layer_s"]["dense"][bs], 1e3 * s["layer_s"]["sparse"][bs]
+            print(f"{bs:>5} {dense_ms:>9.3f} {sparse_ms:>9.3f} {sp:>8.2f}")
+        print("blocks, batch 1 speedup: " + ", ".join(f"{n}: {v:.2f}" for n, v in s["block_speedup_b1"].items()))
+        d = s["decode_tok_s"]
+        print(f"decode: dense {d['dense']:.1f} tok/s, sparse {d['sparse']:.1f} tok/s ({s['decode_speedup']:.2f}x, "
+              f"achieved {s['decode_achieved']:.3f})")  # fmt: skip
+    print(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()

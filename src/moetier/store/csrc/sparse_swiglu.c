@@ -1,0 +1,133 @@
+/* Sparse SwiGLU experts of one MoE layer call: the gather path of intra-expert activation sparsity.
+ *
+ * A call takes n_exp experts, each with its (token, router weight) pairs, and computes for every
+ * token t the combined output  out[t] = sum over pairs (e, t, w) of  w * expert_e(x[t]),  where
+ *     a = silu(x[t] . Wg_i)                   for every neuron i (dense: each gate row read once)
+ *     m = |a| >= thr, per pair and per block of `block` neurons (a block is on if any neuron is)
+ *     h = m * a * (x[t] . Wu_i)               only for neurons in the union of m over e's pairs
+ *     y = sum_i h_i * Wd_i                    Wd stored as [I, H]: a neuron's down weights are a row
+ * An expert is one pool slot: gate rows [I, H] | up rows [I, H] | down rows [I, H], contiguous.
+ * Only the up and down rows of active neurons are read. Accumulation is fp32; `out` is written in
+ * the weights' dtype (bf16: round to nearest even), `accumulate` adds to what it holds.
+ *
+ * Loops are plain C that the compiler vectorises (-O3 -march=native). Threads are OpenMP; the
+ * shared object links libgomp.so.1, which resolves to the copy torch has already loaded, so the
+ * process keeps one OpenMP runtime and one thread pool.
+ *
+ * Returns the number of active (pair, neuron) entries. Arrays (P = pairs, nb = I / block):
+ *   wptr [n_exp] slot addresses; start [n_exp + 1] pair offsets; tok [P] token of each pair;
+ *   rw [P] router weights; mask_out [P, I] uint8 or NULL; scratch: xs [n_tok, H] fp32,
+ *   act [P, I] fp32, flat [n_exp * nb] int32, ys [n_tok, H] fp32.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define LOAD_BF16(v) bf2f(v)
+#define STORE_BF16(v) f2bf(v)
+#define LOAD_F32(v) (v)
+#define STORE_F32(v) (v)
+
+#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                             \
+    static inline float NAME##_dot(const T* restrict w, const float* restrict x, int64_t n) {            \
+        float acc = 0.0f;                                                                               \
+        _Pragma("omp simd reduction(+:acc)") for (int64_t j = 0; j < n; j++) acc += LOAD(w[j]) * x[j];  \
+        return acc;                                                                                     \
+    }                                                                                                   \
+    int64_t NAME(const T* x, int64_t n_tok, int64_t H, int64_t I, int64_t block, float thr,             \
+                 int64_t n_exp, const int64_t* wptr, const int64_t* start, const int32_t* tok,          \
+                 const float* rw, T* out, int accumulate, uint8_t* mask_out, float* xs, float* act,     \
+                 int32_t* flat, float* ys, int nthreads) {                                              \
+        const int64_t nb = I / block;                                                                   \
+        int64_t n_flat = 0, pairs = 0;                                                                  \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                 \
+            /* 1. tokens to fp32 */                                                                     \
+            _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n_tok; t++) {                   \
+                for (int64_t j = 0; j < H; j++) xs[t * H + j] = LOAD(x[t * H + j]);                     \
+            }                                                                                           \
+            /* 2. every gate row of every expert: act[p, i] = silu(x[tok[p]] . wg_i) */                 \
+            _Pragma("omp for schedule(static)") for (int64_t r = 0; r < n_exp * I; r++) {               \
+                const int64_t e = r / I, i = r % I;                                                     \
+                const T* row = (const T*)wptr[e] + i * H;                                               \
+                for (int64_t p = start[e]; p < start[e + 1]; p++) {                                     \
+                    float g = NAME##_dot(row, xs + (int64_t)tok[p] * H, H);                             \
+                    act[p * I + i] = g / (1.0f + expf(-g));                                             \
+                }                                                                                       \
+            }                                                                                           \
+            /* 3. masks per (pair, block): inactive activations zeroed; the union of active blocks    \
+                  of each expert, flattened as e * nb + b */                                            \
+            _Pragma("omp single") {                                                                     \
+                for (int64_t e = 0; e < n_exp; e++) {                                                   \
+                    for (int64_t b = 0; b < nb; b++) {                                                  \
+                        int any = 0;                                                                    \
+                        for (int64_t p = start[e]; p < start[e + 1]; p++) {                             \
+                            float* a = act + p * I + b * block;                                         \
+                            int on = 0;                                                                 \
+                            for (int64_t j = 0; j < block; j++) on |= fabsf(a[j]) >= thr;               \
+                            if (!on) memset(a, 0, (size_t)block * sizeof(float));                       \
+                            if (mask_out) memset(mask_out + p * I + b * block, on, (size_t)block);      \
+                            any |= on;                                                                  \
+                            pairs += on ? block : 0;                                                    \
+                        }                                                                               \
+                        if (any) flat[n_flat++] = (int32_t)(e * nb + b);                                \
+                    }                                                                                   \
+                }                                                                                       \
+            }                                                                                           \
+            /* 4. up rows of active neurons: act[p, i] *= x[tok[p]] . wu_i */                           \
+            _Pragma("omp for schedule(static)") for (int64_t f = 0; f < n_flat * block; f++) {          \
+                const int64_t eb = flat[f / block], e = eb / nb, i = (eb % nb) * block + f % block;     \
+                const T* row = (const T*)wptr[e] + (I + i) * H;                                         \
+                for (int64_t p = start[e]; p < start[e + 1]; p++) {                                     \
+                    float* a = act + p * I + i;                                                         \
+                    if (*a != 0.0f) *a *= NAME##_dot(row, xs + (int64_t)tok[p] * H, H);                 \
+                }                                                                                       \
+            }                                                                                           \
+            /* 5. down rows, each thread owning a slice of the H output columns: ys[tok] += w h wd_i */ \
+            const int nt = omp_get_num_threads(), me = omp_get_thread_num();                            \
+            const int64_t per = ((H + nt - 1) / nt + 15) / 16 * 16;                                     \
+            const int64_t lo = me * per < H ? me * per : H, hi = lo + per < H ? lo + per : H;           \
+            for (int64_t t = 0; t < n_tok; t++) {                                                       \
+                float* y = ys + t * H;                                                                  \
+                if (accumulate) {                                                                       \
+                    for (int64_t j = lo; j < hi; j++) y[j] = LOAD(out[t * H + j]);                      \
+                } else {                                                                                \
+                    for (int64_t j = lo; j < hi; j++) y[j] = 0.0f;                                      \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t f = 0; f < n_flat * block; f++) {                                              \
+                const int64_t eb = flat[f / block], e = eb / nb, i = (eb % nb) * block + f % block;     \
+                const T* row = (const T*)wptr[e] + (2 * I + i) * H;                                     \
+                for (int64_t p = start[e]; p < start[e + 1]; p++) {                                     \
+                    const float h = act[p * I + i] * rw[p];                                             \
+                    if (h == 0.0f) continue;                                                            \
+                    float* y = ys + (int64_t)tok[p] * H;                                                \
+                    _Pragma("omp simd") for (int64_t j = lo; j < hi; j++) y[j] += h * LOAD(row[j]);     \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t t = 0; t < n_tok; t++) {                                                       \
+                for (int64_t j = lo; j < hi; j++) out[t * H + j] = STORE(ys[t * H + j]);                \
+            }                                                                                           \
+        }                                                                                               \
+        return pairs;                                                                                   \
+    }
+
+DEFINE_KERNEL(moetier_sparse_moe_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+DEFINE_KERNEL(moetier_sparse_moe_f32, float, LOAD_F32, STORE_F32)
+
+int moetier_sparse_abi(void) { return 1; }

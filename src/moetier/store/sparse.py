@@ -1,0 +1,257 @@
+"""Threshold tables and sparse SwiGLU execution (intra-expert activation sparsity).
+
+**Table** (`ThresholdTable`): per MoE layer and mask block size, the thresholds on |act(gate x)|
+of routed experts for the targets 0, 0.05, ..., 0.95, calibrated by `moetier calibrate`. Stored as
+JSON, by default at MODEL/moetier-sparsity/thresholds.json, with the model's fingerprint so a
+table from another checkpoint is refused.
+
+**Execution** of routed SwiGLU experts with a threshold t, all with the same semantics
+(per token: a = act(x Wg^T); neurons with |a| < t, or whole blocks with none >= t, contribute 0):
+- `NativeSparse`: the gather path, one C call per layer call (csrc/sparse_swiglu.c) for the
+  experts that run sparse: each gate row read once, only active up and down rows after that;
+- `sparse_torch`: the same gather path in torch ops, for where the kernel is missing (no
+  compiler, CUDA: unverified here, activations other than SiLU);
+- `masked_dense`: the dense matmuls with the mask applied, for calls with many tokens, where
+  contiguous matmuls beat gathers (the dense/sparse switch never changes the result's math).
+
+Sparse execution needs the down projection stored as rows [I, H] (ExpertLayout.down_rows): the
+slot is gate rows | up rows | down rows, each neuron's weights a contiguous row of H.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moetier.config import SPARSITY_BLOCKS
+from moetier.errors import ConfigError
+from moetier.policies.sparsity import TARGETS, interpolate
+from moetier.store import native
+
+TABLE_FORMAT = "moetier-sparsity-table"
+TABLE_VERSION = 1
+DEFAULT_DIR = "moetier-sparsity"
+DEFAULT_NAME = "thresholds.json"
+
+
+def default_table_path(model_dir: str | os.PathLike[str]) -> Path:
+    return Path(model_dir) / DEFAULT_DIR / DEFAULT_NAME
+
+
+# --------------------------------------------------------------------------- table
+
+
+@dataclass
+class ThresholdTable:
+    """layer -> block -> thresholds per target (TARGETS), plus what it was calibrated on."""
+
+    model: dict[str, Any]  # identity: family, hidden_size, moe_intermediate, num_experts, moe_layers, fingerprint
+    activation: str
+    calibration: dict[str, Any]  # text, sha256, tokens, pairs per layer
+    thresholds: dict[int, dict[int, list[float]]]
+    targets: tuple[float, ...] = TARGETS
+    shared_dense: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def threshold(self, layer: int, target: float, block: int = 1) -> float:
+        if layer not in self.thresholds:
+            raise ConfigError(f"the sparsity table has no MoE layer {layer} (it has {sorted(self.thresholds)})")
+        row = self.thresholds[layer].get(block)
+        if row is None:
+            raise ConfigError(
+                f"the sparsity table has no thresholds for blocks of {block} neurons "
+                f"(it has {sorted(self.thresholds[layer])}); recalibrate with this moetier version"
+            )
+        try:
+            return interpolate(self.targets, row, target)
+        except ValueError as exc:
+            raise ConfigError(f"sparsity table: {exc}; recalibrate with `moetier calibrate`") from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": TABLE_FORMAT, "version": TABLE_VERSION, "model": self.model, "activation": self.activation,
+            "shared_experts": "dense" if self.shared_dense else "sparse", "calibration": self.calibration,
+            "targets": list(self.targets),
+            "thresholds": {str(layer): {str(b): row for b, row in rows.items()}
+                           for layer, rows in sorted(self.thresholds.items())},
+        } | self.extra  # fmt: skip
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        out = Path(path)
+        if out.is_dir():
+            raise ConfigError(f"sparsity table path {out} is a directory; give a file name, e.g. {out / DEFAULT_NAME}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ThresholdTable:
+        src = Path(path)
+        if not src.is_file():
+            raise ConfigError(f"no sparsity table at {src}; run `moetier calibrate MODEL --text FILE` first")
+        try:
+            raw = json.loads(src.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{src}: not a sparsity table (invalid JSON: {exc})") from exc
+        if not isinstance(raw, dict) or raw.get("format") != TABLE_FORMAT:
+            raise ConfigError(f"{src}: not a moetier sparsity table (no format {TABLE_FORMAT!r})")
+        if raw.get("version") != TABLE_VERSION:
+            raise ConfigError(f"{src}: sparsity table version {raw.get('version')}, this moetier reads {TABLE_VERSION}")
+        try:
+            targets = tuple(float(t) for t in raw["targets"])
+            thresholds = {
+                int(layer): {int(b): [float(v) for v in row] for b, row in rows.items()}
+                for layer, rows in raw["thresholds"].items()
+            }
+            table = cls(
+                model=dict(raw["model"]), activation=str(raw["activation"]), calibration=dict(raw["calibration"]),
+                thresholds=thresholds, targets=targets, shared_dense=raw.get("shared_experts", "dense") == "dense",
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{src}: malformed sparsity table ({type(exc).__name__}: {exc})") from exc
+        table._check(src)
+        return table
+
+    def _check(self, src: Path) -> None:
+        if not self.targets or self.targets[0] != 0 or list(self.targets) != sorted(self.targets):
+            raise ConfigError(f"{src}: targets must start at 0 and increase, got {list(self.targets)}")
+        for layer, rows in self.thresholds.items():
+            for b, row in rows.items():
+                if b not in SPARSITY_BLOCKS:
+                    raise ConfigError(f"{src}: layer {layer} has block size {b}, not one of {SPARSITY_BLOCKS}")
+                bad = len(row) != len(self.targets) or any(not math.isfinite(v) or v < 0 for v in row)
+                if bad or row != sorted(row):
+                    raise ConfigError(
+                        f"{src}: layer {layer} block {b}: thresholds must be {len(self.targets)} finite, "
+                        "non-negative, non-decreasing numbers"
+                    )
+
+    def check_model(self, identity: dict[str, Any], src: str | os.PathLike[str]) -> None:
+        """Refuse a table calibrated on another model (or another version of the weights)."""
+        for key in ("family", "hidden_size", "moe_intermediate", "num_experts", "moe_layers", "fingerprint"):
+            want, have = identity.get(key), self.model.get(key)
+            if key == "moe_layers":
+                want, have = list(want or []), list(have or [])
+            if want != have:
+                raise ConfigError(
+                    f"{src}: sparsity table was calibrated for another model ({key} is {have}, this model's is "
+                    f"{want}); recalibrate with `moetier calibrate`"
+                )
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def block_mask(a: torch.Tensor, threshold: float, block: int) -> torch.Tensor:
+    """a [N, I] activations -> bool mask [N, I]: |a| >= t, or per block of `block` neurons any."""
+    on = a.abs().float() >= threshold  # fp32 compare: a bf16 one would round the threshold first
+    if block == 1:
+        return on
+    n, i = a.shape
+    return on.view(n, i // block, block).any(-1, keepdim=True).expand(n, i // block, block).reshape(n, i)
+
+
+def masked_dense(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+    threshold: float, block: int,
+) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """x [N, H], w13 [2I, H], w2 [H, I] (any strides) -> (y [N, H], active (token, neuron) pairs)."""
+    h = F.linear(x, w13)  # [N, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    a = act(gate)  # [N, I]
+    m = block_mask(a, threshold, block)
+    return F.linear(a * m * up, w2), int(m.sum())
+
+
+def sparse_torch(
+    x: torch.Tensor, w13: torch.Tensor, down_rows: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+    threshold: float, block: int,
+) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """The gather path in torch ops: x [N, H], w13 [2I, H], down_rows [I, H] -> (y [N, H], pairs)."""
+    i = down_rows.shape[0]
+    a = act(F.linear(x, w13[:i]))  # [N, I], gate rows only
+    m = block_mask(a, threshold, block)
+    idx = m.any(0).nonzero().squeeze(1)  # [k] union of active neurons over the tokens
+    u = F.linear(x, w13[i:].index_select(0, idx))  # [N, k], gathered up rows
+    h = (a * m).index_select(1, idx) * u  # [N, k]
+    return h @ down_rows.index_select(0, idx), int(m.sum())  # [N, H]
+
+
+class _Scratch(threading.local):
+    """Per-thread fp32/int32 buffers of the native call, grown as needed (never shrunk)."""
+
+    def __init__(self) -> None:
+        self.f32 = torch.empty(0)
+        self.i32 = torch.empty(0, dtype=torch.int32)
+
+    def get(self, n_f32: int, n_i32: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.f32.numel() < n_f32:
+            self.f32 = torch.empty(max(n_f32, 2 * self.f32.numel()))
+        if self.i32.numel() < n_i32:
+            self.i32 = torch.empty(max(n_i32, 2 * self.i32.numel()), dtype=torch.int32)
+        return self.f32, self.i32
+
+
+_I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class NativeSparse:
+    """The C kernel for one expert shape and dtype (SiLU SwiGLU; bf16 or fp32 weights on CPU)."""
+
+    def __init__(self, lib: ctypes.CDLL, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the native sparse kernel takes bf16 or fp32 weights, not {dtype}")
+        self.fn = lib.moetier_sparse_moe_bf16 if dtype == torch.bfloat16 else lib.moetier_sparse_moe_f32
+        self.hidden, self.inter, self.dtype = hidden, inter, dtype
+        self._scratch = _Scratch()
+
+    def __call__(
+        self, x: torch.Tensor, slots: Sequence[int], tokens: Sequence[int], weights: Sequence[float],
+        starts: Sequence[int], out: torch.Tensor, threshold: float, block: int, accumulate: bool = False,
+        mask_out: torch.Tensor | None = None,
+    ) -> int:  # fmt: skip
+        """out [T, H] (=, or += with accumulate) the sum over experts e of, for each of its pairs j in
+        starts[e]:starts[e+1], weights[j] * expert_e(x[tokens[j]]). `slots` are the experts' slot
+        addresses (gate | up | down rows). x and out: contiguous [T, H] of the kernel's dtype.
+        mask_out, uint8 [pairs, I], receives the masks. Returns the active (pair, neuron) count."""
+        n_tok, h = x.shape
+        if h != self.hidden or x.dtype != self.dtype or out.dtype != self.dtype or out.shape != x.shape:
+            raise ValueError(f"native sparse: x {x.dtype} {list(x.shape)} / out {out.dtype} {list(out.shape)} do "
+                             f"not fit experts of hidden size {self.hidden} in {self.dtype}")  # fmt: skip
+        if not (x.is_contiguous() and out.is_contiguous()):
+            raise ValueError("native sparse: x and out must be contiguous")
+        n_exp, pairs, i = len(slots), len(tokens), self.inter
+        if len(starts) != n_exp + 1 or starts[-1] != pairs or len(weights) != pairs:
+            raise ValueError(f"native sparse: {n_exp} experts need {n_exp + 1} starts ending at {pairs} pairs")
+        if mask_out is not None and (mask_out.dtype != torch.uint8 or mask_out.numel() < pairs * i):
+            raise ValueError(f"mask_out must be uint8 with at least {pairs * i} elements")
+        f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i, n_exp * (i // block))
+        return int(
+            self.fn(
+                x.data_ptr(), n_tok, h, i, block, threshold, n_exp, (_I64 * n_exp)(*slots),
+                (_I64 * (n_exp + 1))(*starts), (_I32 * pairs)(*tokens), (_F32 * pairs)(*weights),
+                out.data_ptr(), int(accumulate), mask_out.data_ptr() if mask_out is not None else None,
+                f32.data_ptr(), f32.data_ptr() + 4 * (2 * n_tok * h), i32.data_ptr(),
+                f32.data_ptr() + 4 * (n_tok * h), torch.get_num_threads(),
+            )
+        )  # fmt: skip
+
+
+def native_kernel(hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> NativeSparse | None:
+    """The native kernel for this shape, or None (CUDA, dtype, no compiler: see native.load_error())."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    lib = native.load()
+    return NativeSparse(lib, hidden, inter, dtype) if lib is not None else None

@@ -1,0 +1,367 @@
+"""Intra-expert activation sparsity through the real engine (CPU, lean decoder).
+
+One Qwen3-MoE-style checkpoint (hidden 32, expert inner size 48: every mask block but 32 divides
+it) is built and calibrated once per module on random token ids; the table goes to the default
+path MODEL/moetier-sparsity/thresholds.json. Then:
+- target 0 is the dense engine, bit for bit;
+- the gather path (tipping=1000: every call below the tipping point) and the masked dense path
+  (tipping=0) agree, reach the target on the calibration tokens, and match a dense engine whose
+  experts are masked by hand in float64 (a model-level reference);
+- the torch fallback of the gather path, a 2-slot expert budget (chunks of 2 experts per native
+  call) and decode agree with the same engines;
+- the refusals: quantized precision, no table, another model's table, a block not dividing the
+  expert size;
+- the tipping profile is cached and read back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moetier
+from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig, SparsityConfig
+from moetier.errors import ConfigError
+from moetier.models.tiny import build_tiny_checkpoint
+from moetier.policies.sparsity import tipping_point
+from moetier.runtime import sparsity as rs
+from moetier.runtime.sparsity import calibrate, load_or_measure_tipping, model_identity
+from moetier.store import native
+from moetier.store.checkpoint import CheckpointIndex
+from moetier.store.qreader import source_fingerprint
+from moetier.store.sparse import ThresholdTable, default_table_path, native_kernel
+from moetier.types import ExpertKey
+
+CPU = RuntimeConfig(device="cpu", dtype="fp32")
+INTER = 48
+CALIB = torch.randint(3, 96, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+WINDOW = 128  # calibration runs two windows
+PROBE = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(7))  # [1, T]
+CLOSE = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def identity_of(engine: moetier.Engine, path: Path) -> dict[str, Any]:
+    return model_identity(engine.info, source_fingerprint(CheckpointIndex(path))["fingerprint"])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The calibrated checkpoint (table at the default path); read-only."""
+    path = build_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("sparse") / "qwen3", moe_intermediate_size=INTER)
+    with moetier.load(path, EngineConfig(runtime=CPU)) as engine:
+        table = calibrate(engine, CALIB, WINDOW, identity_of(engine, path), "silu", {"text": "random ids"})
+    table.save(default_table_path(path))
+    return path
+
+
+def sparse_cfg(target: float, tipping: int, block: int = 1, **kw: Any) -> EngineConfig:
+    return EngineConfig(runtime=CPU, sparsity=SparsityConfig(target=target, tipping=tipping, block=block), **kw)
+
+
+@pytest.fixture(scope="module")
+def dense_logits(model: Path) -> torch.Tensor:
+    with moetier.load(model, EngineConfig(runtime=CPU)) as engine:
+        return engine.logits(PROBE)
+
+
+def calib_windows(engine: moetier.Engine) -> None:
+    for s in range(0, len(CALIB), WINDOW):
+        engine.logits(torch.tensor([CALIB[s : s + WINDOW]]))
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path) -> Iterator[Callable[..., moetier.Engine]]:
+    """engines(target, tipping, block=1) -> a sparse engine, opened once per module (counts reset)."""
+    cache: dict[tuple[float, int, int], moetier.Engine] = {}
+
+    def get(target: float, tipping: int, block: int = 1) -> moetier.Engine:
+        key = (target, tipping, block)
+        if key not in cache:
+            cache[key] = moetier.load(model, sparse_cfg(target, tipping, block))
+        engine = cache[key]
+        assert engine.loaded.sparsity is not None
+        engine.loaded.sparsity.reset_counts()
+        return engine
+
+    yield get
+    for engine in cache.values():
+        engine.close()
+
+
+# --- calibration ---------------------------------------------------------------------------------
+
+
+def test_calibrated_table(model: Path) -> None:
+    table = ThresholdTable.load(default_table_path(model))
+    assert sorted(table.thresholds) == [0, 1]
+    assert all(sorted(rows) == [1, 4, 8, 16] for rows in table.thresholds.values())  # 32 does not divide 48
+    assert table.calibration["tokens"] == len(CALIB) and table.calibration["window"] == WINDOW
+    assert table.calibration["pairs"] == {"0": 2 * len(CALIB), "1": 2 * len(CALIB)}  # top-2 routing
+    assert table.activation == "silu" and table.model["moe_intermediate"] == INTER
+    for rows in table.thresholds.values():
+        assert rows[1][0] == 0.0 and rows[1][-1] > rows[1][10] > 0
+        assert rows[16][10] > rows[4][10] > rows[1][10]  # a block's largest magnitude is larger
+
+
+def test_calibrate_refuses_too_few_tokens(model: Path) -> None:
+    with moetier.load(model, EngineConfig(runtime=CPU)) as engine:
+        with pytest.raises(ConfigError, match="at least a few hundred"):
+            calibrate(engine, [5], WINDOW, identity_of(engine, model), "silu", {})
+        assert all(b.sparse is None for b in engine.loaded.blocks)  # executors restored
+
+
+# --- exactness and agreement ---------------------------------------------------------------------
+
+
+def test_target_zero_is_the_dense_engine(model: Path, dense_logits: torch.Tensor) -> None:
+    with moetier.load(model, EngineConfig(runtime=CPU, sparsity=SparsityConfig())) as engine:
+        assert engine.loaded.sparsity is None and "sparsity" not in engine.stats()
+        assert all(b.sparse is None for b in engine.loaded.blocks)
+        assert torch.equal(engine.logits(PROBE), dense_logits)
+    # a table path given with target 0 is not even read
+    cfg = EngineConfig(runtime=CPU, sparsity=SparsityConfig(target=0.0, table="/nonexistent/t.json"))
+    with moetier.load(model, cfg) as engine:
+        assert torch.equal(engine.logits(PROBE), dense_logits)
+
+
+@pytest.mark.parametrize("target", [0.5, 0.9])
+def test_gather_and_dense_paths_agree_and_reach_the_target(
+    model: Path, engines: Callable[..., moetier.Engine], target: float
+) -> None:
+    gather, dense = engines(target, 1000), engines(target, 0)
+    torch.testing.assert_close(gather.logits(PROBE), dense.logits(PROBE), **CLOSE)
+    for engine, sparse_path in ((gather, True), (dense, False)):
+        engine.loaded.sparsity.reset_counts()  # type: ignore[union-attr]
+        calib_windows(engine)
+        s = engine.stats()["sparsity"]
+        assert s["target"] == target and s["block"] == 1
+        assert s["tipping_tokens"] == (1000 if sparse_path else 0)
+        want_kernel = "native" if native.load() is not None else f"torch ({native.load_error()})"
+        assert s["kernel"] == want_kernel
+        assert s["table"] == str(default_table_path(model))
+        assert s["profile_cached"] is False
+        assert abs(s["achieved"] - target) < 0.05
+        assert sorted(s["layers"]) == [0, 1]
+        table = ThresholdTable.load(default_table_path(model))
+        for layer, ls in s["layers"].items():
+            assert ls["threshold"] == pytest.approx(table.threshold(layer, target))
+            assert abs(ls["achieved"] - target) < 0.05
+            routed = 2 * len(CALIB)  # top-2 over every calibration token
+            if sparse_path:
+                assert ls["dense_calls"] == 0 and ls["dense_tokens"] == 0
+                assert ls["sparse_calls"] > 0 and ls["sparse_tokens"] == routed
+            else:
+                assert ls["sparse_calls"] == 0 and ls["sparse_tokens"] == 0
+                assert ls["dense_calls"] > 0 and ls["dense_tokens"] == routed
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_blocks_paths_agree(engines: Callable[..., moetier.Engine], block: int) -> None:
+    gather, dense = engines(0.5, 1000, block), engines(0.5, 0, block)
+    torch.testing.assert_close(gather.logits(PROBE), dense.logits(PROBE), **CLOSE)
+    calib_windows(gather)
+    s = gather.stats()["sparsity"]
+    assert s["block"] == block and abs(s["achieved"] - 0.5) < 0.05
+
+
+class HandMasked:
+    """Compute step of one MoE layer on the dense store: per token and routed expert, in float64,
+    a = silu(x Wg^T); y = ((|a| >= thr) * a * (x Wu^T)) Wd^T; out = sum w * y."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def forward(self, moe: Any, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.exact(moe, x, ids, weights).to(x.dtype)
+
+    def exact(self, moe: Any, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The float64 result [T, H]."""
+        out = torch.zeros(x.shape, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            xt = x[t].double()
+            for e, w in zip(ids[t].tolist(), weights[t].tolist(), strict=True):
+                key = ExpertKey(moe.layer, e)
+                v = moe.store.acquire(key)
+                try:
+                    gate, up = (v.w13.double() @ xt).chunk(2)
+                    a = F.silu(gate)
+                    out[t] += w * (v.w2.double() @ ((a.abs() >= self.threshold) * a * up))
+                finally:
+                    moe.store.release(key)
+        return out
+
+
+@pytest.mark.parametrize("target", [0.5, 0.9])
+def test_matches_hand_masked_dense_engine(
+    model: Path, engines: Callable[..., moetier.Engine], dense_logits: torch.Tensor, target: float
+) -> None:
+    gather, dense = engines(target, 1000), engines(target, 0)
+    thresholds = {layer: ls["threshold"] for layer, ls in gather.stats()["sparsity"]["layers"].items()}
+    with moetier.load(model, EngineConfig(runtime=CPU)) as ref:
+        for b in ref.loaded.blocks:
+            b.sparse = HandMasked(thresholds[b.layer])
+        want = ref.logits(PROBE)
+        # decode goes through the same executors (one token per call)
+        prompt = PROBE[0, :6].tolist()
+        want_gen = ref.generate(prompt, max_new_tokens=6, stop_at_eos=False).token_ids
+    assert not torch.allclose(want, dense_logits, **CLOSE)  # the masking changes the model
+    torch.testing.assert_close(gather.logits(PROBE), want, **CLOSE)
+    torch.testing.assert_close(dense.logits(PROBE), want, **CLOSE)
+    assert gather.generate(prompt, max_new_tokens=6, stop_at_eos=False).token_ids == want_gen
+    assert dense.generate(prompt, max_new_tokens=6, stop_at_eos=False).token_ids == want_gen
+
+
+def test_mixed_paths_in_one_call(engines: Callable[..., moetier.Engine]) -> None:
+    """A tipping point between the experts' token counts: small calls gather, big ones run dense,
+    in the same layer call."""
+    mixed = engines(0.5, 14)
+    got = mixed.logits(PROBE)
+    layers = mixed.stats()["sparsity"]["layers"]
+    assert all(ls["sparse_calls"] > 0 and ls["dense_calls"] > 0 for ls in layers.values())
+    assert all(ls["sparse_tokens"] + ls["dense_tokens"] == 2 * PROBE.shape[1] for ls in layers.values())
+    torch.testing.assert_close(got, engines(0.5, 0).logits(PROBE), **CLOSE)
+
+
+def test_perplexity_finite_and_near_dense(model: Path, engines: Callable[..., moetier.Engine]) -> None:
+    with moetier.load(model, EngineConfig(runtime=CPU)) as engine:
+        dense = engine.perplexity(CALIB, window=WINDOW).ppl
+    sparse = engines(0.5, 1000).perplexity(CALIB, window=WINDOW)
+    assert math.isfinite(sparse.ppl) and dense / 2 < sparse.ppl < 2 * dense
+    assert sparse.ppl != dense
+    assert "sparsity" in sparse.stats
+
+
+def test_torch_fallback_matches_native(
+    model: Path, engines: Callable[..., moetier.Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rs, "native_kernel", lambda *a, **k: None)
+    with moetier.load(model, sparse_cfg(0.5, 1000, block=4)) as engine:
+        s = engine.stats()["sparsity"]
+        assert s["kernel"].startswith("torch (")
+        got = engine.logits(PROBE)
+        s = engine.stats()["sparsity"]
+        assert all(ls["sparse_calls"] > 0 and ls["dense_calls"] == 0 for ls in s["layers"].values())
+    torch.testing.assert_close(got, engines(0.5, 1000, 4).logits(PROBE), **CLOSE)
+    torch.testing.assert_close(got, engines(0.5, 0, 4).logits(PROBE), **CLOSE)
+
+
+@pytest.mark.parametrize("tipping", [1000, 0])
+def test_small_budget_chunks_by_capacity(model: Path, engines: Callable[..., moetier.Engine], tipping: int) -> None:
+    with moetier.load(model, sparse_cfg(0.5, tipping)) as probe:
+        slot, staging = probe.store.slot_bytes, probe.store.staging_bytes
+    budget = 2 * slot + staging
+    with moetier.load(model, sparse_cfg(0.5, tipping, budgets=Budgets(host_expert_bytes=budget))) as engine:
+        assert engine.store.capacity == 2  # type: ignore[union-attr]
+        got = engine.logits(PROBE)
+        s = engine.stats()
+        assert s["tiers"]["host"]["slots"] == 2 and s["misses"] > 2
+        assert s["peak_host_expert_bytes"] == 2 * slot
+        layers = s["sparsity"]["layers"]
+        calls = "sparse_calls" if tipping else "dense_calls"
+        assert all(ls[calls] >= 3 for ls in layers.values())  # more experts than slots: several chunks
+        gen = engine.generate(PROBE[0, :6].tolist(), max_new_tokens=5, stop_at_eos=False).token_ids
+    full = engines(0.5, tipping)
+    torch.testing.assert_close(got, full.logits(PROBE), **CLOSE)
+    assert gen == full.generate(PROBE[0, :6].tolist(), max_new_tokens=5, stop_at_eos=False).token_ids
+
+
+@pytest.fixture(scope="module")
+def model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bf16 twin of `model` (weights stored as bf16), calibrated the same way."""
+    path = tmp_path_factory.mktemp("sparse_bf16") / "qwen3"
+    build_tiny_checkpoint("qwen3_moe", path, dtype=torch.bfloat16, moe_intermediate_size=INTER)
+    with moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu"))) as engine:
+        table = calibrate(engine, CALIB, WINDOW, identity_of(engine, path), "silu", {"text": "random ids"})
+    table.save(default_table_path(path))
+    return path
+
+
+def test_bf16_layer_gather_path_matches_reference(model_bf16: Path) -> None:
+    """One MoE layer call of a bf16 engine on fixed inputs: the gather path (fp32 accumulation, one
+    rounding) is within bf16 rounding of the float64 reference with the same threshold."""
+    gen = torch.Generator().manual_seed(3)
+    t = 24
+    x = torch.randn(t, 32, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(t)])
+    weights = torch.rand(t, 2, generator=gen).to(torch.bfloat16)
+    bf16 = RuntimeConfig(device="cpu")
+    with moetier.load(model_bf16, EngineConfig(runtime=bf16, sparsity=SparsityConfig(0.5, tipping=1000))) as engine:
+        assert engine.dtype == torch.bfloat16
+        block = engine.loaded.blocks[0]
+        got = block.sparse.forward(block, x, ids, weights)
+        ref = HandMasked(block.sparse.threshold).exact(block, x, ids, weights)
+        s = engine.stats()["sparsity"]["layers"][0]
+    assert got.dtype == torch.bfloat16 and s["sparse_calls"] == 6 and s["sparse_tokens"] == 2 * t
+    assert abs(s["achieved"] - 0.5) < 0.05
+    torch.testing.assert_close(got.double(), ref, rtol=1e-2, atol=2e-2)
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def test_refuses_quantized_precision(model: Path) -> None:
+    cfg = sparse_cfg(0.5, 0, precision=PrecisionConfig(mode="int8"))
+    with pytest.raises(ConfigError, match="--precision int8"):
+        moetier.load(model, cfg)
+
+
+def test_refuses_a_missing_table(model: Path, tiny_ckpt: Callable[..., Path], tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"no sparsity table at .*moetier-sparsity/thresholds\.json.*`moetier calibrate"
+    ):
+        moetier.load(tiny_ckpt("qwen3_moe"), sparse_cfg(0.5, 0))  # never calibrated: nothing at the default path
+    cfg = EngineConfig(runtime=CPU, sparsity=SparsityConfig(target=0.5, tipping=0, table=str(tmp_path / "t.json")))
+    with pytest.raises(ConfigError, match=r"t\.json; run `moetier calibrate"):
+        moetier.load(model, cfg)
+
+
+def test_refuses_another_models_table(model: Path, tmp_path: Path, tiny_ckpt: Callable[..., Path]) -> None:
+    table = str(default_table_path(model))
+    # same shape, other weights (seed): only the fingerprint differs
+    twin = build_tiny_checkpoint("qwen3_moe", tmp_path / "twin", seed=1, moe_intermediate_size=INTER)
+    cfg = EngineConfig(runtime=CPU, sparsity=SparsityConfig(target=0.5, tipping=0, table=table))
+    with pytest.raises(ConfigError, match=r"calibrated for another model \(fingerprint is"):
+        moetier.load(twin, cfg)
+    # another shape
+    with pytest.raises(ConfigError, match=r"calibrated for another model \(moe_intermediate is 48"):
+        moetier.load(tiny_ckpt("qwen3_moe"), cfg)
+
+
+def test_refuses_a_block_not_dividing_the_expert_size(model: Path) -> None:
+    with pytest.raises(ConfigError, match="32 does not divide the expert size 48"):
+        moetier.load(model, sparse_cfg(0.5, 0, block=32))
+
+
+def test_config_validation() -> None:
+    for bad in ({"target": -0.1}, {"target": 0.96}, {"block": 2}, {"tipping": -1}):
+        with pytest.raises(ConfigError):
+            SparsityConfig(**bad)
+    assert not SparsityConfig().enabled and SparsityConfig(target=0.05).enabled
+
+
+# --- tipping profile cache -----------------------------------------------------------------------
+
+
+def test_tipping_profile_is_cached(tmp_path: Path) -> None:
+    cache = tmp_path / "p.json"
+    kernel = native_kernel(32, INTER, torch.float32, torch.device("cpu"))
+    cfg = SparsityConfig(target=0.5)
+    tip, profile, cached = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache)
+    assert not cached and cache.is_file()
+    assert tip == tipping_point(profile) and profile and min(profile) == 1
+    assert all(d > 0 and s > 0 for d, s in profile.values())
+    stored = json.loads(cache.read_text())
+    assert len(stored) == 1
+    tip2, profile2, cached2 = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache)
+    assert cached2 and tip2 == tip and profile2 == profile
+    # a corrupt cache only costs a re-measure
+    cache.write_text("{not json")
+    _, _, cached3 = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache)
+    assert not cached3 and len(json.loads(cache.read_text())) == 1

@@ -1,0 +1,103 @@
+"""The sparsity commands and flags: `moetier calibrate` writes the threshold table (with a JSON
+report), `generate`/`eval --sparsity` use it and report the achieved sparsity; bad values and
+missing or foreign tables exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetier.models.tiny import build_tiny_checkpoint
+from moetier.store.sparse import default_table_path
+from test_cli import SENTENCES, _save_tokenizer, assert_user_error, invoke, last_json
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = build_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("m") / "qwen3_moe", dtype=torch.bfloat16,
+                                   moe_intermediate_size=64)  # fmt: skip
+    _save_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "sample.txt"
+    path.write_text("\n".join(SENTENCES * 3), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(model: Path, text_file: Path) -> dict[str, object]:
+    return last_json(invoke("calibrate", model, "--text", text_file, "--window", 32, "--json"))
+
+
+def test_calibrate_writes_the_default_table(model: Path, calibrated: dict[str, object]) -> None:
+    path = default_table_path(model)
+    assert calibrated["table"] == str(path) and path.is_file()
+    table = json.loads(path.read_text())
+    assert table["format"] == "moetier-sparsity-table" and table["shared_experts"] == "dense"
+    assert len(table["targets"]) == 20 and table["targets"][0] == 0
+    for rows in table["thresholds"].values():
+        assert set(rows) == {"1", "4", "8", "16", "32"}
+        assert rows["1"] == sorted(rows["1"]) and rows["1"][0] == 0 and rows["1"][-1] > 0
+    assert table["calibration"]["tokens"] == calibrated["tokens"]
+
+
+def test_calibrate_out_file(model: Path, text_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    data = last_json(invoke("calibrate", model, "--text", text_file, "--out", out, "--max-tokens", 40, "--json"))
+    assert data["table"] == str(out) and out.is_file() and data["tokens"] == 40
+
+
+def test_eval_and_generate_report_sparsity(model: Path, text_file: Path, calibrated: dict[str, object]) -> None:
+    del calibrated
+    dense = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--json"))
+    sparse = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--sparsity", "0.7", "--json"))
+    sp = sparse["sparsity"]
+    assert sp["target"] == 0.7 and abs(sp["achieved"] - 0.7) < 0.05, sp
+    assert sparse["ppl"] != dense["ppl"] and "sparsity" not in dense
+    gen = invoke("generate", model, "--prompt", "ROMEO:", "--max-new-tokens", 4, "--ignore-eos", "--sparsity", "0.5",
+                 "--sparsity-block", "4", "--sparsity-tipping", "3")  # fmt: skip
+    assert gen.exit_code == 0, (gen.stdout, gen.stderr)
+    assert "sparsity target / achieved" in gen.stdout and "intra-expert sparsity per MoE layer" in gen.stdout
+    assert "blocks of 4" in gen.stdout and "3 tokens per expert" in gen.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (("--sparsity", "0.97"), "Error"),  # click's range check
+        (("--sparsity", "0.5", "--sparsity-block", "3"), "sparsity block must be one of"),
+        (("--sparsity", "0.5", "--sparsity-table", "NOPE"), "moetier calibrate"),
+        (("--sparsity", "0.5", "--precision", "int8"), "full-precision experts only"),
+        (("--sparsity", "0.5", "--sparsity-tipping", "-1"), "Error"),
+    ],
+)
+def test_bad_sparsity_flags_exit_2(
+    model: Path, text_file: Path, calibrated: dict[str, object], flags: tuple[str, ...], needle: str, tmp_path: Path
+) -> None:
+    del calibrated
+    flags = tuple(str(tmp_path / "missing.json") if f == "NOPE" else f for f in flags)
+    result = invoke("eval", model, "--text", text_file, *flags)
+    assert_user_error(result, needle)
+
+
+def test_foreign_table_is_refused(model: Path, text_file: Path, calibrated: dict[str, object], tmp_path: Path) -> None:
+    other = build_tiny_checkpoint("qwen3_moe", tmp_path / "other", seed=7, dtype=torch.bfloat16,
+                                  moe_intermediate_size=64)  # fmt: skip
+    _save_tokenizer(other)
+    result = invoke("eval", other, "--text", text_file, "--sparsity", "0.5", "--sparsity-table", calibrated["table"])
+    assert_user_error(result, "error:", "calibrated for another model", "fingerprint")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_calibrate_errors(model: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    assert_user_error(invoke("calibrate", model, "--text", empty), "error:", "tokens")
+    assert_user_error(invoke("calibrate", model, "--text", tmp_path / "none.txt"), "error:")
+    assert_user_error(invoke("calibrate", model, "--text", empty, "--out", tmp_path), "error:", "is a directory")

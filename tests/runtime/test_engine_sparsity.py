@@ -365,3 +365,9 @@ def test_tipping_profile_is_cached(tmp_path: Path) -> None:
     cache.write_text("{not json")
     _, _, cached3 = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache)
     assert not cached3 and len(json.loads(cache.read_text())) == 1
+    # so does a malformed entry under the right key
+    (key,) = json.loads(cache.read_text())
+    for bad in ([1, 2], {}, {"1": "x"}):
+        cache.write_text(json.dumps({key: bad}))
+        tip4, _, cached4 = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache)
+        assert not cached4 and tip4 >= 0

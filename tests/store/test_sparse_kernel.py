@@ -10,6 +10,7 @@ where fp32 and float64 may legitimately disagree.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,22 @@ def test_native_bad_arguments(lib: object) -> None:
         kernel(case.x, ptrs, toks, ws, starts, out, 0.1, 1, mask_out=torch.zeros(len(toks), 47, dtype=torch.uint8))
     with pytest.raises(ValueError, match="bf16 or fp32"):
         NativeSparse(lib, H, 48, torch.float16)  # type: ignore[arg-type]
+    # what would make the C code write out of bounds or drop neurons is refused before it runs
+    with pytest.raises(ValueError, match="does not divide"):
+        kernel(case.x, ptrs, toks, ws, starts, out, 0.1, 32)  # 48 % 32: the tail would be dropped
+    with pytest.raises(ValueError, match="does not divide"):
+        kernel(case.x, ptrs, toks, ws, starts, out, 0.1, 0)
+    with pytest.raises(ValueError, match="token ids"):
+        kernel(case.x, ptrs, [*toks[:-1], case.x.shape[0]], ws, starts, out, 0.1, 1)
+    with pytest.raises(ValueError, match="token ids"):
+        kernel(case.x, ptrs, [-1, *toks[1:]], ws, starts, out, 0.1, 1)
+    if len(starts) > 2:
+        bad = [starts[0], starts[2], starts[1], *starts[3:]]
+        with pytest.raises(ValueError, match="must not decrease"):
+            kernel(case.x, ptrs, toks, ws, bad, out, 0.1, 1)
+    with pytest.raises(ValueError, match="mask_out"):
+        mask = torch.zeros(48, len(toks), dtype=torch.uint8).t()  # right size, not contiguous
+        kernel(case.x, ptrs, toks, ws, starts, out, 0.1, 1, mask_out=mask)
     assert bool((out == 0).all())  # nothing ran
 
 
@@ -332,9 +349,11 @@ def test_bf16_torch_paths_count_against_the_exact_threshold(path: str) -> None:
 def test_load_builds_into_moetier_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     if native.load() is None:
         pytest.skip(f"native sparse kernel unavailable: {native.load_error()}")
+    good = native._compilers()
+    false = shutil.which("false")
+    assert false is not None
     try:
         with monkeypatch.context() as m:
-            m.setattr(native, "_error", None)
             m.setenv("MOETIER_CACHE", str(tmp_path / "cache"))
             native.load.cache_clear()
             assert native.cache_dir() == tmp_path / "cache" / "kernels"
@@ -344,13 +363,21 @@ def test_load_builds_into_moetier_cache(monkeypatch: pytest.MonkeyPatch, tmp_pat
             assert len(built) == 1 and built[0].name.startswith("sparse_swiglu-") and built[0].suffix == ".so"
             assert lib.moetier_sparse_abi() == native.ABI
             assert native.load() is lib  # cached per process
-            # a failing compiler: None, the reason kept, no half-written file left behind
+            assert native.build_key() in built[0].name
+            # only a failing compiler: None, the reason kept, a note instead of a half-written file
             native.load.cache_clear()
             m.setenv("MOETIER_CACHE", str(tmp_path / "bad"))
-            m.setenv("CC", "false")
+            m.setattr(native, "_compilers", lambda: [false])
             assert native.load() is None
             assert "failed" in (native.load_error() or "")
-            assert list((tmp_path / "bad" / "kernels").iterdir()) == []
+            left = list((tmp_path / "bad" / "kernels").iterdir())
+            assert [p.suffix for p in left] == [".failed"]
+            native.load.cache_clear()  # a later start skips the failed compiler at once
+            assert native.load() is None and "remembered" in (native.load_error() or "")
+            # a failing compiler, then a working one: the working one is used
+            native.load.cache_clear()
+            m.setattr(native, "_compilers", lambda: [false, *good])
+            assert native.load() is not None and native.load_error() is None
             native.load.cache_clear()
             m.setenv("MOETIER_NATIVE", "0")
             assert native.load() is None

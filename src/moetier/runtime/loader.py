@@ -191,8 +191,14 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     device = resolve_device(cfg.runtime.device)
     o = _open(path, cfg.runtime.dtype, device, down_rows=cfg.sparsity.enabled)
     config, family, model, sites, dtype, num_experts = o.config, o.family, o.model, o.sites, o.dtype, o.num_experts
-    try:
+    info = _info(path, family, config, sites, o.index, o.reader, num_experts, o.hidden, o.inter)
+    table: ThresholdTable | None = None
+    try:  # refuse an unsupported combination or a bad sparsity table before allocating any pool
         check_supported(cfg, family)
+        if cfg.sparsity.enabled:
+            table_path = cfg.sparsity.table or str(default_table_path(path))
+            table = ThresholdTable.load(table_path)
+            table.check_model(model_identity(info, source_fingerprint(o.index)["fingerprint"]), table_path)
     except BaseException:
         o.reader.close()
         raise
@@ -212,15 +218,16 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     consumed = load_non_experts(model, o.index, sites, family, dtype, tied)
     check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
     model.to(device)
-    info = _info(path, family, config, sites, o.index, o.reader, num_experts, o.hidden, o.inter)
-    # 6. intra-expert sparsity: the calibrated thresholds and the per-layer sparse executors
+    # 6. intra-expert sparsity: the per-layer sparse executors with the table's thresholds
     sparsity = None
-    if cfg.sparsity.enabled:
+    if table is not None:
         table_path = cfg.sparsity.table or str(default_table_path(path))
-        table = ThresholdTable.load(table_path)
-        table.check_model(model_identity(info, source_fingerprint(o.index)["fingerprint"]), table_path)
         act = getattr(config, "hidden_act", None)
-        sparsity = attach(blocks, table, table_path, cfg.sparsity, o.hidden, o.inter, dtype, device, act)
+        try:
+            sparsity = attach(blocks, table, table_path, cfg.sparsity, o.hidden, o.inter, dtype, device, act)
+        except BaseException:
+            store.close()
+            raise
     return LoadedModel(info, family, config, model, blocks, store, dtype, device, sparsity)
 
 

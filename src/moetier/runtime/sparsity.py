@@ -17,6 +17,7 @@ ThresholdTable: per MoE layer and block size, the quantiles of |act(gate x)| of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from moetier.runtime.moe_block import TieredMoE
 
 PROFILE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def check_supported(cfg: EngineConfig, family: Family) -> None:
@@ -143,7 +144,32 @@ class SparseExperts:
             c.dense_tokens += len(toks)
         return out
 
-    def _sparse(self, store: Any, x: torch.Tensor, out: torch.Tensor, tasks: Sequence[Any], groups: Any) -> None:
+    def _native(
+        self, x: torch.Tensor, out: torch.Tensor, chunk: Sequence[Any], views: Sequence[Any], groups: Groups,
+        accumulate: bool,
+    ) -> int:  # fmt: skip
+        """One kernel call for a chunk of experts. When the chunk covers only some of the call's tokens
+        (prefill with a mix of paths), the kernel sees just those rows, gathered, and its output is
+        added back; a decode step (or a chunk covering every token) reads and writes x and out as
+        they are."""
+        assert self.kernel is not None
+        toks = [t for task in chunk for t in groups[task.key.expert][0]]
+        ws = [w for task in chunk for w in groups[task.key.expert][1]]
+        starts = [0]
+        for task in chunk:
+            starts.append(starts[-1] + task.tokens)
+        slots = [v.row.data_ptr() for v in views]
+        rows = sorted(set(toks))
+        if len(rows) == x.shape[0]:  # every token (rows == 0..T-1): in place
+            return self.kernel(x, slots, toks, ws, starts, out, self.threshold, self.block, accumulate=accumulate)
+        where = {t: j for j, t in enumerate(rows)}
+        idx = torch.tensor(rows, device=x.device)
+        y = torch.empty((len(rows), x.shape[1]), dtype=out.dtype, device=out.device)  # [R, H]
+        active = self.kernel(x[idx], slots, [where[t] for t in toks], ws, starts, y, self.threshold, self.block)
+        out.index_add_(0, idx, y)
+        return active
+
+    def _sparse(self, store: Any, x: torch.Tensor, out: torch.Tensor, tasks: Sequence[Any], groups: Groups) -> None:
         c = self.counts
         cap = max(1, int(getattr(store, "capacity", 1)))
         for first in range(0, len(tasks), cap):
@@ -155,15 +181,7 @@ class SparseExperts:
                     views.append(store.acquire(task.key))
                     keys.append(task.key)
                 if self.kernel is not None:
-                    toks = [t for task in chunk for t in groups[task.key.expert][0]]
-                    ws = [w for task in chunk for w in groups[task.key.expert][1]]
-                    starts = [0]
-                    for task in chunk:
-                        starts.append(starts[-1] + task.tokens)
-                    active = self.kernel(
-                        x, [v.row.data_ptr() for v in views], toks, ws, starts, out, self.threshold, self.block,
-                        accumulate=first > 0,
-                    )  # fmt: skip
+                    active = self._native(x, out, chunk, views, groups, accumulate=first > 0)
                 else:
                     active = 0
                     for task, v in zip(chunk, views, strict=True):
@@ -187,11 +205,14 @@ class SparseExperts:
 
 
 def _profile_key(hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: bool) -> str:
-    cpu = native._cpu_id().splitlines()[0] if native._cpu_id() else "?"
+    """Everything a measured profile depends on: CPU (model and flags), threads, shape, dtype, target,
+    block, which kernel (the native build's key: source, compiler, flags) and torch."""
+    cpu = hashlib.sha256(native._cpu_id().encode()).hexdigest()[:16]
     return json.dumps(
         {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
-         "dtype": str(dtype), "target": round(target, 4), "block": block, "kernel": kernel,
-         "version": PROFILE_VERSION, "torch": torch.__version__}, sort_keys=True,
+         "dtype": str(dtype), "target": round(target, 4), "block": block,
+         "kernel": native.build_key() if kernel else "torch", "version": PROFILE_VERSION,
+         "torch": torch.__version__}, sort_keys=True,
     )  # fmt: skip
 
 
@@ -221,11 +242,13 @@ def tipping_profile(
     sparsity and the union over tokens is that of independent tokens (pessimistic for the gather
     path). Stops `stop_after` counts after dense first wins."""
     slot = 3 * inter * hidden * dtype.itemsize
-    n_exp = int(min(16, max(2, (64 << 20) // max(slot, 1))))
+    n_exp = int(min(16, max(1, (64 << 20) // max(slot, 1))))  # ~64 MiB: past the caches, never more than needed
     gen = torch.Generator().manual_seed(0)
-    slots = (torch.randn(n_exp, 3 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)  # gate|up|down rows
+    slots = torch.empty(n_exp, 3 * inter, hidden, dtype=dtype)  # gate | up | down rows
+    for e in range(n_exp):  # one expert at a time, in the target dtype: no fp32 copy of them all
+        slots[e].normal_(0.0, hidden**-0.5, generator=gen)
     x_all = torch.randn(max(counts), hidden, generator=gen).to(dtype)
-    a = act(F.linear(x_all.float(), slots[0, :inter].float()))  # [N, I]
+    a = act(F.linear(x_all, slots[0, :inter]).float())  # [N, I]
     thr = float(torch.quantile(a.abs().flatten().float(), target)) if target > 0 else 0.0
     out: dict[int, tuple[float, float]] = {}
     it = [0]
@@ -275,8 +298,11 @@ def load_or_measure_tipping(
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         stored = {}
     if key in stored:
-        profile = {int(c): (float(d), float(s)) for c, (d, s) in stored[key].items()}
-        return tipping_point(profile), profile, True
+        try:
+            profile = {int(c): (float(d), float(s)) for c, (d, s) in stored[key].items()}
+            return tipping_point(profile), profile, True
+        except (AttributeError, TypeError, ValueError):
+            pass  # a malformed entry: measure again and overwrite it
     profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel)
     stored[key] = {str(c): list(v) for c, v in profile.items()}
     try:
@@ -323,6 +349,7 @@ class SparsityState:
         }  # fmt: skip
 
     def reset_counts(self) -> None:
+        """Start the achieved-sparsity counters over (e.g. between measured runs)."""
         for s in self.layers.values():
             s.counts = LayerCounts()
 

@@ -3,15 +3,18 @@
 Why C of our own: no library has a CPU kernel that gathers the rows of active neurons of several
 experts and fuses gate, mask, up, down and the weighted combine into one call; composed from torch
 ops the same math costs a dozen dispatches per expert (~5 us each), more than the skipped rows save
-at decode. The kernel is plain C the compiler vectorises; it is built once per source, compiler and
-CPU into the cache folder ($MOETIER_CACHE, else $XDG_CACHE_HOME/moetier, else ~/.cache/moetier)
-and loaded with ctypes, so no Python headers are needed. Where no compiler works, `load()` returns
-None with the reason in `load_error()` and callers fall back to torch ops. MOETIER_NATIVE=0 turns
-the kernel off.
+at decode. The kernel is plain C the compiler vectorises (AVX512-BF16 dot products where the CPU
+has them); it is built once per source, compiler (path and version), flags and CPU into the cache
+folder ($MOETIER_CACHE, else $XDG_CACHE_HOME/moetier, else ~/.cache/moetier) and loaded with
+ctypes, so no Python headers are needed. Compilers are tried in order ($CC, cc, gcc, clang); a
+failed build leaves a `.failed` note with its error, so later starts skip that compiler at once.
+Where none works, `load()` returns None with the reasons in `load_error()` and callers fall back
+to torch ops. MOETIER_NATIVE=0 turns the kernel off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -36,7 +39,7 @@ _ARGTYPES = [
     _P, ctypes.c_int, _P,  # out, accumulate, mask_out
     _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, nthreads
 ]  # fmt: skip
-_error: str | None = None
+_state: dict[str, str | None] = {"error": None, "key": None}
 
 
 def cache_dir() -> Path:
@@ -45,11 +48,22 @@ def cache_dir() -> Path:
     return (base if os.environ.get("MOETIER_CACHE") else base / "moetier") / "kernels"
 
 
-def _compiler() -> str | None:
+def _compilers() -> list[str]:
+    """Paths of the compilers to try, in order, without duplicates."""
+    out: list[str] = []
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+        path = shutil.which(name) if name else None
+        if path and os.path.realpath(path) not in {os.path.realpath(p) for p in out}:
+            out.append(path)
+    return out
+
+
+def _version(cc: str) -> str:
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=20)
+        return done.stdout.splitlines()[0] if done.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _cpu_id() -> str:
@@ -60,6 +74,12 @@ def _cpu_id() -> str:
         return "\n".join(lines)
     except OSError:
         return platform.processor() or platform.machine()
+
+
+def _key(source: bytes, cc: str) -> str:
+    parts = [source, os.path.realpath(cc).encode(), _version(cc).encode(), " ".join(FLAGS).encode(),
+             _cpu_id().encode(), platform.machine().encode()]  # fmt: skip
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def _build(cc: str, target: Path) -> None:
@@ -77,36 +97,62 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library (built on first use), or None when it cannot be had."""
-    global _error
-    if os.environ.get("MOETIER_NATIVE", "1") == "0":
-        _error = "turned off by MOETIER_NATIVE=0"
-        return None
-    cc = _compiler()
-    if cc is None:
-        _error = "no C compiler found (set CC, or install cc/gcc/clang)"
-        return None
-    torch.zeros(1).add_(1)  # torch's libgomp is loaded before ours binds to it
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_id().encode(), platform.machine().encode()])).hexdigest()[:16]  # fmt: skip
-    target = cache_dir() / f"sparse_swiglu-{key}.so"
-    try:
-        if not target.exists():
-            _build(cc, target)
-        lib = ctypes.CDLL(str(target))
-        if lib.moetier_sparse_abi() != ABI:
-            raise RuntimeError(f"{target}: kernel ABI {lib.moetier_sparse_abi()}, expected {ABI}")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _error = str(exc)
-        return None
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    if lib.moetier_sparse_abi() != ABI:
+        raise RuntimeError(f"{path}: kernel ABI {lib.moetier_sparse_abi()}, expected {ABI}")
     for name in ("moetier_sparse_moe_bf16", "moetier_sparse_moe_f32"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, _ARGTYPES
     return lib
 
 
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library (built on first use), or None when it cannot be had."""
+    if os.environ.get("MOETIER_NATIVE", "1") == "0":
+        _state["error"] = "turned off by MOETIER_NATIVE=0"
+        return None
+    compilers = _compilers()
+    if not compilers:
+        _state["error"] = "no C compiler found (set CC, or install cc/gcc/clang)"
+        return None
+    torch.zeros(1).add_(1)  # torch's libgomp is loaded before ours binds to it
+    errors = []
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as exc:
+        _state["error"] = f"kernel source missing: {exc}"
+        return None
+    for cc in compilers:
+        key = _key(source, cc)
+        target = cache_dir() / f"sparse_swiglu-{key}.so"
+        failed = target.with_suffix(".failed")
+        try:
+            if not target.exists():
+                if failed.exists():
+                    raise RuntimeError(failed.read_text().strip() + f" (remembered in {failed}; delete it to retry)")
+                try:
+                    _build(cc, target)
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    with contextlib.suppress(OSError):
+                        failed.write_text(str(exc) + "\n")
+                    raise
+            lib = _open(target)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            errors.append(f"{cc}: {exc}")
+            continue
+        _state["key"], _state["error"] = key, None
+        return lib
+    _state["error"] = "; ".join(errors)
+    return None
+
+
 def load_error() -> str | None:
     """Why `load()` returned None (None if it has not failed)."""
-    return _error
+    return _state["error"]
+
+
+def build_key() -> str:
+    """The key of the loaded kernel build (source, compiler, flags, CPU), or "none"."""
+    return (_state["key"] or "none") if load() is not None else "none"

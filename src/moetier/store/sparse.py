@@ -14,6 +14,10 @@ table from another checkpoint is refused.
 - `masked_dense`: the dense matmuls with the mask applied, for calls with many tokens, where
   contiguous matmuls beat gathers (the dense/sparse switch never changes the result's math).
 
+A kernel call accumulates in fp32 and writes its output once; when a layer call is split into
+chunks (a compute tier that cannot pin all its experts at once), chunks add up in the output's
+dtype.
+
 Sparse execution needs the down projection stored as rows [I, H] (ExpertLayout.down_rows): the
 slot is gate rows | up rows | down rows, each neuron's weights a contiguous row of H.
 """
@@ -21,6 +25,7 @@ slot is gate rows | up rows | down rows, each neuron's weights a contiguous row 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -233,10 +238,18 @@ class NativeSparse:
         if not (x.is_contiguous() and out.is_contiguous()):
             raise ValueError("native sparse: x and out must be contiguous")
         n_exp, pairs, i = len(slots), len(tokens), self.inter
-        if len(starts) != n_exp + 1 or starts[-1] != pairs or len(weights) != pairs:
-            raise ValueError(f"native sparse: {n_exp} experts need {n_exp + 1} starts ending at {pairs} pairs")
-        if mask_out is not None and (mask_out.dtype != torch.uint8 or mask_out.numel() < pairs * i):
-            raise ValueError(f"mask_out must be uint8 with at least {pairs * i} elements")
+        if block < 1 or i % block:
+            raise ValueError(f"native sparse: block {block} does not divide the expert size {i}")
+        if len(starts) != n_exp + 1 or starts[0] != 0 or starts[-1] != pairs or len(weights) != pairs:
+            raise ValueError(f"native sparse: {n_exp} experts need {n_exp + 1} starts from 0 to {pairs} pairs")
+        if any(b < a for a, b in itertools.pairwise(starts)):
+            raise ValueError(f"native sparse: starts must not decrease, got {list(starts)}")
+        if pairs and (min(tokens) < 0 or max(tokens) >= n_tok):
+            raise ValueError(f"native sparse: token ids must be in [0, {n_tok}), got {min(tokens)}..{max(tokens)}")
+        if mask_out is not None and (
+            mask_out.dtype != torch.uint8 or mask_out.numel() < pairs * i or not mask_out.is_contiguous()
+        ):
+            raise ValueError(f"mask_out must be a contiguous uint8 tensor of at least {pairs * i} elements")
         f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i, n_exp * (i // block))
         return int(
             self.fn(

@@ -11,7 +11,9 @@ All in one process:
    would compute), which decides whether the gate projection could be skipped;
 3. speed (the Qwen3-MoE-shaped random benchmark model, bf16, every expert resident): one MoE
    layer's time dense vs sparse at 0.85 for batch sizes 1, 4, 16, 64 (candidates interleaved,
-   median of rounds), the tipping point the engine measured, and end-to-end decode tokens/s.
+   median of rounds), also against the gather kernel at threshold 0 (every neuron: what the
+   kernel gains over torch's matmuls by itself), the tipping point the engine measured, and
+   end-to-end decode tokens/s.
 
     python benchmarks/sparsity.py [--max-tokens 16384] [--skip-quality] [--skip-speed] [--repeats 5]
 
@@ -164,6 +166,11 @@ def speed(repeats: int) -> dict[str, Any]:
     engines = {"dense": engine(bench, 0.0, None), "sparse": engine(bench, 0.85, table)}
     for b in (4, 16):
         engines[f"sparse_block{b}"] = engine(bench, 0.85, table, block=b)
+    # the gather kernel with threshold 0 (every neuron computed): separates what sparsity saves from
+    # what the kernel itself does better than torch's matmuls
+    engines["kernel_dense"] = engine(bench, 0.85, table)
+    for s in engines["kernel_dense"].loaded.sparsity.layers.values():
+        s.threshold = 0.0
     for eng in engines.values():
         eng.store.preload()
     tipping = engines["sparse"].loaded.sparsity.tipping
@@ -191,6 +198,7 @@ def speed(repeats: int) -> dict[str, Any]:
     return {
         "layer_s": layer, "speedup": {bs: layer["dense"][bs] / layer["sparse"][bs] for bs in xs},
         "block_speedup_b1": {n: layer["dense"][1] / layer[n][1] for n in layer if n.startswith("sparse")},
+        "sparse_over_kernel_dense": {bs: layer["kernel_dense"][bs] / layer["sparse"][bs] for bs in xs},
         "tipping_tokens": tipping, "profile": profile, "decode_tok_s": decode,
         "decode_speedup": decode["sparse"] / decode["dense"], "decode_achieved": achieved,
         "threads": torch.get_num_threads(),
@@ -220,10 +228,12 @@ def main() -> None:
     if not args.skip_speed:
         s = out["speed"] = speed(args.repeats)
         print(f"benchmark model, {s['threads']} threads; tipping point {s['tipping_tokens']} tokens per expert")
-        print(f"{'batch':>5} {'dense ms':>9} {'sparse ms':>9} {'speedup':>8}")
+        print(f"{'batch':>5} {'dense ms':>9} {'sparse ms':>9} {'speedup':>8} {'kernel@0 ms':>12} {'vs kernel@0':>12}")
         for bs, sp in s["speedup"].items():
             dense_ms, sparse_ms = 1e3 * s["layer_s"]["dense"][bs], 1e3 * s["layer_s"]["sparse"][bs]
-            print(f"{bs:>5} {dense_ms:>9.3f} {sparse_ms:>9.3f} {sp:>8.2f}")
+            k0 = 1e3 * s["layer_s"]["kernel_dense"][bs]
+            print(f"{bs:>5} {dense_ms:>9.3f} {sparse_ms:>9.3f} {sp:>8.2f} {k0:>12.3f} "
+                  f"{s['sparse_over_kernel_dense'][bs]:>12.2f}")  # fmt: skip
         print("blocks, batch 1 speedup: " + ", ".join(f"{n}: {v:.2f}" for n, v in s["block_speedup_b1"].items()))
         d = s["decode_tok_s"]
         print(f"decode: dense {d['dense']:.1f} tok/s, sparse {d['sparse']:.1f} tok/s ({s['decode_speedup']:.2f}x, "

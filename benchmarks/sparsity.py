@@ -13,9 +13,11 @@ All in one process:
    layer's time dense vs sparse at 0.85 for batch sizes 1, 4, 16, 64 (candidates interleaved,
    median of rounds), also against the gather kernel at threshold 0 (every neuron: what the
    kernel gains over torch's matmuls by itself), the tipping point the engine measured, and
-   end-to-end decode tokens/s.
+   end-to-end decode tokens/s;
+4. the same with int4 experts: static int4 (torch's packed kernel) vs int4 + 0.85 sparsity
+   (the `--for-sparsity` rows tier, our kernel), and bf16 + 0.85 in the decode comparison.
 
-    python benchmarks/sparsity.py [--max-tokens 16384] [--skip-quality] [--skip-speed] [--repeats 5]
+    python benchmarks/sparsity.py [--max-tokens 16384] [--skip-quality] [--skip-speed] [--skip-quant] [--repeats 5]
 
 Prints tables, then one JSON line.
 """
@@ -205,12 +207,63 @@ def speed(repeats: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def speed_quant(repeats: int, precision: str = "int4") -> dict[str, Any]:
+    """The benchmark model with int4 experts: static int4 dense (torch's packed int4 kernel) vs int4
+    sparse at 0.85 (the rows tier, our kernel), one MoE layer per batch size, and decode (with bf16
+    sparse at 0.85 as a third decode candidate)."""
+    from benchmarks._models import qwen3_bench_model
+    from moetier.config import PrecisionConfig
+    from moetier.store.quantize import quantize_model
+
+    bench = qwen3_bench_model()
+    quant = Path(".bench/quant-bench")
+    quantize_model(bench, [precision], out=quant, method="rtn")  # the fit does not change speed
+    quantize_model(bench, [precision], out=quant, method="rtn", down_rows=True)
+    gen = torch.Generator().manual_seed(1)
+    calib_ids = torch.randint(100, 30000, (2048,), generator=gen).tolist()
+    table = Path(".bench/sparsity-bench.json")
+    if not table.exists():
+        make_table(bench, calib_ids, table, 256)
+    pcfg = PrecisionConfig(mode=precision, quant_dir=str(quant))
+    engines = {
+        "dense": moetier.load(bench, EngineConfig(precision=pcfg, runtime=RuntimeConfig(dtype="bf16"))),
+        "sparse": moetier.load(bench, EngineConfig(precision=pcfg, runtime=RuntimeConfig(dtype="bf16"),
+                                                   sparsity=SparsityConfig(target=0.85, table=str(table)))),
+    }  # fmt: skip
+    # for decode only: bf16 experts with sparsity, the best combination on this CPU
+    engines["bf16_sparse"] = engine(bench, 0.85, table)
+    for eng in engines.values():
+        eng.store.preload()
+    xs = {bs: torch.randn(bs, 1024, generator=gen).to(torch.bfloat16) for bs in (1, 4, 16, 64)}
+    times: dict[str, dict[int, list[float]]] = {n: {bs: [] for bs in xs} for n in ("dense", "sparse")}
+    for _ in range(repeats):
+        for bs, x in xs.items():
+            for name in times:
+                times[name][bs].append(sum(layer_time(engines[name], x, layer) for layer in (0, 3, 6)) / 3)
+    layer = {n: {bs: statistics.median(v) for bs, v in d.items()} for n, d in times.items()}
+    prompt = list(range(100, 116))
+    for eng in engines.values():
+        eng.generate(prompt, 8, stop_at_eos=False)
+    rates: dict[str, list[float]] = {n: [] for n in engines}
+    for _ in range(repeats):
+        for name, eng in engines.items():
+            rates[name].append(eng.generate(prompt, 64, stop_at_eos=False).decode_tok_s)
+    tipping = engines["sparse"].loaded.sparsity.tipping
+    for eng in engines.values():
+        eng.close()
+    decode = {n: statistics.median(v) for n, v in rates.items()}
+    return {"precision": precision, "layer_s": layer, "speedup": {bs: layer["dense"][bs] / layer["sparse"][bs]
+            for bs in xs}, "decode_tok_s": decode, "decode_speedup": decode["sparse"] / decode["dense"],
+            "tipping_tokens": tipping}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-quant", action="store_true", help="skip int4 dense vs int4 sparse")
     args = ap.parse_args()
     out: dict[str, Any] = {}
     if not args.skip_quality:
@@ -238,6 +291,16 @@ def main() -> None:
         d = s["decode_tok_s"]
         print(f"decode: dense {d['dense']:.1f} tok/s, sparse {d['sparse']:.1f} tok/s ({s['decode_speedup']:.2f}x, "
               f"achieved {s['decode_achieved']:.3f})")  # fmt: skip
+    if not args.skip_quant:
+        sq = out["speed_int4"] = speed_quant(args.repeats)
+        print(f"benchmark model, int4 experts; tipping point {sq['tipping_tokens']} tokens per expert")
+        print(f"{'batch':>5} {'int4 ms':>9} {'int4+0.85':>10} {'speedup':>8}")
+        for bs, sp in sq["speedup"].items():
+            dense_ms, sparse_ms = 1e3 * sq["layer_s"]["dense"][bs], 1e3 * sq["layer_s"]["sparse"][bs]
+            print(f"{bs:>5} {dense_ms:>9.3f} {sparse_ms:>10.3f} {sp:>8.2f}")
+        d = sq["decode_tok_s"]
+        print(f"decode: int4 {d['dense']:.1f} tok/s, int4 + sparsity {d['sparse']:.1f} tok/s "
+              f"({sq['decode_speedup']:.2f}x), bf16 + sparsity {d['bf16_sparse']:.1f} tok/s")  # fmt: skip
     print(json.dumps(out, default=str))
 
 

@@ -73,7 +73,8 @@ def test_eval_and_generate_report_sparsity(model: Path, text_file: Path, calibra
         (("--sparsity", "0.97"), "Error"),  # click's range check
         (("--sparsity", "0.5", "--sparsity-block", "3"), "sparsity block must be one of"),
         (("--sparsity", "0.5", "--sparsity-table", "NOPE"), "moetier calibrate"),
-        (("--sparsity", "0.5", "--precision", "int8"), "full-precision experts only"),
+        (("--sparsity", "0.5", "--precision", "int8"), "--for-sparsity"),
+        (("--sparsity", "0.5", "--precision", "dynamic", "--lo", "int8"), "--precision dynamic"),
         (("--sparsity", "0.5", "--sparsity-tipping", "-1"), "Error"),
     ],
 )
@@ -101,3 +102,15 @@ def test_calibrate_errors(model: Path, tmp_path: Path) -> None:
     assert_user_error(invoke("calibrate", model, "--text", empty), "error:", "tokens")
     assert_user_error(invoke("calibrate", model, "--text", tmp_path / "none.txt"), "error:")
     assert_user_error(invoke("calibrate", model, "--text", empty, "--out", tmp_path), "error:", "is a directory")
+
+
+def test_quantize_for_sparsity_then_eval(model: Path, text_file: Path, calibrated: dict[str, object]) -> None:
+    del calibrated
+    data = last_json(invoke("quantize", model, "--precisions", "int4", "--group", "int4=32", "--method", "rtn",
+                            "--for-sparsity", "--json"))  # fmt: skip
+    (tier,) = data["tiers"]
+    assert tier["path"].endswith("int4-g32-rows") and Path(tier["path"], "manifest.json").is_file()
+    out = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--precision", "int4", "--group",
+                           "int4=32", "--sparsity", "0.6", "--json"))  # fmt: skip
+    assert out["precision"]["int4"]["experts"] > 0
+    assert abs(out["sparsity"]["achieved"] - 0.6) < 0.1, out["sparsity"]

@@ -322,6 +322,9 @@ def quantize(
     out: Annotated[Path | None, typer.Option(metavar="DIR", help="Tier root; default MODEL/moetier-quant.")] = None,
     method: Annotated[str, typer.Option(help="hqq (half-quadratic fit, default) or rtn (round to nearest).")] = "hqq",
     force: Annotated[bool, typer.Option("--force", help="Delete an incompatible existing tier, start over.")] = False,
+    for_sparsity: Annotated[bool, typer.Option(
+        "--for-sparsity", help="Write the layout --sparsity reads (down projection as rows, quantised along the "
+                               "hidden size) to <precision>-g<group>-rows.")] = False,
     json_out: JsonOut = False,
 ) -> None:
     """Write quantized disk tiers of the routed experts, one per precision (resumable: rerun to go on)."""
@@ -337,7 +340,7 @@ def quantize(
             TimeElapsedColumn(), console=err,
         ) as progress:  # fmt: skip
             paths = quantize_model(model, precs, out=out, group_sizes=groups, method=method, progress=progress,
-                                   force=force)  # fmt: skip
+                                   force=force, down_rows=for_sparsity)  # fmt: skip
         rows = [tier_summary(p) | {"path": str(p)} for p in paths]
         report.print(quant_table(rows))
         if json_out:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import moetier
 from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig, SparsityConfig
-from moetier.errors import ConfigError
+from moetier.errors import CheckpointError, ConfigError
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.sparsity import tipping_point
 from moetier.runtime import sparsity as rs
@@ -306,9 +306,14 @@ def test_bf16_layer_gather_path_matches_reference(model_bf16: Path) -> None:
 # --- refusals ------------------------------------------------------------------------------------
 
 
-def test_refuses_quantized_precision(model: Path) -> None:
+def test_quantized_precision_needs_the_rows_tier(model: Path) -> None:
+    """A static quantized precision reads the rows tier (`quantize --for-sparsity`); without it the
+    error names the command. Dynamic precision is refused."""
     cfg = sparse_cfg(0.5, 0, precision=PrecisionConfig(mode="int8"))
-    with pytest.raises(ConfigError, match="--precision int8"):
+    with pytest.raises(CheckpointError, match=r"moetier quantize .* --precisions int8 --for-sparsity"):
+        moetier.load(model, cfg)
+    cfg = sparse_cfg(0.5, 0, precision=PrecisionConfig(mode="dynamic", hi="int8", lo="int4"))
+    with pytest.raises(ConfigError, match="--precision dynamic"):
         moetier.load(model, cfg)
 
 

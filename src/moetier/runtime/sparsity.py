@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +38,17 @@ from moetier.policies.sparsity import BINS_PER_OCTAVE, LOG2_MIN, N_BINS, LogHist
 from moetier.runtime.experts import SwiGLU
 from moetier.runtime.kernels import small_rows
 from moetier.store import native
-from moetier.store.sparse import NativeSparse, ThresholdTable, masked_dense, native_kernel, sparse_torch
+from moetier.store.qformat import QExpertViews, QLinearWeight
+from moetier.store.sparse import (
+    NativeSparse,
+    NativeSparseQuant,
+    ThresholdTable,
+    dense_weights,
+    masked_dense,
+    native_kernel,
+    quant_addresses,
+    sparse_torch,
+)
 from moetier.types import ExpertKey
 
 if TYPE_CHECKING:
@@ -51,10 +62,10 @@ def check_supported(cfg: EngineConfig, family: Family) -> None:
     """Refuse, with the reason, combinations the sparse path does not run yet."""
     if not cfg.sparsity.enabled:
         return
-    if cfg.precision.mode != "full":
+    if cfg.precision.mode == "dynamic":
         raise ConfigError(
-            f"--sparsity runs on full-precision experts only; it cannot be combined with --precision "
-            f"{cfg.precision.mode} yet (the quantized formats keep no per-neuron rows)"
+            "--sparsity cannot be combined with --precision dynamic yet; use full, or a static int8/int4/int2 "
+            "tier written with `moetier quantize --for-sparsity`"
         )
     if family.expert_kind != "swiglu":
         raise ConfigError(f"--sparsity supports SwiGLU-type experts; {family.name} experts are not supported yet")
@@ -102,7 +113,7 @@ class SparseExperts:
 
     def __init__(
         self, layer: int, threshold: float, target: float, block: int, tipping: int, inter: int,
-        act: Callable[[torch.Tensor], torch.Tensor], kernel: NativeSparse | None,
+        act: Callable[[torch.Tensor], torch.Tensor], kernel: NativeSparse | NativeSparseQuant | None,
     ) -> None:  # fmt: skip
         if block < 1 or inter % block:
             raise ConfigError(f"sparsity block {block} does not divide the expert size {inter}")
@@ -132,8 +143,9 @@ class SparseExperts:
             tok = torch.tensor(toks, device=x.device)
             views = store.acquire(task.key)
             try:
+                w13, w2, _ = dense_weights(views, x.dtype)  # quantized rows: dequantised copies
                 with small_rows(len(toks), x.dtype, x.device):
-                    y, active = masked_dense(xc[tok], views.w13, views.w2, self.act, self.threshold, self.block)
+                    y, active = masked_dense(xc[tok], w13, w2, self.act, self.threshold, self.block)
             finally:
                 store.release(task.key)
             w = torch.tensor(ws, dtype=y.dtype, device=y.device)[:, None]
@@ -158,7 +170,9 @@ class SparseExperts:
         starts = [0]
         for task in chunk:
             starts.append(starts[-1] + task.tokens)
-        slots = [v.row.data_ptr() for v in views]
+        slots: list[Any] = [
+            quant_addresses(v) if isinstance(self.kernel, NativeSparseQuant) else v.row.data_ptr() for v in views
+        ]
         rows = sorted(set(toks))
         if len(rows) == x.shape[0]:  # every token (rows == 0..T-1): in place
             return self.kernel(x, slots, toks, ws, starts, out, self.threshold, self.block, accumulate=accumulate)
@@ -187,7 +201,8 @@ class SparseExperts:
                     for task, v in zip(chunk, views, strict=True):
                         toks, ws = groups[task.key.expert]
                         tok = torch.tensor(toks, device=x.device)
-                        y, n = sparse_torch(x[tok], v.w13, v.down_rows, self.act, self.threshold, self.block)
+                        w13, _, rows = dense_weights(v, x.dtype)
+                        y, n = sparse_torch(x[tok], w13, rows, self.act, self.threshold, self.block)
                         w = torch.tensor(ws, dtype=y.dtype, device=y.device)[:, None]
                         out.index_add_(0, tok, (y * w).to(out.dtype))
                         active += n
@@ -204,13 +219,16 @@ class SparseExperts:
 # --------------------------------------------------------------------------- tipping profile
 
 
-def _profile_key(hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: bool) -> str:
+def _profile_key(
+    hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: bool,
+    quant: tuple[int, int] | None = None,
+) -> str:  # fmt: skip
     """Everything a measured profile depends on: CPU (model and flags), threads, shape, dtype, target,
     block, which kernel (the native build's key: source, compiler, flags) and torch."""
     cpu = hashlib.sha256(native._cpu_id().encode()).hexdigest()[:16]
     return json.dumps(
         {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
-         "dtype": str(dtype), "target": round(target, 4), "block": block,
+         "dtype": str(dtype), "target": round(target, 4), "block": block, "quant": list(quant or ()),
          "kernel": native.build_key() if kernel else "torch", "version": PROFILE_VERSION,
          "torch": torch.__version__}, sort_keys=True,
     )  # fmt: skip
@@ -232,47 +250,76 @@ def _best_time(fn: Callable[[], object], min_s: float = 0.01, rounds: int = 3) -
     return float(sorted(res)[len(res) // 2])
 
 
+def _synthetic_experts(
+    hidden: int, inter: int, dtype: torch.dtype, quant: tuple[int, int] | None, gen: torch.Generator
+) -> list[Any]:
+    """Random experts of this shape in the layout the engine uses: full precision as SlotViews-like
+    (w13 [2I, H], w2 view, down_rows [I, H], row) or quantized rows as QExpertViews; about 64 MiB, one
+    at a time, in the target dtype (never fewer than one)."""
+    bits = quant[0] if quant else 8 * dtype.itemsize
+    slot = 3 * inter * hidden * bits // 8
+    n_exp = int(min(16, max(1, (64 << 20) // max(slot, 1))))
+    out: list[Any] = []
+    for _ in range(n_exp):
+        if quant is None:
+            row = torch.empty(3 * inter, hidden, dtype=dtype).normal_(0.0, hidden**-0.5, generator=gen)
+            down = row[2 * inter :]
+            out.append(SimpleNamespace(w13=row[: 2 * inter], w2=down.t(), down_rows=down, row=row))
+            continue
+        b, g = quant
+        mats = []
+        for n in (2 * inter, inter):
+            q = torch.randint(0, 256, (n, hidden * b // 8), dtype=torch.uint8, generator=gen)
+            scale = torch.full((n, hidden // g), 2.0 * hidden**-0.5 / (2**b), dtype=torch.bfloat16)
+            zero = torch.full((n, hidden // g), (2**b - 1) / 2, dtype=torch.bfloat16)
+            mats.append(QLinearWeight("generic", n, hidden, g, b, q, scale, zero))
+        out.append(QExpertViews(mats[0], mats[1], None, None, torch.empty(0, dtype=torch.uint8)))
+    return out
+
+
 def tipping_profile(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], target: float,
-    block: int, kernel: NativeSparse | None, counts: Sequence[int] = PROFILE_COUNTS, stop_after: int = 2,
+    block: int, kernel: NativeSparse | NativeSparseQuant | None, counts: Sequence[int] = PROFILE_COUNTS,
+    stop_after: int = 2, quant: tuple[int, int] | None = None,
 ) -> dict[int, tuple[float, float]]:  # fmt: skip
-    """tokens per expert -> (dense s, sparse s) for one expert call on synthetic experts of this shape,
-    rotating over enough of them to leave the CPU caches (as real experts are, at decode). Inputs are
-    random; each token's threshold is its own quantile at `target`, so every token has the target's
-    sparsity and the union over tokens is that of independent tokens (pessimistic for the gather
-    path). Stops `stop_after` counts after dense first wins."""
-    slot = 3 * inter * hidden * dtype.itemsize
-    n_exp = int(min(16, max(1, (64 << 20) // max(slot, 1))))  # ~64 MiB: past the caches, never more than needed
+    """tokens per expert -> (dense s, sparse s) for one expert call on synthetic experts of this shape
+    (full precision, or `quant` = (bits, group) in the rows layout), rotating over enough of them to
+    leave the CPU caches (as real experts are, at decode). Inputs are random; each token's threshold
+    is its own quantile at `target`, so every token has the target's sparsity and the union over
+    tokens is that of independent tokens (pessimistic for the gather path). Stops `stop_after`
+    counts after dense first wins."""
     gen = torch.Generator().manual_seed(0)
-    slots = torch.empty(n_exp, 3 * inter, hidden, dtype=dtype)  # gate | up | down rows
-    for e in range(n_exp):  # one expert at a time, in the target dtype: no fp32 copy of them all
-        slots[e].normal_(0.0, hidden**-0.5, generator=gen)
+    experts = _synthetic_experts(hidden, inter, dtype, quant, gen)
     x_all = torch.randn(max(counts), hidden, generator=gen).to(dtype)
-    a = act(F.linear(x_all, slots[0, :inter]).float())  # [N, I]
+    w13_0 = dense_weights(experts[0], dtype)[0]
+    a = act(F.linear(x_all, w13_0[:inter]).float())  # [N, I]
     thr = float(torch.quantile(a.abs().flatten().float(), target)) if target > 0 else 0.0
     out: dict[int, tuple[float, float]] = {}
     it = [0]
     dense_wins = 0
 
-    def pick() -> torch.Tensor:
-        it[0] = (it[0] + 1) % n_exp
-        return slots[it[0]]
+    def pick() -> Any:
+        it[0] = (it[0] + 1) % len(experts)
+        return experts[it[0]]
 
     for c in counts:
         x = x_all[:c].contiguous()
         y = torch.empty_like(x)
 
         def dense(x: torch.Tensor = x) -> None:
-            s = pick()
+            w13, w2, _ = dense_weights(pick(), dtype)
             with small_rows(x.shape[0], dtype, x.device):
-                masked_dense(x, s[: 2 * inter], s[2 * inter :].t(), act, thr, block)
+                masked_dense(x, w13, w2, act, thr, block)
 
         def sparse(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
-            s = pick()
-            if kernel is not None:
-                kernel(x, [s.data_ptr()], list(range(c)), [1.0] * c, [0, c], y, thr, block)
+            v = pick()
+            if isinstance(kernel, NativeSparseQuant):
+                kernel(x, [quant_addresses(v)], list(range(c)), [1.0] * c, [0, c], y, thr, block)
+            elif kernel is not None:
+                kernel(x, [v.row.data_ptr()], list(range(c)), [1.0] * c, [0, c], y, thr, block)
             else:
-                sparse_torch(x, s[: 2 * inter], s[2 * inter :], act, thr, block)
+                w13, _, rows = dense_weights(v, dtype)
+                sparse_torch(x, w13, rows, act, thr, block)
 
         with torch.inference_mode():
             out[c] = (_best_time(dense), _best_time(sparse))
@@ -284,12 +331,12 @@ def tipping_profile(
 
 def load_or_measure_tipping(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], cfg: SparsityConfig,
-    kernel: NativeSparse | None, cache: Path | None = None,
+    kernel: NativeSparse | NativeSparseQuant | None, cache: Path | None = None, quant: tuple[int, int] | None = None,
 ) -> tuple[int, dict[int, tuple[float, float]], bool]:  # fmt: skip
     """(tipping point, profile, from cache). A profile is cached per machine, threads, shape, dtype,
     target and block in CACHE/sparse-profiles.json; an unwritable cache only costs the re-measure."""
     path = cache or native.cache_dir().parent / "sparse-profiles.json"
-    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, kernel is not None)
+    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, kernel is not None, quant)
     stored: dict[str, Any] = {}
     try:
         stored = json.loads(path.read_text()) if path.exists() else {}
@@ -303,7 +350,7 @@ def load_or_measure_tipping(
             return tipping_point(profile), profile, True
         except (AttributeError, TypeError, ValueError):
             pass  # a malformed entry: measure again and overwrite it
-    profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel)
+    profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel, quant=quant)
     stored[key] = {str(c): list(v) for c, v in profile.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -356,15 +403,22 @@ class SparsityState:
 
 def attach(
     blocks: Sequence[TieredMoE], table: ThresholdTable, table_path: str, cfg: SparsityConfig, hidden: int,
-    inter: int, dtype: torch.dtype, device: torch.device, act_name: str | None,
+    inter: int, dtype: torch.dtype, device: torch.device, act_name: str | None, quant: tuple[int, int] | None = None,
 ) -> SparsityState:  # fmt: skip
-    """Give every MoE block a SparseExperts executor with its layer's threshold."""
+    """Give every MoE block a SparseExperts executor with its layer's threshold. `quant` = (bits, group)
+    when the experts are quantized (rows layout)."""
     if inter % cfg.block:
         raise ConfigError(f"--sparsity-block {cfg.block} does not divide the expert size {inter}")
     fn = blocks[0].expert_fn
     if not isinstance(fn, SwiGLU):
         raise ConfigError("--sparsity supports SwiGLU-type experts only")
-    kernel = native_kernel(hidden, inter, dtype, device) if act_name in ("silu", "swish") else None
+    kernel: NativeSparse | NativeSparseQuant | None = None
+    if act_name in ("silu", "swish"):
+        kernel = native_kernel(hidden, inter, dtype, device)
+        if kernel is not None and quant is not None:
+            lib = native.load()
+            assert lib is not None
+            kernel = NativeSparseQuant(lib, hidden, inter, dtype, *quant)
     why = (
         "native" if kernel is not None else
         f"torch ({native.load_error() or ('CUDA, unverified' if device.type == 'cuda' else f'activation {act_name}')})"
@@ -376,7 +430,7 @@ def attach(
     elif device.type == "cuda":  # unverified here: no GPU to measure on; dense beyond 8 tokens per expert
         tipping = 8
     else:
-        tipping, profile, cached = load_or_measure_tipping(hidden, inter, dtype, fn.act, cfg, kernel)
+        tipping, profile, cached = load_or_measure_tipping(hidden, inter, dtype, fn.act, cfg, kernel, quant=quant)
     state = SparsityState(cfg.target, cfg.block, tipping, table_path, why, profile, cached)
     for block in blocks:
         thr = table.threshold(block.layer, cfg.target, cfg.block)

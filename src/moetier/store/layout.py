@@ -35,6 +35,11 @@ class ExpertLayout:
             out |= {"gate_bias": (base, (i,)), "up_bias": (base + i, (i,)), "down_bias": (base + 2 * i, (h,))}
         return out
 
+    def as_dict(self) -> dict[str, int | bool]:
+        """As recorded in quantized tiers' manifests (down_rows only when set, so older tiers still match)."""
+        out: dict[str, int | bool] = {"hidden": self.hidden, "inter": self.inter, "has_bias": self.has_bias}
+        return out | ({"down_rows": True} if self.down_rows else {})
+
     @property
     def numel(self) -> int:
         h, i = self.hidden, self.inter

@@ -24,18 +24,26 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_swiglu.c"
-ABI = 1
+ABI = 3
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [
+_ARGTYPES: list[Any] = [
     _P, _I64, _I64, _I64, _I64, ctypes.c_float,  # x, n_tok, H, I, block, thr
     _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(ctypes.c_int32),  # n_exp, wptr, start, tok
     ctypes.POINTER(ctypes.c_float),  # rw
+    _P, ctypes.c_int, _P,  # out, accumulate, mask_out
+    _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, nthreads
+]  # fmt: skip
+_QUANT_ARGTYPES: list[Any] = [
+    _P, ctypes.c_int, _I64, _I64, _I64, _I64, ctypes.c_float,  # x, x_bf16, n_tok, H, I, block, thr
+    _I64, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),  # bits, g, n_exp, wptr (6 per expert), start
+    ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),  # tok, rw
     _P, ctypes.c_int, _P,  # out, accumulate, mask_out
     _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, nthreads
 ]  # fmt: skip
@@ -104,6 +112,7 @@ def _open(path: Path) -> ctypes.CDLL:
     for name in ("moetier_sparse_moe_bf16", "moetier_sparse_moe_f32"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, _ARGTYPES
+    lib.moetier_sparse_moe_quant.restype, lib.moetier_sparse_moe_quant.argtypes = ctypes.c_int64, _QUANT_ARGTYPES
     return lib
 
 

@@ -260,10 +260,12 @@ class ExpertFormat:
         *,
         kernels: bool = True,
     ) -> None:
-        """`kernels=False` forces the generic format (tests, benchmarks)."""
+        """`kernels=False` forces the generic format (tests, benchmarks); so does a layout with down rows,
+        whose canonical q/scale/zero rows the sparse kernel reads directly."""
         self.layout, self.spec, self.dtype, self.device = layout, spec, dtype, device
         h, i = layout.hidden, layout.inter
-        self.shapes = {"w13": (2 * i, h), "w2": (h, i)}  # matrix -> (N, K)
+        self.shapes = {"w13": (2 * i, h), "w2": (i, h) if layout.down_rows else (h, i)}  # matrix -> (N, K)
+        kernels = kernels and not layout.down_rows  # sparse execution reads the canonical rows (store/sparse.py)
         self.groups: dict[str, int] = {}
         self.kinds: dict[str, str] = {}  # matrix -> compute format
         self.slices: dict[str, dict[str, _Slice]] = {}  # matrix (or "bias") -> piece -> slice

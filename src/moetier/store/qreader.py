@@ -59,26 +59,37 @@ def group_label(spec: QuantSpec) -> str:
     return "K" if group is None else str(group)
 
 
-def tier_dir(model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None = None) -> Path:
+def tier_dir(
+    model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None = None,
+    down_rows: bool = False,
+) -> Path:  # fmt: skip
+    """MODEL/moetier-quant/<precision>-g<group>, with a `-rows` suffix for the layout sparse execution
+    needs (down projection stored as rows [I, H], quantised along H)."""
     base = Path(root) if root is not None else Path(model_dir) / TIER_ROOT
-    return base / f"{spec.precision.value}-g{group_label(spec)}"
+    return base / f"{spec.precision.value}-g{group_label(spec)}{'-rows' if down_rows else ''}"
 
 
 def layer_file(layer: int) -> str:
     return f"layer-{layer:03d}.safetensors"
 
 
-def quantize_command(model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None) -> str:
+def quantize_command(
+    model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None, down_rows: bool = False
+) -> str:
     cmd = f"moetier quantize {model_dir} --precisions {spec.precision.value}"
+    if down_rows:
+        cmd += " --for-sparsity"
     if spec.group_size is not None and spec.group_size != DEFAULT_GROUP.get(spec.precision):
         cmd += f" --group {spec.precision.value}={spec.group_size}"
     return cmd + (f" --out {root}" if root is not None else "")
 
 
 def resolved_groups(layout: ExpertLayout, spec: QuantSpec) -> dict[str, int]:
-    """The group size each matrix is quantised with: w13 [2I, H] groups along H, w2 [H, I] along I."""
+    """The group size each matrix is quantised with: w13 [2I, H] groups along H, w2 [H, I] along I
+    (down rows [I, H]: along H)."""
     h, i = layout.hidden, layout.inter
-    return {"w13": resolve_group(spec, h, shape=(2 * i, h)), "w2": resolve_group(spec, i, shape=(h, i))}
+    w2 = resolve_group(spec, h, shape=(i, h)) if layout.down_rows else resolve_group(spec, i, shape=(h, i))
+    return {"w13": resolve_group(spec, h, shape=(2 * i, h)), "w2": w2}
 
 
 # -- source fingerprint ----------------------------------------------------------------
@@ -219,8 +230,9 @@ class QuantTier:
         checkpoint (its index and shape are reused), else the checkpoint is opened here (meta skeleton only).
         `verify`: also sha256 every layer file (a full read of the tier); sizes and headers are always checked."""
         spec = QuantSpec(Precision(precision), group_size)
-        path = tier_dir(model_dir, spec, root)
-        fix = quantize_command(model_dir, spec, root)
+        rows = reader is not None and reader.layout.down_rows
+        path = tier_dir(model_dir, spec, root, rows)
+        fix = quantize_command(model_dir, spec, root, rows)
         if not (path / MANIFEST).exists():
             raise CheckpointError(f"{path}: no {spec.precision.value} quantized tier for {model_dir}; run `{fix}`")
         manifest = load_manifest(path / MANIFEST)
@@ -243,7 +255,7 @@ class QuantTier:
         expected = {
             "precision": self.spec.precision.value, "bits": self.spec.bits, "group": group_label(self.spec),
             "group_sizes": resolved_groups(lay, self.spec), "num_experts": self.num_experts,
-            "layout": {"hidden": lay.hidden, "inter": lay.inter, "has_bias": lay.has_bias},
+            "layout": lay.as_dict(),
             "moe_layers": list(self.moe_layers),
         }  # fmt: skip
         for key, want in expected.items():

@@ -300,7 +300,7 @@ def expert_tensor_specs(
     """The canonical quantised tensors of one expert: name -> (dtype, shape). Biases stay in `dtype`."""
     h, i, b = layout.hidden, layout.inter, spec.bits
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for m, (n, k) in zip(MATRICES, ((2 * i, h), (h, i)), strict=True):
+    for m, (n, k) in zip(MATRICES, ((2 * i, h), (i, h) if layout.down_rows else (h, i)), strict=True):
         groups = k // resolve_group(spec, k, shape=(n, k))
         out[f"{m}.q"] = (torch.uint8, (n, k * b // 8))
         out[f"{m}.scale"] = (torch.bfloat16, (n, groups))
@@ -311,17 +311,21 @@ def expert_tensor_specs(
     return out
 
 
-def quantize_expert(pieces: dict[str, torch.Tensor], spec: QuantSpec, method: str = "hqq") -> dict[str, torch.Tensor]:
+def quantize_expert(
+    pieces: dict[str, torch.Tensor], spec: QuantSpec, method: str = "hqq", down_rows: bool = False
+) -> dict[str, torch.Tensor]:
     """Full-precision canonical pieces {gate [I,H], up [I,H], down [H,I], (gate_bias, up_bias, down_bias)}
-    -> canonical quantised tensors {w13.q, w13.scale, w13.zero, w2.*, (b13 [2I], b2 [H])}."""
+    -> canonical quantised tensors {w13.q, w13.scale, w13.zero, w2.*, (b13 [2I], b2 [H])}. With
+    `down_rows` the down piece is [I, H] (its rows: one per neuron) and is quantised along H."""
     missing = [p for p in ("gate", "up", "down") if p not in pieces]
     if missing:
         raise CheckpointError(f"expert pieces lack {missing}; got {sorted(pieces)}")
     gate, up, down = pieces["gate"], pieces["up"], pieces["down"]
-    if gate.dim() != 2 or gate.shape != up.shape or down.dim() != 2 or down.shape != gate.shape[::-1]:
+    want_down = gate.shape if down_rows else gate.shape[::-1]
+    if gate.dim() != 2 or gate.shape != up.shape or down.dim() != 2 or down.shape != want_down:
         raise CheckpointError(
             f"expert pieces disagree: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} "
-            f"(expected gate = up = [I, H] and down = [H, I])"
+            f"(expected gate = up = [I, H] and down = {'[I, H]' if down_rows else '[H, I]'})"
         )
     inter, hidden = gate.shape
     bias_names = ("gate_bias", "up_bias", "down_bias")

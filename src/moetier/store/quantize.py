@@ -111,7 +111,8 @@ class _TierWriter:
         self.path, self.spec = path, spec
         self.manifest: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION, **identity, "source": source,
                                          "complete": False, "moetier": __version__, "layers": []}  # fmt: skip
-        self.specs: TensorSpecs = expert_tensor_specs(ExpertLayout(**identity["layout"]), spec, _dtype(identity))
+        self.layout = ExpertLayout(**identity["layout"])
+        self.specs: TensorSpecs = expert_tensor_specs(self.layout, spec, _dtype(identity))
         self.layer_bytes_data = identity["num_experts"] * sum(dt.itemsize * prod(s) for dt, s in self.specs.values())
         self.done: dict[int, dict[str, Any]] = {}
         self.redo: set[int] = set()
@@ -182,7 +183,7 @@ class _TierWriter:
         self._hash.update(data)
 
     def add_expert(self, pieces: dict[str, torch.Tensor], method: str) -> None:
-        q = quantize_expert(pieces, self.spec, method)
+        q = quantize_expert(pieces, self.spec, method, down_rows=self.layout.down_rows)
         for name, (dt, shape) in self.specs.items():
             t = q.get(name)
             if t is None or tuple(t.shape) != shape:
@@ -192,7 +193,7 @@ class _TierWriter:
                     raise RuntimeError(f"quantize_expert gave {name} as {t.dtype}, not {dt}")
                 t = t.to(dt)
             self._write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
-        ref = {"w13": torch.cat([pieces["gate"], pieces["up"]]), "w2": pieces["down"]}  # [2I, H], [H, I]
+        ref = {"w13": torch.cat([pieces["gate"], pieces["up"]]), "w2": pieces["down"]}  # [2I, H], [H, I] or [I, H]
         for m, w in ref.items():
             n, k = w.shape
             deq = dequantize(QMatrix(q[f"{m}.q"], q[f"{m}.scale"], q[f"{m}.zero"], n, k, self.spec))  # [N, K]
@@ -237,15 +238,17 @@ class _TierWriter:
 def quantize_model(
     model_dir: str | os.PathLike[str], precisions: Sequence[Precision | str], out: str | os.PathLike[str] | None = None,
     group_sizes: dict[Any, int | None] | None = None, method: str = "hqq", progress: ProgressArg = None,
-    force: bool = False,
+    force: bool = False, down_rows: bool = False,
 ) -> list[Path]:  # fmt: skip
     """Write one quantized disk tier per precision; returns their directories (see the module docstring).
-    `progress`: a rich Progress (one bar over (precision, layer)) or a callable taking a QuantEvent."""
+    `progress`: a rich Progress (one bar over (precision, layer)) or a callable taking a QuantEvent.
+    `down_rows`: the layout intra-expert sparsity reads (down projection as rows, quantised along H),
+    written to `<precision>-g<group>-rows`."""
     if method not in METHODS:
         raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
     specs = parse_specs(precisions, group_sizes)
     cpu = torch.device("cpu")
-    o = _open(model_dir, "fp32", cpu)  # the reader yields fp32 pieces; quantisation runs in fp32
+    o = _open(model_dir, "fp32", cpu, down_rows=down_rows)  # fp32 pieces; quantisation runs in fp32
     try:
         dtype = resolve_dtype("auto", o.config, cpu, _expert_dtype(o.index))  # biases are kept in this dtype
         layout, layers = o.reader.layout, [s.layer for s in o.sites]
@@ -255,10 +258,10 @@ def quantize_model(
             identity = {
                 "precision": spec.precision.value, "bits": spec.bits, "group": group_label(spec),
                 "group_sizes": resolved_groups(layout, spec), "method": method, "dtype": DTYPE_NAMES[dtype],
-                "layout": {"hidden": layout.hidden, "inter": layout.inter, "has_bias": layout.has_bias},
+                "layout": layout.as_dict(),
                 "num_experts": o.num_experts, "moe_layers": layers, "family": o.family.name,
             }  # fmt: skip
-            writers.append(_TierWriter(tier_dir(model_dir, spec, out), spec, identity, source))
+            writers.append(_TierWriter(tier_dir(model_dir, spec, out, down_rows), spec, identity, source))
         for w in writers:  # every refusal before the first write
             w.check(force)
         _check_space(writers, layers)

@@ -42,6 +42,8 @@ from moetier.config import SPARSITY_BLOCKS
 from moetier.errors import ConfigError
 from moetier.policies.sparsity import TARGETS, interpolate
 from moetier.store import native
+from moetier.store.qformat import QExpertViews
+from moetier.store.quant import dequantize_into
 
 TABLE_FORMAT = "moetier-sparsity-table"
 TABLE_VERSION = 1
@@ -212,6 +214,32 @@ class _Scratch(threading.local):
 _I64, _I32, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
+def _check_call(
+    hidden: int, inter: int, dtype: torch.dtype, x: torch.Tensor, out: torch.Tensor, n_exp: int,
+    tokens: Sequence[int], weights: Sequence[float], starts: Sequence[int], block: int, mask_out: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """Refuse what would make the C code read or write out of bounds, or drop neurons."""
+    n_tok, h = x.shape
+    if h != hidden or x.dtype != dtype or out.dtype != dtype or out.shape != x.shape:
+        raise ValueError(f"native sparse: x {x.dtype} {list(x.shape)} / out {out.dtype} {list(out.shape)} do "
+                         f"not fit experts of hidden size {hidden} in {dtype}")  # fmt: skip
+    if not (x.is_contiguous() and out.is_contiguous()):
+        raise ValueError("native sparse: x and out must be contiguous")
+    pairs = len(tokens)
+    if block < 1 or inter % block:
+        raise ValueError(f"native sparse: block {block} does not divide the expert size {inter}")
+    if len(starts) != n_exp + 1 or starts[0] != 0 or starts[-1] != pairs or len(weights) != pairs:
+        raise ValueError(f"native sparse: {n_exp} experts need {n_exp + 1} starts from 0 to {pairs} pairs")
+    if any(b < a for a, b in itertools.pairwise(starts)):
+        raise ValueError(f"native sparse: starts must not decrease, got {list(starts)}")
+    if pairs and (min(tokens) < 0 or max(tokens) >= n_tok):
+        raise ValueError(f"native sparse: token ids must be in [0, {n_tok}), got {min(tokens)}..{max(tokens)}")
+    if mask_out is not None and (
+        mask_out.dtype != torch.uint8 or mask_out.numel() < pairs * inter or not mask_out.is_contiguous()
+    ):
+        raise ValueError(f"mask_out must be a contiguous uint8 tensor of at least {pairs * inter} elements")
+
+
 class NativeSparse:
     """The C kernel for one expert shape and dtype (SiLU SwiGLU; bf16 or fp32 weights on CPU)."""
 
@@ -231,25 +259,9 @@ class NativeSparse:
         starts[e]:starts[e+1], weights[j] * expert_e(x[tokens[j]]). `slots` are the experts' slot
         addresses (gate | up | down rows). x and out: contiguous [T, H] of the kernel's dtype.
         mask_out, uint8 [pairs, I], receives the masks. Returns the active (pair, neuron) count."""
+        _check_call(self.hidden, self.inter, self.dtype, x, out, len(slots), tokens, weights, starts, block, mask_out)
         n_tok, h = x.shape
-        if h != self.hidden or x.dtype != self.dtype or out.dtype != self.dtype or out.shape != x.shape:
-            raise ValueError(f"native sparse: x {x.dtype} {list(x.shape)} / out {out.dtype} {list(out.shape)} do "
-                             f"not fit experts of hidden size {self.hidden} in {self.dtype}")  # fmt: skip
-        if not (x.is_contiguous() and out.is_contiguous()):
-            raise ValueError("native sparse: x and out must be contiguous")
         n_exp, pairs, i = len(slots), len(tokens), self.inter
-        if block < 1 or i % block:
-            raise ValueError(f"native sparse: block {block} does not divide the expert size {i}")
-        if len(starts) != n_exp + 1 or starts[0] != 0 or starts[-1] != pairs or len(weights) != pairs:
-            raise ValueError(f"native sparse: {n_exp} experts need {n_exp + 1} starts from 0 to {pairs} pairs")
-        if any(b < a for a, b in itertools.pairwise(starts)):
-            raise ValueError(f"native sparse: starts must not decrease, got {list(starts)}")
-        if pairs and (min(tokens) < 0 or max(tokens) >= n_tok):
-            raise ValueError(f"native sparse: token ids must be in [0, {n_tok}), got {min(tokens)}..{max(tokens)}")
-        if mask_out is not None and (
-            mask_out.dtype != torch.uint8 or mask_out.numel() < pairs * i or not mask_out.is_contiguous()
-        ):
-            raise ValueError(f"mask_out must be a contiguous uint8 tensor of at least {pairs * i} elements")
         f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i, n_exp * (i // block))
         return int(
             self.fn(
@@ -260,6 +272,63 @@ class NativeSparse:
                 f32.data_ptr() + 4 * (n_tok * h), torch.get_num_threads(),
             )
         )  # fmt: skip
+
+
+class NativeSparseQuant:
+    """The C kernel for quantized experts in the rows layout (`moetier quantize --for-sparsity`): every
+    matrix row-major [rows, H], quantised along H in groups of `group`, `bits` 8, 4 or 2."""
+
+    def __init__(self, lib: ctypes.CDLL, hidden: int, inter: int, dtype: torch.dtype, bits: int, group: int) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the native sparse kernel takes bf16 or fp32 activations, not {dtype}")
+        if bits not in (8, 4, 2) or group < 1 or hidden % group or group % (8 // bits):
+            raise ValueError(f"native sparse: {bits}-bit groups of {group} do not fit rows of {hidden}")
+        self.fn = lib.moetier_sparse_moe_quant
+        self.hidden, self.inter, self.dtype, self.bits, self.group = hidden, inter, dtype, bits, group
+        self._scratch = _Scratch()
+
+    def __call__(
+        self, x: torch.Tensor, experts: Sequence[Sequence[int]], tokens: Sequence[int], weights: Sequence[float],
+        starts: Sequence[int], out: torch.Tensor, threshold: float, block: int, accumulate: bool = False,
+        mask_out: torch.Tensor | None = None,
+    ) -> int:  # fmt: skip
+        """As NativeSparse.__call__; `experts[e]` = (w13 q, scale, zero, w2 q, scale, zero) addresses."""
+        _check_call(self.hidden, self.inter, self.dtype, x, out, len(experts), tokens, weights, starts, block,
+                    mask_out)  # fmt: skip
+        if any(len(a) != 6 for a in experts):
+            raise ValueError("native sparse: each quantized expert needs 6 addresses (w13, w2: q, scale, zero)")
+        n_tok, h = x.shape
+        n_exp, pairs, i = len(experts), len(tokens), self.inter
+        f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i, n_exp * (i // block))
+        base = f32.data_ptr()
+        return int(
+            self.fn(
+                x.data_ptr(), int(x.dtype == torch.bfloat16), n_tok, h, i, block, threshold, self.bits, self.group,
+                n_exp, (_I64 * (6 * n_exp))(*(a for e in experts for a in e)), (_I64 * (n_exp + 1))(*starts),
+                (_I32 * pairs)(*tokens), (_F32 * pairs)(*weights), out.data_ptr(), int(accumulate),
+                mask_out.data_ptr() if mask_out is not None else None, base, base + 4 * (2 * n_tok * h),
+                i32.data_ptr(), base + 4 * (n_tok * h), torch.get_num_threads(),
+            )
+        )  # fmt: skip
+
+
+def quant_addresses(views: Any) -> tuple[int, ...]:
+    """(w13 q, scale, zero, w2 q, scale, zero) addresses of a quantized expert in the rows layout."""
+    return tuple(t.data_ptr() for w in (views.w13, views.w2) for t in (w.q, w.scale, w.zero))
+
+
+def dense_weights(views: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w13 [2I, H], w2 [H, I] view, down rows [I, H]) in `dtype`: the slot's own tensors at full
+    precision, dequantised copies for a quantized expert in the rows layout."""
+    if isinstance(views, QExpertViews):
+        w13, w2 = views.w13, views.w2
+        d13 = torch.empty((w13.n, w13.k), dtype=dtype, device=w13.q.device)
+        d2 = torch.empty((w2.n, w2.k), dtype=dtype, device=w2.q.device)
+        assert w13.zero is not None and w2.zero is not None
+        dequantize_into(w13.q, w13.scale, w13.zero, w13.bits, d13)
+        dequantize_into(w2.q, w2.scale, w2.zero, w2.bits, d2)
+        return d13, d2.t(), d2
+    return views.w13, views.w2, views.down_rows
 
 
 def native_kernel(hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> NativeSparse | None:

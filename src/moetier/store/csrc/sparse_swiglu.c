@@ -156,4 +156,157 @@ static inline float dot_bf16(const uint16_t* restrict w, const uint16_t* restric
 DEFINE_KERNEL(moetier_sparse_moe_bf16, uint16_t, LOAD_BF16, STORE_BF16, DOT_BF16)
 DEFINE_KERNEL(moetier_sparse_moe_f32, float, LOAD_F32, STORE_F32, DOT_F32)
 
-int moetier_sparse_abi(void) { return 1; }
+int moetier_sparse_abi(void) { return 3; }
+
+/* ---------------------------------------------------------------------------------------------
+ * Quantized experts (moetier quantize --for-sparsity): every matrix is row-major with rows of H
+ * quantised along H in groups of g, W = (q - zero) * scale, q packed `bits` (8, 4, 2) to a byte
+ * LSB first, scale and zero bf16 [rows, H/g]. Per expert six addresses: w13 q, scale, zero (gate
+ * rows 0..I-1, up rows I..2I-1) and w2 q, scale, zero (down rows). Same math as above; x and out
+ * are bf16 (x_bf16 = 1) or fp32. Tokens are kept in "plane" order: with per = 8 / bits values a
+ * byte, plane p holds x[per * b + p], so each bit field of a byte meets a contiguous x run.
+ * Each row is dequantised once into a thread-local fp32 buffer (its thread's groups, for down rows)
+ * and then used for all of the expert's tokens.
+ */
+/* Dequantise groups g0..g1 of one row into w (plane order): w = (q - zero) * scale. */
+static inline void qrow(float* restrict w, const uint8_t* restrict q, const uint16_t* sc, const uint16_t* zr,
+                        int64_t H, int64_t g, int bits, int64_t g0, int64_t g1) {
+    const int64_t per = 8 / bits, plane = H / per, gb = g / per; /* bytes of a group */
+    for (int64_t gi = g0; gi < g1; gi++) {
+        const float s = bf2f(sc[gi]), c = -s * bf2f(zr[gi]);
+        const uint8_t* qg = q + gi * gb;
+        float* w0 = w + gi * gb;
+        if (bits == 8) {
+            _Pragma("omp simd") for (int64_t b = 0; b < gb; b++) w0[b] = s * (float)qg[b] + c;
+        } else if (bits == 4) {
+            float* w1 = w0 + plane;
+            _Pragma("omp simd") for (int64_t b = 0; b < gb; b++) {
+                const uint8_t v = qg[b];
+                w0[b] = s * (float)(v & 15u) + c;
+                w1[b] = s * (float)(v >> 4) + c;
+            }
+        } else {
+            float *w1 = w0 + plane, *w2 = w0 + 2 * plane, *w3 = w0 + 3 * plane;
+            _Pragma("omp simd") for (int64_t b = 0; b < gb; b++) {
+                const uint8_t v = qg[b];
+                w0[b] = s * (float)(v & 3u) + c;
+                w1[b] = s * (float)((v >> 2) & 3u) + c;
+                w2[b] = s * (float)((v >> 4) & 3u) + c;
+                w3[b] = s * (float)(v >> 6) + c;
+            }
+        }
+    }
+}
+
+static inline float fdot(const float* restrict a, const float* restrict b, int64_t n) {
+    float acc = 0.0f;
+    _Pragma("omp simd reduction(+:acc)") for (int64_t j = 0; j < n; j++) acc += a[j] * b[j];
+    return acc;
+}
+
+/* y (plane order) += h * w over groups g0..g1 (w dequantised by qrow for the same groups) */
+static inline void faxpy(float* restrict y, const float* restrict w, float h, int64_t H, int64_t g, int bits,
+                         int64_t g0, int64_t g1) {
+    const int64_t per = 8 / bits, plane = H / per, gb = g / per;
+    for (int64_t pl = 0; pl < per; pl++) {
+        float* yp = y + pl * plane;
+        const float* wp = w + pl * plane;
+        _Pragma("omp simd") for (int64_t b = g0 * gb; b < g1 * gb; b++) yp[b] += h * wp[b];
+    }
+}
+
+int64_t moetier_sparse_moe_quant(const void* x, int x_bf16, int64_t n_tok, int64_t H, int64_t I, int64_t block,
+                                 float thr, int64_t bits, int64_t g, int64_t n_exp, const int64_t* wptr,
+                                 const int64_t* start, const int32_t* tok, const float* rw, void* out, int accumulate,
+                                 uint8_t* mask_out, float* xs, float* act, int32_t* flat, float* ys, int nthreads) {
+    const int64_t nb = I / block, per = 8 / bits, plane = H / per, G = H / g, rb = H * bits / 8;
+    const uint16_t* xb = (const uint16_t*)x;
+    const float* xf = (const float*)x;
+    int64_t n_flat = 0, pairs = 0;
+#define QROW(e, k, r) ((const uint8_t*)wptr[6 * (e) + 3 * (k)] + (r) * rb)
+#define QSC(e, k, r) ((const uint16_t*)wptr[6 * (e) + 3 * (k) + 1] + (r) * G)
+#define QZR(e, k, r) ((const uint16_t*)wptr[6 * (e) + 3 * (k) + 2] + (r) * G)
+    _Pragma("omp parallel num_threads(nthreads)") {
+        /* 1. tokens to fp32 in plane order */
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n_tok; t++) {
+            float* xp = xs + t * H;
+            for (int64_t j = 0; j < H; j++) xp[(j % per) * plane + j / per] = x_bf16 ? bf2f(xb[t * H + j]) : xf[t * H + j];
+        }
+        /* 2. gate rows */
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < n_exp * I; r++) {
+            const int64_t e = r / I, i = r % I;
+            float w[H];
+            qrow(w, QROW(e, 0, i), QSC(e, 0, i), QZR(e, 0, i), H, g, (int)bits, 0, G);
+            for (int64_t p = start[e]; p < start[e + 1]; p++) {
+                const float gv = fdot(w, xs + (int64_t)tok[p] * H, H);
+                act[p * I + i] = gv / (1.0f + expf(-gv));
+            }
+        }
+        /* 3. masks and the union of active blocks */
+        _Pragma("omp single") {
+            for (int64_t e = 0; e < n_exp; e++) {
+                for (int64_t b = 0; b < nb; b++) {
+                    int any = 0;
+                    for (int64_t p = start[e]; p < start[e + 1]; p++) {
+                        float* a = act + p * I + b * block;
+                        int on = 0;
+                        for (int64_t j = 0; j < block; j++) on |= fabsf(a[j]) >= thr;
+                        if (!on) memset(a, 0, (size_t)block * sizeof(float));
+                        if (mask_out) memset(mask_out + p * I + b * block, on, (size_t)block);
+                        any |= on;
+                        pairs += on ? block : 0;
+                    }
+                    if (any) flat[n_flat++] = (int32_t)(e * nb + b);
+                }
+            }
+        }
+        /* 4. up rows of active neurons */
+        _Pragma("omp for schedule(static)") for (int64_t f = 0; f < n_flat * block; f++) {
+            const int64_t eb = flat[f / block], e = eb / nb, i = (eb % nb) * block + f % block;
+            int any = 0;
+            for (int64_t p = start[e]; p < start[e + 1]; p++) any |= act[p * I + i] != 0.0f;
+            if (!any) continue;
+            float w[H];
+            qrow(w, QROW(e, 0, I + i), QSC(e, 0, I + i), QZR(e, 0, I + i), H, g, (int)bits, 0, G);
+            for (int64_t p = start[e]; p < start[e + 1]; p++) {
+                float* a = act + p * I + i;
+                if (*a != 0.0f) *a *= fdot(w, xs + (int64_t)tok[p] * H, H);
+            }
+        }
+        /* 5. down rows: each thread owns a range of groups (in every plane) */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t gper = (G + nt - 1) / nt, g0 = me * gper < G ? me * gper : G, g1 = g0 + gper < G ? g0 + gper : G;
+        for (int64_t t = 0; t < n_tok; t++) {
+            for (int64_t gi = g0; gi < g1; gi++)
+                for (int64_t pl = 0; pl < per; pl++)
+                    for (int64_t b = gi * (g / per); b < (gi + 1) * (g / per); b++) ys[t * H + pl * plane + b] = 0.0f;
+        }
+        float w[H];
+        for (int64_t f = 0; f < n_flat * block; f++) {
+            const int64_t eb = flat[f / block], e = eb / nb, i = (eb % nb) * block + f % block;
+            int dq = 0; /* dequantise this thread's part of the row once, for all of its tokens */
+            for (int64_t p = start[e]; p < start[e + 1]; p++) {
+                const float h = act[p * I + i] * rw[p];
+                if (h == 0.0f) continue;
+                if (!dq) qrow(w, QROW(e, 1, i), QSC(e, 1, i), QZR(e, 1, i), H, g, (int)bits, g0, g1), dq = 1;
+                faxpy(ys + (int64_t)tok[p] * H, w, h, H, g, (int)bits, g0, g1);
+            }
+        }
+        for (int64_t t = 0; t < n_tok; t++) {
+            for (int64_t j = g0 * g; j < g1 * g; j++) {
+                const float y = ys[t * H + (j % per) * plane + j / per];
+                if (x_bf16) {
+                    uint16_t* o = (uint16_t*)out + t * H + j;
+                    *o = f2bf(accumulate ? bf2f(*o) + y : y);
+                } else {
+                    float* o = (float*)out + t * H + j;
+                    *o = accumulate ? *o + y : y;
+                }
+            }
+        }
+    }
+#undef QROW
+#undef QSC
+#undef QZR
+    return pairs;
+}

@@ -150,3 +150,13 @@ def canonical_experts(
         return cache[(family, variant)]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small UTF-8 text of the CLI tests' sentences (test_cli.SENTENCES, which their tokenizer knows)."""
+    from test_cli import SENTENCES
+
+    path = tmp_path_factory.mktemp("text") / "sample.txt"
+    path.write_text("\n".join(SENTENCES * 3), encoding="utf-8")
+    return path

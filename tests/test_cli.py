@@ -64,12 +64,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "sample.txt"
-    path.write_text("\n".join(SENTENCES * 3), encoding="utf-8")
-    return path
-
 
 def invoke(*args: object) -> Any:
     return runner.invoke(app, [str(a) for a in args])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moetier.models.tiny import build_tiny_checkpoint
-from test_cli import SENTENCES, _save_tokenizer, assert_user_error, invoke, last_json
+from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 EXPERTS = 12  # 2 MoE layers x 6
 
@@ -30,12 +30,6 @@ def tiny64(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _save_tokenizer(folder)
     return folder
 
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "sample.txt"
-    path.write_text("\n".join(SENTENCES * 3), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

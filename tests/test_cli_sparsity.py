@@ -12,7 +12,7 @@ import torch
 
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.store.sparse import default_table_path
-from test_cli import SENTENCES, _save_tokenizer, assert_user_error, invoke, last_json
+from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +22,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _save_tokenizer(folder)
     return folder
 
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "sample.txt"
-    path.write_text("\n".join(SENTENCES * 3), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,14 @@ def _consoles(json_out: bool) -> tuple[Console, Console]:
     return (err if json_out else Console()), err
 
 
+def _progress(err: Console, transient: bool = False) -> Progress:
+    """The bar every long command shows on stderr: description, bar, done/total, elapsed."""
+    return Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err, transient=transient,
+    )  # fmt: skip
+
+
 def _emit_json(payload: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(payload, default=str) + "\n")
     sys.stdout.flush()
@@ -292,10 +300,7 @@ def eval_(
             _warmup(engine, warmup, err)
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()
-            with Progress(
-                TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), console=err, transient=True,
-            ) as progress:  # fmt: skip
+            with _progress(err, transient=True) as progress:
                 task = progress.add_task(f"scoring {len(ids)} tokens", total=None)
                 result = engine.perplexity(
                     ids, window=window, on_window=lambda done, total: progress.update(task, completed=done, total=total)
@@ -335,10 +340,7 @@ def quantize(
 
         precs = [p.strip() for p in precisions.split(",") if p.strip()]
         groups: dict[str, int | None] = dict(parse_groups(group))
-        with Progress(
-            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=err,
-        ) as progress:  # fmt: skip
+        with _progress(err) as progress:
             paths = quantize_model(model, precs, out=out, group_sizes=groups, method=method, progress=progress,
                                    force=force, down_rows=for_sparsity)  # fmt: skip
         rows = [tier_summary(p) | {"path": str(p)} for p in paths]
@@ -390,10 +392,7 @@ def calibrate(
             meta = {"text": str(text), "sha256": hashlib.sha256(body.encode()).hexdigest()}
             act = str(getattr(engine.loaded.config, "hidden_act", "?"))
             t0 = time.perf_counter()
-            with Progress(
-                TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), console=err, transient=True,
-            ) as progress:  # fmt: skip
+            with _progress(err, transient=True) as progress:
                 task = progress.add_task(f"calibrating on {len(ids)} tokens", total=None)
                 table = run_calibration(
                     engine, ids, win, identity, act, meta,

@@ -186,12 +186,14 @@ def info_table(info: Mapping[str, Any]) -> Table:
 def quant_table(tiers: Iterable[Mapping[str, Any]]) -> Table:
     """`moetier quantize`: one row per quantized disk tier, with its relative weight error."""
     table = Table(title="quantized tiers", title_justify="left")
-    for col in ("precision", "groups (w13 / w2)", "size", "rel. error w13", "rel. error w2", "status", "path"):
-        table.add_column(col, justify="left" if col in ("precision", "status", "path") else "right")
+    for col in ("precision", "layout", "groups (w13 / w2)", "size", "rel. error w13", "rel. error w2", "status",
+                "path"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("precision", "layout", "status", "path") else "right")
     for t in tiers:
         gs, err = t.get("group_sizes", {}), t.get("error", {})
         table.add_row(
-            str(t["precision"]), f"{gs.get('w13', '?')} / {gs.get('w2', '?')}", format_size(t.get("bytes", 0)),
+            str(t["precision"]), str(t.get("layout", "packed")), f"{gs.get('w13', '?')} / {gs.get('w2', '?')}",
+            format_size(t.get("bytes", 0)),
             f"{err.get('w13', float('nan')):.4f}", f"{err.get('w2', float('nan')):.4f}",
             str(t.get("status", "ok" if t.get("complete") else "incomplete")), str(t["path"]),
         )  # fmt: skip

@@ -121,3 +121,18 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
     with moetier.load(path, EngineConfig(precision=pcfg)) as eng:
         plain = eng.logits(x).float()
     assert (plain - got["dense"]).abs().max() > 1e-3  # sparsity did skip neurons
+    from moetier.store.qreader import list_tiers
+
+    layouts = sorted((t["path"].rsplit("/", 1)[-1], t["layout"]) for t in list_tiers(path))
+    assert layouts == [("int4-g32", "packed"), ("int4-g32-rows", "rows")]
+
+
+def test_for_sparsity_refuses_families_without_sparse_execution(tmp_path: Path) -> None:
+    from moetier.errors import ConfigError
+    from moetier.models.tiny import build_tiny_checkpoint
+    from moetier.store.quantize import quantize_model
+
+    path = build_tiny_checkpoint("gpt_oss", tmp_path / "g")
+    with pytest.raises(ConfigError, match="gpt_oss experts do not support"):
+        quantize_model(path, ["int8"], method="rtn", down_rows=True)
+    assert not (path / "moetier-quant").exists()

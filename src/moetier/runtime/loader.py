@@ -225,9 +225,7 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
         act = getattr(config, "hidden_act", None)
         try:
             fmt = getattr(getattr(store, "source", None), "fmt", None)  # QuantSource: rows-layout format
-            quant = (fmt.spec.bits, fmt.groups["w13"]) if fmt is not None else None
-            if fmt is not None and fmt.groups["w2"] != fmt.groups["w13"]:
-                raise ConfigError(f"quantized rows tier has groups {fmt.groups}; sparse execution needs one size")
+            quant = (fmt.spec.bits, fmt.groups["w13"]) if fmt is not None else None  # rows: w2 grouped alike
             sparsity = attach(blocks, table, table_path, cfg.sparsity, o.hidden, o.inter, dtype, device, act, quant)
         except BaseException:
             store.close()

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_swiglu.c"
-ABI = 3
+ABI = 4
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -45,7 +45,7 @@ _QUANT_ARGTYPES: list[Any] = [
     _I64, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),  # bits, g, n_exp, wptr (6 per expert), start
     ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),  # tok, rw
     _P, ctypes.c_int, _P,  # out, accumulate, mask_out
-    _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, nthreads
+    _P, _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, wbuf, nthreads
 ]  # fmt: skip
 _state: dict[str, str | None] = {"error": None, "key": None}
 

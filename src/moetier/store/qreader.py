@@ -371,7 +371,8 @@ def list_tiers(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] |
 
 def tier_summary(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """One tier from its manifest alone: precision, bits, group, group_sizes, method, layers_done,
-    layers_total, bytes, and the relative weight error per matrix (`error_summary`)."""
+    layers_total, bytes, the relative weight error per matrix (`error_summary`) and the layout
+    ("rows" for `--for-sparsity` tiers, else "packed")."""
     m = manifest if manifest is not None else load_manifest(path / MANIFEST)
     layers = m.get("layers", [])
     return {
@@ -379,6 +380,7 @@ def tier_summary(path: Path, manifest: dict[str, Any] | None = None) -> dict[str
         "group_sizes": m["group_sizes"], "method": m["method"], "complete": bool(m.get("complete")),
         "layers_done": len(layers), "layers_total": len(m["moe_layers"]),
         "bytes": sum(int(r["bytes"]) for r in layers), "error": error_summary(m),
+        "layout": "rows" if (m.get("layout") or {}).get("down_rows") else "packed",
     }  # fmt: skip
 
 

@@ -250,6 +250,10 @@ def quantize_model(
     cpu = torch.device("cpu")
     o = _open(model_dir, "fp32", cpu, down_rows=down_rows)  # fp32 pieces; quantisation runs in fp32
     try:
+        if down_rows and o.family.expert_kind != "swiglu":
+            raise ConfigError(
+                f"--for-sparsity writes tiers for sparse execution, which {o.family.name} experts do not support yet"
+            )
         dtype = resolve_dtype("auto", o.config, cpu, _expert_dtype(o.index))  # biases are kept in this dtype
         layout, layers = o.reader.layout, [s.layer for s in o.sites]
         source = source_fingerprint(o.index)

@@ -298,8 +298,8 @@ class NativeSparseQuant:
         if any(len(a) != 6 for a in experts):
             raise ValueError("native sparse: each quantized expert needs 6 addresses (w13, w2: q, scale, zero)")
         n_tok, h = x.shape
-        n_exp, pairs, i = len(experts), len(tokens), self.inter
-        f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i, n_exp * (i // block))
+        n_exp, pairs, i, threads = len(experts), len(tokens), self.inter, torch.get_num_threads()
+        f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i + threads * h, n_exp * (i // block))
         base = f32.data_ptr()
         return int(
             self.fn(
@@ -307,7 +307,7 @@ class NativeSparseQuant:
                 n_exp, (_I64 * (6 * n_exp))(*(a for e in experts for a in e)), (_I64 * (n_exp + 1))(*starts),
                 (_I32 * pairs)(*tokens), (_F32 * pairs)(*weights), out.data_ptr(), int(accumulate),
                 mask_out.data_ptr() if mask_out is not None else None, base, base + 4 * (2 * n_tok * h),
-                i32.data_ptr(), base + 4 * (n_tok * h), torch.get_num_threads(),
+                i32.data_ptr(), base + 4 * (n_tok * h), base + 4 * (2 * n_tok * h + pairs * i), threads,
             )
         )  # fmt: skip
 

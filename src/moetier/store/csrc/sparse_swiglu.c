@@ -156,7 +156,7 @@ static inline float dot_bf16(const uint16_t* restrict w, const uint16_t* restric
 DEFINE_KERNEL(moetier_sparse_moe_bf16, uint16_t, LOAD_BF16, STORE_BF16, DOT_BF16)
 DEFINE_KERNEL(moetier_sparse_moe_f32, float, LOAD_F32, STORE_F32, DOT_F32)
 
-int moetier_sparse_abi(void) { return 3; }
+int moetier_sparse_abi(void) { return 4; }
 
 /* ---------------------------------------------------------------------------------------------
  * Quantized experts (moetier quantize --for-sparsity): every matrix is row-major with rows of H
@@ -165,36 +165,37 @@ int moetier_sparse_abi(void) { return 3; }
  * rows 0..I-1, up rows I..2I-1) and w2 q, scale, zero (down rows). Same math as above; x and out
  * are bf16 (x_bf16 = 1) or fp32. Tokens are kept in "plane" order: with per = 8 / bits values a
  * byte, plane p holds x[per * b + p], so each bit field of a byte meets a contiguous x run.
- * Each row is dequantised once into a thread-local fp32 buffer (its thread's groups, for down rows)
- * and then used for all of the expert's tokens.
+ * Each row is dequantised once into the calling thread's fp32 buffer (wbuf: nthreads x H; for down
+ * rows only the thread's columns) and then used for all of the expert's tokens.
  */
-/* Dequantise groups g0..g1 of one row into w (plane order): w = (q - zero) * scale. */
+/* Dequantise bytes b0..b1 of every plane of one row into w (plane order): w = (q - zero) * scale,
+ * each byte's group gi = b / (g / per). */
 static inline void qrow(float* restrict w, const uint8_t* restrict q, const uint16_t* sc, const uint16_t* zr,
-                        int64_t H, int64_t g, int bits, int64_t g0, int64_t g1) {
+                        int64_t H, int64_t g, int bits, int64_t b0, int64_t b1) {
     const int64_t per = 8 / bits, plane = H / per, gb = g / per; /* bytes of a group */
-    for (int64_t gi = g0; gi < g1; gi++) {
+    for (int64_t lo = b0; lo < b1;) {
+        const int64_t gi = lo / gb, hi = (gi + 1) * gb < b1 ? (gi + 1) * gb : b1;
         const float s = bf2f(sc[gi]), c = -s * bf2f(zr[gi]);
-        const uint8_t* qg = q + gi * gb;
-        float* w0 = w + gi * gb;
         if (bits == 8) {
-            _Pragma("omp simd") for (int64_t b = 0; b < gb; b++) w0[b] = s * (float)qg[b] + c;
+            _Pragma("omp simd") for (int64_t b = lo; b < hi; b++) w[b] = s * (float)q[b] + c;
         } else if (bits == 4) {
-            float* w1 = w0 + plane;
-            _Pragma("omp simd") for (int64_t b = 0; b < gb; b++) {
-                const uint8_t v = qg[b];
-                w0[b] = s * (float)(v & 15u) + c;
+            float* w1 = w + plane;
+            _Pragma("omp simd") for (int64_t b = lo; b < hi; b++) {
+                const uint8_t v = q[b];
+                w[b] = s * (float)(v & 15u) + c;
                 w1[b] = s * (float)(v >> 4) + c;
             }
         } else {
-            float *w1 = w0 + plane, *w2 = w0 + 2 * plane, *w3 = w0 + 3 * plane;
-            _Pragma("omp simd") for (int64_t b = 0; b < gb; b++) {
-                const uint8_t v = qg[b];
-                w0[b] = s * (float)(v & 3u) + c;
+            float *w1 = w + plane, *w2 = w + 2 * plane, *w3 = w + 3 * plane;
+            _Pragma("omp simd") for (int64_t b = lo; b < hi; b++) {
+                const uint8_t v = q[b];
+                w[b] = s * (float)(v & 3u) + c;
                 w1[b] = s * (float)((v >> 2) & 3u) + c;
                 w2[b] = s * (float)((v >> 4) & 3u) + c;
                 w3[b] = s * (float)(v >> 6) + c;
             }
         }
+        lo = hi;
     }
 }
 
@@ -204,21 +205,22 @@ static inline float fdot(const float* restrict a, const float* restrict b, int64
     return acc;
 }
 
-/* y (plane order) += h * w over groups g0..g1 (w dequantised by qrow for the same groups) */
-static inline void faxpy(float* restrict y, const float* restrict w, float h, int64_t H, int64_t g, int bits,
-                         int64_t g0, int64_t g1) {
-    const int64_t per = 8 / bits, plane = H / per, gb = g / per;
+/* y (plane order) += h * w over bytes b0..b1 of every plane */
+static inline void faxpy(float* restrict y, const float* restrict w, float h, int64_t H, int bits, int64_t b0,
+                         int64_t b1) {
+    const int64_t per = 8 / bits, plane = H / per;
     for (int64_t pl = 0; pl < per; pl++) {
         float* yp = y + pl * plane;
         const float* wp = w + pl * plane;
-        _Pragma("omp simd") for (int64_t b = g0 * gb; b < g1 * gb; b++) yp[b] += h * wp[b];
+        _Pragma("omp simd") for (int64_t b = b0; b < b1; b++) yp[b] += h * wp[b];
     }
 }
 
 int64_t moetier_sparse_moe_quant(const void* x, int x_bf16, int64_t n_tok, int64_t H, int64_t I, int64_t block,
                                  float thr, int64_t bits, int64_t g, int64_t n_exp, const int64_t* wptr,
                                  const int64_t* start, const int32_t* tok, const float* rw, void* out, int accumulate,
-                                 uint8_t* mask_out, float* xs, float* act, int32_t* flat, float* ys, int nthreads) {
+                                 uint8_t* mask_out, float* xs, float* act, int32_t* flat, float* ys, float* wbuf,
+                                 int nthreads) {
     const int64_t nb = I / block, per = 8 / bits, plane = H / per, G = H / g, rb = H * bits / 8;
     const uint16_t* xb = (const uint16_t*)x;
     const float* xf = (const float*)x;
@@ -235,8 +237,8 @@ int64_t moetier_sparse_moe_quant(const void* x, int x_bf16, int64_t n_tok, int64
         /* 2. gate rows */
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < n_exp * I; r++) {
             const int64_t e = r / I, i = r % I;
-            float w[H];
-            qrow(w, QROW(e, 0, i), QSC(e, 0, i), QZR(e, 0, i), H, g, (int)bits, 0, G);
+            float* w = wbuf + (int64_t)omp_get_thread_num() * H;
+            qrow(w, QROW(e, 0, i), QSC(e, 0, i), QZR(e, 0, i), H, g, (int)bits, 0, plane);
             for (int64_t p = start[e]; p < start[e + 1]; p++) {
                 const float gv = fdot(w, xs + (int64_t)tok[p] * H, H);
                 act[p * I + i] = gv / (1.0f + expf(-gv));
@@ -266,34 +268,34 @@ int64_t moetier_sparse_moe_quant(const void* x, int x_bf16, int64_t n_tok, int64
             int any = 0;
             for (int64_t p = start[e]; p < start[e + 1]; p++) any |= act[p * I + i] != 0.0f;
             if (!any) continue;
-            float w[H];
-            qrow(w, QROW(e, 0, I + i), QSC(e, 0, I + i), QZR(e, 0, I + i), H, g, (int)bits, 0, G);
+            float* w = wbuf + (int64_t)omp_get_thread_num() * H;
+            qrow(w, QROW(e, 0, I + i), QSC(e, 0, I + i), QZR(e, 0, I + i), H, g, (int)bits, 0, plane);
             for (int64_t p = start[e]; p < start[e + 1]; p++) {
                 float* a = act + p * I + i;
                 if (*a != 0.0f) *a *= fdot(w, xs + (int64_t)tok[p] * H, H);
             }
         }
-        /* 5. down rows: each thread owns a range of groups (in every plane) */
+        /* 5. down rows: each thread owns a 16-aligned byte range of every plane (natural columns
+              per * b0 .. per * b1) */
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t gper = (G + nt - 1) / nt, g0 = me * gper < G ? me * gper : G, g1 = g0 + gper < G ? g0 + gper : G;
-        for (int64_t t = 0; t < n_tok; t++) {
-            for (int64_t gi = g0; gi < g1; gi++)
-                for (int64_t pl = 0; pl < per; pl++)
-                    for (int64_t b = gi * (g / per); b < (gi + 1) * (g / per); b++) ys[t * H + pl * plane + b] = 0.0f;
-        }
-        float w[H];
+        const int64_t bper = ((plane + nt - 1) / nt + 15) / 16 * 16;
+        const int64_t b0 = me * bper < plane ? me * bper : plane, b1 = b0 + bper < plane ? b0 + bper : plane;
+        float* w = wbuf + (int64_t)me * H;
+        for (int64_t t = 0; t < n_tok; t++)
+            for (int64_t pl = 0; pl < per; pl++)
+                for (int64_t b = b0; b < b1; b++) ys[t * H + pl * plane + b] = 0.0f;
         for (int64_t f = 0; f < n_flat * block; f++) {
             const int64_t eb = flat[f / block], e = eb / nb, i = (eb % nb) * block + f % block;
             int dq = 0; /* dequantise this thread's part of the row once, for all of its tokens */
             for (int64_t p = start[e]; p < start[e + 1]; p++) {
                 const float h = act[p * I + i] * rw[p];
                 if (h == 0.0f) continue;
-                if (!dq) qrow(w, QROW(e, 1, i), QSC(e, 1, i), QZR(e, 1, i), H, g, (int)bits, g0, g1), dq = 1;
-                faxpy(ys + (int64_t)tok[p] * H, w, h, H, g, (int)bits, g0, g1);
+                if (!dq) qrow(w, QROW(e, 1, i), QSC(e, 1, i), QZR(e, 1, i), H, g, (int)bits, b0, b1), dq = 1;
+                faxpy(ys + (int64_t)tok[p] * H, w, h, H, (int)bits, b0, b1);
             }
         }
         for (int64_t t = 0; t < n_tok; t++) {
-            for (int64_t j = g0 * g; j < g1 * g; j++) {
+            for (int64_t j = per * b0; j < per * b1; j++) {
                 const float y = ys[t * H + (j % per) * plane + j / per];
                 if (x_bf16) {
                     uint16_t* o = (uint16_t*)out + t * H + j;

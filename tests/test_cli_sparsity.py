@@ -108,3 +108,17 @@ def test_quantize_for_sparsity_then_eval(model: Path, text_file: Path, calibrate
                            "int4=32", "--sparsity", "0.6", "--json"))  # fmt: skip
     assert out["precision"]["int4"]["experts"] > 0
     assert abs(out["sparsity"]["achieved"] - 0.6) < 0.1, out["sparsity"]
+
+
+def test_info_shows_the_sparsity_table(model: Path, calibrated: dict[str, object], tmp_path: Path) -> None:
+    data = last_json(invoke("info", model, "--json"))
+    table = data["sparsity_table"]
+    assert table["path"] == calibrated["table"] and table["status"] == "ok"
+    assert table["tokens"] == calibrated["tokens"]
+    other = build_tiny_checkpoint("qwen3_moe", tmp_path / "o", seed=5, dtype=torch.bfloat16, moe_intermediate_size=64)
+    assert last_json(invoke("info", other, "--json"))["sparsity_table"] is None
+    foreign = default_table_path(other)
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text(Path(str(calibrated["table"])).read_text())
+    status = last_json(invoke("info", other, "--json"))["sparsity_table"]["status"]
+    assert status.startswith("refused:") and "another model" in status

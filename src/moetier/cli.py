@@ -420,6 +420,14 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
             from moetier.store.qreader import list_tiers
 
             tiers = list_tiers(model, root=quant_dir)
+            from moetier.runtime.sparsity import model_identity, table_summary
+            from moetier.store.checkpoint import CheckpointIndex
+            from moetier.store.qreader import source_fingerprint
+            from moetier.store.sparse import default_table_path
+
+            fingerprint = source_fingerprint(CheckpointIndex(model))["fingerprint"]
+            sparsity = table_summary(default_table_path(model), model_identity(describe(model), fingerprint))
+        data["sparsity_table"] = sparsity
         data["moe_layers"] = list(data["moe_layers"])
         data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]
         data["quantized_tiers"] = tiers
@@ -429,6 +437,9 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
             report.print(info_table(data))
             if tiers:
                 report.print(quant_table(tiers))
+            if sparsity is not None:
+                tokens = f", calibrated on {sparsity['tokens']} tokens" if sparsity.get("tokens") else ""
+                report.print(f"sparsity table: {sparsity['path']}{tokens}: {sparsity['status']}", highlight=False)
 
 
 def _version(value: bool) -> None:

@@ -519,6 +519,22 @@ def calibrate(
     )
 
 
+def table_summary(path: str | os.PathLike[str], identity: dict[str, Any]) -> dict[str, Any] | None:
+    """What `moetier info` shows of a sparsity table: path, tokens calibrated on, and status ("ok", or
+    why the engine would refuse it); None when there is no file."""
+    if not Path(path).exists():
+        return None
+    out: dict[str, Any] = {"path": str(path)}
+    try:
+        table = ThresholdTable.load(path)
+        out["tokens"] = table.calibration.get("tokens")
+        table.check_model(identity, path)
+        out["status"] = "ok"
+    except ConfigError as exc:
+        out["status"] = f"refused: {exc}"
+    return out
+
+
 def model_identity(info: Any, source_fingerprint: str) -> dict[str, Any]:
     return {
         "path": info.path, "family": info.family, "hidden_size": info.hidden_size,

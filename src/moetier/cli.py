@@ -416,7 +416,8 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
         with err.status(f"reading {model}"):
             from moetier.runtime.loader import describe
 
-            data = describe(model).as_dict()
+            described = describe(model)
+            data = described.as_dict()
             from moetier.store.qreader import list_tiers
 
             tiers = list_tiers(model, root=quant_dir)
@@ -426,7 +427,7 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
             from moetier.store.sparse import default_table_path
 
             fingerprint = source_fingerprint(CheckpointIndex(model))["fingerprint"]
-            sparsity = table_summary(default_table_path(model), model_identity(describe(model), fingerprint))
+            sparsity = table_summary(default_table_path(model), model_identity(described, fingerprint))
         data["sparsity_table"] = sparsity
         data["moe_layers"] = list(data["moe_layers"])
         data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]

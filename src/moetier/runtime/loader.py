@@ -193,10 +193,10 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     config, family, model, sites, dtype, num_experts = o.config, o.family, o.model, o.sites, o.dtype, o.num_experts
     info = _info(path, family, config, sites, o.index, o.reader, num_experts, o.hidden, o.inter)
     table: ThresholdTable | None = None
+    table_path = cfg.sparsity.table or str(default_table_path(path))
     try:  # refuse an unsupported combination or a bad sparsity table before allocating any pool
         check_supported(cfg, family)
         if cfg.sparsity.enabled:
-            table_path = cfg.sparsity.table or str(default_table_path(path))
             table = ThresholdTable.load(table_path)
             table.check_model(model_identity(info, source_fingerprint(o.index)["fingerprint"]), table_path)
     except BaseException:
@@ -221,7 +221,6 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 6. intra-expert sparsity: the per-layer sparse executors with the table's thresholds
     sparsity = None
     if table is not None:
-        table_path = cfg.sparsity.table or str(default_table_path(path))
         act = getattr(config, "hidden_act", None)
         try:
             fmt = getattr(getattr(store, "source", None), "fmt", None)  # QuantSource: rows-layout format

@@ -57,7 +57,7 @@ class TieredMoE(nn.Module):
             if attr:
                 self.add_module(attr, getattr(block, attr))
         self.route_hooks: list[RouteHook] = []  # trace recorder, precision controller
-        self.sparse: Any = None  # runtime.sparsity.SparseExperts (or a calibration recorder): replaces compute
+        self.sparse: Any = None  # runtime.sparsity.SparseExperts: replaces compute
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k])."""

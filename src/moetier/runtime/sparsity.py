@@ -34,11 +34,11 @@ from moetier.config import SPARSITY_BLOCKS, EngineConfig, SparsityConfig
 from moetier.errors import ConfigError
 from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
-from moetier.policies.sparsity import BINS_PER_OCTAVE, LOG2_MIN, N_BINS, LogHistogram, thresholds_for, tipping_point
+from moetier.policies.sparsity import LogHistogram, thresholds_for, tipping_point
 from moetier.runtime.experts import SwiGLU
 from moetier.runtime.kernels import small_rows
 from moetier.store import native
-from moetier.store.qformat import QExpertViews, QLinearWeight
+from moetier.store.qformat import QExpertViews, QLinearWeight, linear
 from moetier.store.sparse import (
     NativeSparse,
     NativeSparseQuant,
@@ -46,7 +46,6 @@ from moetier.store.sparse import (
     dense_weights,
     masked_dense,
     native_kernel,
-    quant_addresses,
     sparse_torch,
 )
 from moetier.types import ExpertKey
@@ -90,7 +89,7 @@ class LayerCounts:
 Groups = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, router weights)
 
 
-def group_tokens(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Groups:
+def group_tokens(ids: torch.Tensor, weights: torch.Tensor) -> Groups:
     """ids/weights [T, k] -> expert -> (token indices, router weights), tokens in order."""
     t, k = ids.shape
     if t == 1:
@@ -108,6 +107,12 @@ def group_tokens(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> 
     return out
 
 
+def add_weighted(out: torch.Tensor, toks: list[int], ws: list[float], y: torch.Tensor) -> None:
+    """out[toks[j]] += ws[j] * y[j]: one expert's outputs y [c, H] combined into out [T, H]."""
+    w = torch.tensor(ws, dtype=y.dtype, device=y.device)[:, None]  # [c, 1]
+    out.index_add_(0, torch.tensor(toks, device=out.device), (y * w).to(out.dtype))
+
+
 class SparseExperts:
     """The compute step of one MoE layer with intra-expert activation sparsity."""
 
@@ -115,8 +120,6 @@ class SparseExperts:
         self, layer: int, threshold: float, target: float, block: int, tipping: int, inter: int,
         act: Callable[[torch.Tensor], torch.Tensor], kernel: NativeSparse | NativeSparseQuant | None,
     ) -> None:  # fmt: skip
-        if block < 1 or inter % block:
-            raise ConfigError(f"sparsity block {block} does not divide the expert size {inter}")
         self.layer, self.threshold, self.target, self.block = layer, threshold, target, block
         self.tipping, self.inter, self.act, self.kernel = tipping, inter, act, kernel
         self.counts = LayerCounts()
@@ -124,7 +127,7 @@ class SparseExperts:
     def forward(self, moe: TieredMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> sum_k w * masked expert(x) as [T, H]."""
         # 1. group and plan: tasks under the tipping point carry the target (gather path)
-        groups = group_tokens(ids, weights, moe.num_experts)
+        groups = group_tokens(ids, weights)
         store, c = moe.store, self.counts
         plan = plan_layer(
             self.layer, {e: len(g[0]) for e, g in groups.items()}, store.index,
@@ -140,16 +143,14 @@ class SparseExperts:
         # 3. masked dense path for the big calls
         for task in dense:
             toks, ws = groups[task.key.expert]
-            tok = torch.tensor(toks, device=x.device)
             views = store.acquire(task.key)
             try:
                 w13, w2, _ = dense_weights(views, x.dtype)  # quantized rows: dequantised copies
                 with small_rows(len(toks), x.dtype, x.device):
-                    y, active = masked_dense(xc[tok], w13, w2, self.act, self.threshold, self.block)
+                    y, active = masked_dense(xc[toks], w13, w2, self.act, self.threshold, self.block)
             finally:
                 store.release(task.key)
-            w = torch.tensor(ws, dtype=y.dtype, device=y.device)[:, None]
-            out.index_add_(0, tok, (y * w).to(out.dtype))
+            add_weighted(out, toks, ws, y)
             c.active += active
             c.total += len(toks) * self.inter
             c.dense_calls += 1
@@ -170,9 +171,7 @@ class SparseExperts:
         starts = [0]
         for task in chunk:
             starts.append(starts[-1] + task.tokens)
-        slots: list[Any] = [
-            quant_addresses(v) if isinstance(self.kernel, NativeSparseQuant) else v.row.data_ptr() for v in views
-        ]
+        slots: list[Any] = [self.kernel.address(v) for v in views]
         rows = sorted(set(toks))
         if len(rows) == x.shape[0]:  # every token (rows == 0..T-1): in place
             return self.kernel(x, slots, toks, ws, starts, out, self.threshold, self.block, accumulate=accumulate)
@@ -200,11 +199,9 @@ class SparseExperts:
                     active = 0
                     for task, v in zip(chunk, views, strict=True):
                         toks, ws = groups[task.key.expert]
-                        tok = torch.tensor(toks, device=x.device)
                         w13, _, rows = dense_weights(v, x.dtype)
-                        y, n = sparse_torch(x[tok], w13, rows, self.act, self.threshold, self.block)
-                        w = torch.tensor(ws, dtype=y.dtype, device=y.device)[:, None]
-                        out.index_add_(0, tok, (y * w).to(out.dtype))
+                        y, n = sparse_torch(x[toks], w13, rows, self.act, self.threshold, self.block)
+                        add_weighted(out, toks, ws, y)
                         active += n
             finally:
                 for key in keys:
@@ -313,10 +310,9 @@ def tipping_profile(
 
         def sparse(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
             v = pick()
-            if isinstance(kernel, NativeSparseQuant):
-                kernel(x, [quant_addresses(v)], list(range(c)), [1.0] * c, [0, c], y, thr, block)
-            elif kernel is not None:
-                kernel(x, [v.row.data_ptr()], list(range(c)), [1.0] * c, [0, c], y, thr, block)
+            if kernel is not None:
+                experts: list[Any] = [kernel.address(v)]
+                kernel(x, experts, list(range(c)), [1.0] * c, [0, c], y, thr, block)
             else:
                 w13, _, rows = dense_weights(v, dtype)
                 sparse_torch(x, w13, rows, act, thr, block)
@@ -412,13 +408,7 @@ def attach(
     fn = blocks[0].expert_fn
     if not isinstance(fn, SwiGLU):
         raise ConfigError("--sparsity supports SwiGLU-type experts only")
-    kernel: NativeSparse | NativeSparseQuant | None = None
-    if act_name in ("silu", "swish"):
-        kernel = native_kernel(hidden, inter, dtype, device)
-        if kernel is not None and quant is not None:
-            lib = native.load()
-            assert lib is not None
-            kernel = NativeSparseQuant(lib, hidden, inter, dtype, *quant)
+    kernel = native_kernel(hidden, inter, dtype, device, quant) if act_name in ("silu", "swish") else None
     why = (
         "native" if kernel is not None else
         f"torch ({native.load_error() or ('CUDA, unverified' if device.type == 'cuda' else f'activation {act_name}')})"
@@ -443,45 +433,26 @@ def attach(
 # --------------------------------------------------------------------------- calibration
 
 
-class _Recorder:
-    """Dense compute for one MoE layer that records |act(gate x)| histograms of routed experts
-    (per block size: the block's largest magnitude)."""
+class _Recording:
+    """A layer's expert function during calibration: the dense SwiGLU of runtime/experts.py, recording
+    |act(gate x)| of every (token, neuron) in histograms (per block size: the block's largest magnitude).
+    It runs inside the engine's own dense expert path, so calibration sees what serving computes."""
 
-    def __init__(self, layer: int, inter: int, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.layer, self.inter, self.act = layer, inter, act
+    def __init__(self, inter: int, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.inter, self.act = inter, act
         self.blocks = [b for b in SPARSITY_BLOCKS if inter % b == 0]
         self.hist = {b: LogHistogram() for b in self.blocks}
         self.pairs = 0
 
-    def record(self, a: torch.Tensor) -> None:
-        mag = a.detach().abs().float()  # [N, I]
+    def __call__(self, x: torch.Tensor, v: Any) -> torch.Tensor:
+        gate, up = linear(x, v.w13).chunk(2, dim=-1)  # [N, I] each
+        a = self.act(gate)
+        mag = a.detach().abs().float().cpu().numpy()  # [N, I]
         n = mag.shape[0]
         self.pairs += n
         for b in self.blocks:
-            m = mag if b == 1 else mag.view(n, self.inter // b, b).amax(-1)
-            lg = torch.log2(m)
-            idx = torch.floor((lg - LOG2_MIN) * BINS_PER_OCTAVE).to(torch.int64) + 1
-            idx = torch.where(torch.isfinite(lg), idx, torch.zeros_like(idx)).clamp_(0, N_BINS - 1)
-            self.hist[b].add_counts(torch.bincount(idx.flatten().cpu(), minlength=N_BINS).numpy())
-
-    def forward(self, moe: TieredMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        groups = group_tokens(ids, weights, moe.num_experts)
-        out = torch.zeros_like(x)
-        plan = plan_layer(self.layer, {e: len(g[0]) for e, g in groups.items()}, moe.store.index)
-        for task in plan.tasks:
-            toks, ws = groups[task.key.expert]
-            tok = torch.tensor(toks, device=x.device)
-            views = moe.store.acquire(task.key)
-            try:
-                xt = x[tok]
-                gate, up = F.linear(xt, views.w13).chunk(2, dim=-1)  # [c, I] each
-                a = self.act(gate)
-                self.record(a)
-                y = F.linear(a * up, views.w2)  # [c, H]
-            finally:
-                moe.store.release(task.key)
-            out.index_add_(0, tok, (y * torch.tensor(ws, dtype=y.dtype, device=y.device)[:, None]).to(out.dtype))
-        return out
+            self.hist[b].add(mag if b == 1 else mag.reshape(n, self.inter // b, b).max(-1))
+        return linear(a * up, v.w2)  # [N, H]
 
 
 def calibrate(
@@ -496,10 +467,10 @@ def calibrate(
         raise ConfigError(f"calibrate supports SwiGLU-type experts; {engine.info.family} is not supported yet")
     if len(ids) < 2:
         raise ConfigError(f"calibration text has {len(ids)} tokens; give at least a few hundred")
-    recorders = {b.layer: _Recorder(b.layer, engine.info.expert_intermediate, fn.act) for b in blocks}
-    saved = [b.sparse for b in blocks]
-    for b in blocks:
-        b.sparse = recorders[b.layer]
+    recorders = {b.layer: _Recording(engine.info.expert_intermediate, fn.act) for b in blocks}
+    saved = [(b.sparse, b.expert_fn) for b in blocks]
+    for b in blocks:  # the dense path, with recording expert functions
+        b.sparse, b.expert_fn = None, recorders[b.layer]
     try:
         starts = list(range(0, len(ids), window))
         for n, s in enumerate(starts):
@@ -507,8 +478,8 @@ def calibrate(
             if on_window is not None:
                 on_window(n + 1, len(starts))
     finally:
-        for b, old in zip(blocks, saved, strict=True):
-            b.sparse = old
+        for b, (sparse, fn_) in zip(blocks, saved, strict=True):
+            b.sparse, b.expert_fn = sparse, fn_
     thresholds = {layer: {b: thresholds_for(r.hist[b]) for b in r.blocks} for layer, r in recorders.items()}
     calibration = dict(text_meta) | {"tokens": len(ids), "window": window,
                                      "pairs": {str(k): r.pairs for k, r in recorders.items()}}  # fmt: skip

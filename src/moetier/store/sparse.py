@@ -250,6 +250,11 @@ class NativeSparse:
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self._scratch = _Scratch()
 
+    @staticmethod
+    def address(views: Any) -> int:
+        """What the kernel takes of one expert: its slot's address (gate | up | down rows)."""
+        return int(views.row.data_ptr())
+
     def __call__(
         self, x: torch.Tensor, slots: Sequence[int], tokens: Sequence[int], weights: Sequence[float],
         starts: Sequence[int], out: torch.Tensor, threshold: float, block: int, accumulate: bool = False,
@@ -287,6 +292,11 @@ class NativeSparseQuant:
         self.hidden, self.inter, self.dtype, self.bits, self.group = hidden, inter, dtype, bits, group
         self._scratch = _Scratch()
 
+    @staticmethod
+    def address(views: Any) -> tuple[int, ...]:
+        """What the kernel takes of one expert: (w13 q, scale, zero, w2 q, scale, zero) addresses."""
+        return tuple(t.data_ptr() for w in (views.w13, views.w2) for t in (w.q, w.scale, w.zero))
+
     def __call__(
         self, x: torch.Tensor, experts: Sequence[Sequence[int]], tokens: Sequence[int], weights: Sequence[float],
         starts: Sequence[int], out: torch.Tensor, threshold: float, block: int, accumulate: bool = False,
@@ -312,11 +322,6 @@ class NativeSparseQuant:
         )  # fmt: skip
 
 
-def quant_addresses(views: Any) -> tuple[int, ...]:
-    """(w13 q, scale, zero, w2 q, scale, zero) addresses of a quantized expert in the rows layout."""
-    return tuple(t.data_ptr() for w in (views.w13, views.w2) for t in (w.q, w.scale, w.zero))
-
-
 def dense_weights(views: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w13 [2I, H], w2 [H, I] view, down rows [I, H]) in `dtype`: the slot's own tensors at full
     precision, dequantised copies for a quantized expert in the rows layout."""
@@ -331,9 +336,16 @@ def dense_weights(views: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return views.w13, views.w2, views.down_rows
 
 
-def native_kernel(hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> NativeSparse | None:
-    """The native kernel for this shape, or None (CUDA, dtype, no compiler: see native.load_error())."""
+def native_kernel(
+    hidden: int, inter: int, dtype: torch.dtype, device: torch.device, quant: tuple[int, int] | None = None
+) -> NativeSparse | NativeSparseQuant | None:
+    """The native kernel for this shape: for full-precision slots, or for quantized rows when `quant` =
+    (bits, group); None on CUDA, for other dtypes, or without a compiler (see native.load_error())."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
     lib = native.load()
-    return NativeSparse(lib, hidden, inter, dtype) if lib is not None else None
+    if lib is None:
+        return None
+    if quant is None:
+        return NativeSparse(lib, hidden, inter, dtype)
+    return NativeSparseQuant(lib, hidden, inter, dtype, *quant)

@@ -41,8 +41,8 @@ import torch
 
 import moetier
 from moetier.config import EngineConfig, RuntimeConfig, SparsityConfig
+from moetier.runtime.calibrate import calibrate, model_identity
 from moetier.runtime.kernels import small_rows
-from moetier.runtime.sparsity import calibrate, model_identity
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.qreader import source_fingerprint
 

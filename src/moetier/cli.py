@@ -370,8 +370,8 @@ def calibrate(
 
     report, err = _consoles(json_out)
     with _user_errors():
-        from moetier.runtime.sparsity import calibrate as run_calibration
-        from moetier.runtime.sparsity import model_identity
+        from moetier.runtime.calibrate import calibrate as run_calibration
+        from moetier.runtime.calibrate import model_identity
         from moetier.store.checkpoint import CheckpointIndex
         from moetier.store.qreader import source_fingerprint
         from moetier.store.sparse import default_table_path
@@ -421,7 +421,7 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
             from moetier.store.qreader import list_tiers
 
             tiers = list_tiers(model, root=quant_dir)
-            from moetier.runtime.sparsity import model_identity, table_summary
+            from moetier.runtime.calibrate import model_identity, table_summary
             from moetier.store.checkpoint import CheckpointIndex
             from moetier.store.qreader import source_fingerprint
             from moetier.store.sparse import default_table_path

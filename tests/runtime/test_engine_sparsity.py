@@ -32,7 +32,8 @@ from moetier.errors import CheckpointError, ConfigError
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.sparsity import tipping_point
 from moetier.runtime import sparsity as rs
-from moetier.runtime.sparsity import calibrate, load_or_measure_tipping, model_identity
+from moetier.runtime.calibrate import calibrate, model_identity
+from moetier.runtime.tipping import load_or_measure_tipping
 from moetier.store import native
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.qreader import source_fingerprint

@@ -14,7 +14,7 @@ import moetier
 from moetier.config import EngineConfig, SparsityConfig
 from moetier.errors import ConfigError
 from moetier.models.tiny import build_tiny_checkpoint
-from moetier.runtime.sparsity import calibrate, model_identity
+from moetier.runtime.calibrate import calibrate, model_identity
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.qreader import source_fingerprint
 from moetier.store.sparse import default_table_path

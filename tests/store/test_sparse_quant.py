@@ -88,7 +88,7 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
     from moetier.config import EngineConfig, PrecisionConfig, SparsityConfig
     from moetier.errors import CheckpointError, ConfigError
     from moetier.models.tiny import build_tiny_checkpoint
-    from moetier.runtime.sparsity import calibrate, model_identity
+    from moetier.runtime.calibrate import calibrate, model_identity
     from moetier.store.checkpoint import CheckpointIndex
     from moetier.store.qreader import source_fingerprint
     from moetier.store.quantize import quantize_model

@@ -28,10 +28,11 @@ from moetier.models.base import (
     load_non_experts,
 )
 from moetier.models.families import Family, find_family
+from moetier.runtime.calibrate import model_identity
 from moetier.runtime.experts import ExpertFn, GptOssGLU, SwiGLU
 from moetier.runtime.moe_block import TieredMoE
 from moetier.runtime.precision import build_store
-from moetier.runtime.sparsity import SparsityState, attach, check_supported, model_identity
+from moetier.runtime.sparsity import SparsityState, attach, check_supported
 from moetier.store.checkpoint import CheckpointIndex
 from moetier.store.dynamic import DynamicStore
 from moetier.store.layout import ExpertLayout

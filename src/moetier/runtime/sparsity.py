@@ -1,44 +1,30 @@
-"""Intra-expert activation sparsity in the engine: the sparse executor of a MoE layer, the
-dense/sparse tipping profile, and calibration.
+"""Intra-expert activation sparsity in the engine: the sparse executor of a MoE layer and its wiring.
 
 `SparseExperts` replaces the compute step of one TieredMoE block: it groups the call's tokens
 by expert, plans with the sparsity target and tipping point (policies.plan), runs every task
 below the tipping point through one native gather call (store/sparse.py; torch ops where the
 kernel is missing) and the others through the masked dense matmuls, and combines. It counts
-active (token, neuron) pairs per layer: the achieved sparsity.
-
-`tipping_profile` times both paths on synthetic experts of the model's shape at token counts
-1..64 (cached per machine, shape, dtype, threads and target); `policies.sparsity.tipping_point`
-reads the switch from it.
-
-`calibrate` runs text through the model with a recording executor and returns the
-ThresholdTable: per MoE layer and block size, the quantiles of |act(gate x)| of routed experts.
+active (token, neuron) pairs per layer: the achieved sparsity. `attach` gives every block its
+executor with the layer's calibrated threshold and the tipping point (runtime/tipping.py);
+runtime/calibrate.py builds the thresholds.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
-from moetier.config import SPARSITY_BLOCKS, EngineConfig, SparsityConfig
+from moetier.config import EngineConfig, SparsityConfig
 from moetier.errors import ConfigError
 from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
-from moetier.policies.sparsity import LogHistogram, thresholds_for, tipping_point
 from moetier.runtime.experts import SwiGLU
 from moetier.runtime.kernels import small_rows
+from moetier.runtime.tipping import load_or_measure_tipping
 from moetier.store import native
-from moetier.store.qformat import QExpertViews, QLinearWeight, linear
 from moetier.store.sparse import (
     NativeSparse,
     NativeSparseQuant,
@@ -52,10 +38,6 @@ from moetier.types import ExpertKey
 
 if TYPE_CHECKING:
     from moetier.runtime.moe_block import TieredMoE
-
-PROFILE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-PROFILE_VERSION = 2
-
 
 def check_supported(cfg: EngineConfig, family: Family) -> None:
     """Refuse, with the reason, combinations the sparse path does not run yet."""
@@ -213,154 +195,6 @@ class SparseExperts:
             c.sparse_tokens += n_tok
 
 
-# --------------------------------------------------------------------------- tipping profile
-
-
-def _profile_key(
-    hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: bool,
-    quant: tuple[int, int] | None = None,
-) -> str:  # fmt: skip
-    """Everything a measured profile depends on: CPU (model and flags), threads, shape, dtype, target,
-    block, which kernel (the native build's key: source, compiler, flags) and torch."""
-    cpu = hashlib.sha256(native._cpu_id().encode()).hexdigest()[:16]
-    return json.dumps(
-        {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
-         "dtype": str(dtype), "target": round(target, 4), "block": block, "quant": list(quant or ()),
-         "kernel": native.build_key() if kernel else "torch", "version": PROFILE_VERSION,
-         "torch": torch.__version__}, sort_keys=True,
-    )  # fmt: skip
-
-
-def _best_time(fn: Callable[[], object], min_s: float = 0.01, rounds: int = 3) -> float:
-    """Median over `rounds` of the mean time of fn over at least `min_s` seconds."""
-    fn()
-    res = []
-    for _ in range(rounds):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            el = time.perf_counter() - t0
-            if el >= min_s:
-                break
-        res.append(el / n)
-    return float(sorted(res)[len(res) // 2])
-
-
-def _synthetic_experts(
-    hidden: int, inter: int, dtype: torch.dtype, quant: tuple[int, int] | None, gen: torch.Generator
-) -> list[Any]:
-    """Random experts of this shape in the layout the engine uses: full precision as SlotViews-like
-    (w13 [2I, H], w2 view, down_rows [I, H], row) or quantized rows as QExpertViews; about 64 MiB, one
-    at a time, in the target dtype (never fewer than one)."""
-    bits = quant[0] if quant else 8 * dtype.itemsize
-    slot = 3 * inter * hidden * bits // 8
-    n_exp = int(min(16, max(1, (64 << 20) // max(slot, 1))))
-    out: list[Any] = []
-    for _ in range(n_exp):
-        if quant is None:
-            row = torch.empty(3 * inter, hidden, dtype=dtype).normal_(0.0, hidden**-0.5, generator=gen)
-            down = row[2 * inter :]
-            out.append(SimpleNamespace(w13=row[: 2 * inter], w2=down.t(), down_rows=down, row=row))
-            continue
-        b, g = quant
-        mats = []
-        for n in (2 * inter, inter):
-            q = torch.randint(0, 256, (n, hidden * b // 8), dtype=torch.uint8, generator=gen)
-            scale = torch.full((n, hidden // g), 2.0 * hidden**-0.5 / (2**b), dtype=torch.bfloat16)
-            zero = torch.full((n, hidden // g), (2**b - 1) / 2, dtype=torch.bfloat16)
-            mats.append(QLinearWeight("generic", n, hidden, g, b, q, scale, zero))
-        out.append(QExpertViews(mats[0], mats[1], None, None, torch.empty(0, dtype=torch.uint8)))
-    return out
-
-
-def tipping_profile(
-    hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], target: float,
-    block: int, kernel: NativeSparse | NativeSparseQuant | None, counts: Sequence[int] = PROFILE_COUNTS,
-    stop_after: int = 2, quant: tuple[int, int] | None = None,
-) -> dict[int, tuple[float, float]]:  # fmt: skip
-    """tokens per expert -> (dense s, sparse s) for one expert call on synthetic experts of this shape
-    (full precision, or `quant` = (bits, group) in the rows layout), rotating over enough of them to
-    leave the CPU caches (as real experts are, at decode). Inputs are random; each token's threshold
-    is its own quantile at `target`, so every token has the target's sparsity and the union over
-    tokens is that of independent tokens (pessimistic for the gather path). Stops `stop_after`
-    counts after dense first wins."""
-    gen = torch.Generator().manual_seed(0)
-    experts = _synthetic_experts(hidden, inter, dtype, quant, gen)
-    x_all = torch.randn(max(counts), hidden, generator=gen).to(dtype)
-    w13_0 = dense_weights(experts[0], dtype)[0]
-    a = act(F.linear(x_all, w13_0[:inter]).float())  # [N, I]
-    thr = float(torch.quantile(a.abs().flatten().float(), target)) if target > 0 else 0.0
-    out: dict[int, tuple[float, float]] = {}
-    it = [0]
-    dense_wins = 0
-
-    def pick() -> Any:
-        it[0] = (it[0] + 1) % len(experts)
-        return experts[it[0]]
-
-    for c in counts:
-        x = x_all[:c].contiguous()
-        y = torch.empty_like(x)
-
-        def dense(x: torch.Tensor = x) -> None:
-            w13, w2, _ = dense_weights(pick(), dtype)
-            with small_rows(x.shape[0], dtype, x.device):
-                masked_dense(x, w13, w2, act, thr, block)
-
-        def sparse(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
-            v = pick()
-            if kernel is not None:
-                experts: list[Any] = [kernel.address(v)]
-                kernel(x, experts, list(range(c)), [1.0] * c, [0, c], y, thr, block)
-            else:
-                w13, _, rows = dense_weights(v, dtype)
-                sparse_torch(x, w13, rows, act, thr, block)
-
-        with torch.inference_mode():
-            out[c] = (_best_time(dense), _best_time(sparse))
-        dense_wins = dense_wins + 1 if out[c][0] <= out[c][1] else 0
-        if dense_wins >= stop_after:
-            break
-    return out
-
-
-def load_or_measure_tipping(
-    hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], cfg: SparsityConfig,
-    kernel: NativeSparse | NativeSparseQuant | None, cache: Path | None = None, quant: tuple[int, int] | None = None,
-) -> tuple[int, dict[int, tuple[float, float]], bool]:  # fmt: skip
-    """(tipping point, profile, from cache). A profile is cached per machine, threads, shape, dtype,
-    target and block in CACHE/sparse-profiles.json; an unwritable cache only costs the re-measure."""
-    path = cache or native.cache_dir().parent / "sparse-profiles.json"
-    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, kernel is not None, quant)
-    stored: dict[str, Any] = {}
-    try:
-        stored = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(stored, dict):
-            stored = {}
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        stored = {}
-    if key in stored:
-        try:
-            profile = {int(c): (float(d), float(s)) for c, (d, s) in stored[key].items()}
-            return tipping_point(profile), profile, True
-        except (AttributeError, TypeError, ValueError):
-            pass  # a malformed entry: measure again and overwrite it
-    profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel, quant=quant)
-    stored[key] = {str(c): list(v) for c, v in profile.items()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stored, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return tipping_point(profile), profile, False
-
-
-# --------------------------------------------------------------------------- wiring
-
-
 @dataclass
 class SparsityState:
     """What the engine keeps about sparsity: per-layer executors, the switch and where it came from."""
@@ -428,87 +262,3 @@ def attach(
             block.layer, thr, cfg.target, cfg.block, tipping, inter, fn.act, kernel
         )
     return state
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-class _Recording:
-    """A layer's expert function during calibration: the dense SwiGLU of runtime/experts.py, recording
-    |act(gate x)| of every (token, neuron) in histograms (per block size: the block's largest magnitude).
-    It runs inside the engine's own dense expert path, so calibration sees what serving computes."""
-
-    def __init__(self, inter: int, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.inter, self.act = inter, act
-        self.blocks = [b for b in SPARSITY_BLOCKS if inter % b == 0]
-        self.hist = {b: LogHistogram() for b in self.blocks}
-        self.pairs = 0
-
-    def __call__(self, x: torch.Tensor, v: Any) -> torch.Tensor:
-        gate, up = linear(x, v.w13).chunk(2, dim=-1)  # [N, I] each
-        a = self.act(gate)
-        mag = a.detach().abs().float().cpu().numpy()  # [N, I]
-        n = mag.shape[0]
-        self.pairs += n
-        for b in self.blocks:
-            self.hist[b].add(mag if b == 1 else mag.reshape(n, self.inter // b, b).max(-1))
-        return linear(a * up, v.w2)  # [N, H]
-
-
-def calibrate(
-    engine: Any, ids: Sequence[int], window: int, model_identity: dict[str, Any], act_name: str,
-    text_meta: dict[str, Any], on_window: Callable[[int, int], None] | None = None,
-) -> ThresholdTable:  # fmt: skip
-    """Run `ids` through the engine's model in windows of `window` tokens with recording executors;
-    return the table (thresholds per layer, block size and target)."""
-    blocks = engine.loaded.blocks
-    fn = blocks[0].expert_fn
-    if not isinstance(fn, SwiGLU):
-        raise ConfigError(f"calibrate supports SwiGLU-type experts; {engine.info.family} is not supported yet")
-    if len(ids) < 2:
-        raise ConfigError(f"calibration text has {len(ids)} tokens; give at least a few hundred")
-    recorders = {b.layer: _Recording(engine.info.expert_intermediate, fn.act) for b in blocks}
-    saved = [(b.sparse, b.expert_fn) for b in blocks]
-    for b in blocks:  # the dense path, with recording expert functions
-        b.sparse, b.expert_fn = None, recorders[b.layer]
-    try:
-        starts = list(range(0, len(ids), window))
-        for n, s in enumerate(starts):
-            engine.logits(torch.tensor([ids[s : s + window]]))
-            if on_window is not None:
-                on_window(n + 1, len(starts))
-    finally:
-        for b, (sparse, fn_) in zip(blocks, saved, strict=True):
-            b.sparse, b.expert_fn = sparse, fn_
-    thresholds = {layer: {b: thresholds_for(r.hist[b]) for b in r.blocks} for layer, r in recorders.items()}
-    calibration = dict(text_meta) | {"tokens": len(ids), "window": window,
-                                     "pairs": {str(k): r.pairs for k, r in recorders.items()}}  # fmt: skip
-    zero = {str(k): round(float(r.hist[1].counts[0] / max(r.hist[1].total, 1)), 6) for k, r in recorders.items()}
-    return ThresholdTable(
-        model=model_identity, activation=act_name, calibration=calibration | {"zero_fraction": zero},
-        thresholds=thresholds,
-    )
-
-
-def table_summary(path: str | os.PathLike[str], identity: dict[str, Any]) -> dict[str, Any] | None:
-    """What `moetier info` shows of a sparsity table: path, tokens calibrated on, and status ("ok", or
-    why the engine would refuse it); None when there is no file."""
-    if not Path(path).exists():
-        return None
-    out: dict[str, Any] = {"path": str(path)}
-    try:
-        table = ThresholdTable.load(path)
-        out["tokens"] = table.calibration.get("tokens")
-        table.check_model(identity, path)
-        out["status"] = "ok"
-    except ConfigError as exc:
-        out["status"] = f"refused: {exc}"
-    return out
-
-
-def model_identity(info: Any, source_fingerprint: str) -> dict[str, Any]:
-    return {
-        "path": info.path, "family": info.family, "hidden_size": info.hidden_size,
-        "moe_intermediate": info.expert_intermediate, "num_experts": info.num_experts,
-        "moe_layers": list(info.moe_layers), "fingerprint": source_fingerprint,
-    }  # fmt: skip

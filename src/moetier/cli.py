@@ -2,7 +2,8 @@
 
 Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
 config dataclasses in moetier.config and the commands call the Python API
-(`moetier.load`, `Engine`, `quantize_model`).
+(`moetier.load`, `Engine`, `quantize_model`); console output, errors and progress bars
+are cli_io.py's, tables cli_format.py's.
 Invariants:
 - every MoetierError, and any OSError on a file named by a flag, becomes one line
   `error: <message>` on stderr and exit code 2, never a traceback; bad flag values
@@ -14,21 +15,20 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetier import __version__
 from moetier.cli_format import calibration_table, eval_report, generation_report, info_table, quant_table
+from moetier.cli_io import TokenStream, consoles, emit_json, progress_bar, read_text, user_errors
 from moetier.cli_options import (
     CachePolicy,
     Device,
@@ -60,7 +60,7 @@ from moetier.cli_options import (
     sparsity_config,
 )
 from moetier.config import EngineConfig, SamplingConfig
-from moetier.errors import ConfigError, MoetierError
+from moetier.errors import ConfigError
 
 if TYPE_CHECKING:  # the engine (torch, transformers) loads only when a command runs: --help stays fast
     from moetier.runtime.engine import Engine
@@ -94,54 +94,8 @@ def _warmup(engine: Engine, warmup: Path | None, err: Console) -> None:
     if engine.switching is None:
         raise ConfigError("--warmup needs --precision dynamic")
     with err.status(f"warming up on {warmup}"):
-        n = engine.warmup(_read_text(warmup))
+        n = engine.warmup(read_text(warmup))
     err.print(f"warmup: {n} tokens, {engine.store.stats().get('promotions', 0)} experts promoted", highlight=False)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
-# -- output and errors ------------------------------------------------------------
-def _fail(message: str, code: int = 2) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """MoetierError and file errors -> `error: ...` on stderr, exit 2; Ctrl-C -> exit 130."""
-    try:
-        yield
-    except MoetierError as exc:
-        _fail(str(exc))
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        _fail(f"{where}{exc.strerror or exc}")
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
-
-
-def _consoles(json_out: bool) -> tuple[Console, Console]:
-    """(report console, stderr console): reports go to stderr in --json mode."""
-    err = Console(stderr=True)
-    return (err if json_out else Console()), err
-
-
-def _progress(err: Console, transient: bool = False) -> Progress:
-    """The bar every long command shows on stderr: description, bar, done/total, elapsed."""
-    return Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=err, transient=transient,
-    )  # fmt: skip
-
-
-def _emit_json(payload: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(payload, default=str) + "\n")
-    sys.stdout.flush()
 
 
 @contextmanager
@@ -161,40 +115,6 @@ def _engine(model: Path, config: EngineConfig, trace: Path | None, scores: bool,
         engine.close()  # also writes the trace
     if trace is not None:
         err.print(f"trace written to {trace}", markup=False, highlight=False)
-
-
-class TokenStream:
-    """Writes generated text as it comes. It decodes the ids since the last newline and
-    writes the new suffix, holding back an incomplete UTF-8 sequence, so characters split
-    over tokens and SentencePiece word starts come out right (as transformers' TextStreamer)."""
-
-    def __init__(self, engine: Engine, out: TextIO) -> None:
-        self.engine, self.out = engine, out
-        self.ids: list[int] = []  # since the last newline written
-        self.written = 0  # characters of decode(self.ids) already written
-
-    def __call__(self, token_id: int, _text: str) -> None:
-        self.ids.append(token_id)
-        text = self._decode()
-        if text.endswith("\ufffd"):
-            return
-        self._write(text)
-        if text.endswith("\n"):
-            self.ids, self.written = [], 0
-
-    def finish(self) -> None:
-        self._write(self._decode())
-        self.out.write("\n")
-        self.out.flush()
-
-    def _decode(self) -> str:
-        return str(self.engine.tokenizer.decode(self.ids, skip_special_tokens=True)) if self.ids else ""
-
-    def _write(self, text: str) -> None:
-        if len(text) > self.written:
-            self.out.write(text[self.written :])
-            self.out.flush()
-            self.written = len(text)
 
 
 # -- commands ---------------------------------------------------------------------
@@ -232,8 +152,8 @@ def generate(
     json_out: JsonOut = False,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
-    report, err = _consoles(json_out)
-    with _user_errors():
+    report, err = consoles(json_out)
+    with user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
         pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
         scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
@@ -254,7 +174,7 @@ def generate(
         }  # fmt: skip
         report.print(generation_report(payload))
         if json_out:
-            _emit_json(payload)
+            emit_json(payload)
 
 
 @app.command(name="eval")
@@ -288,19 +208,19 @@ def eval_(
     json_out: JsonOut = False,
 ) -> None:
     """Perplexity of a text file over non-overlapping windows."""
-    report, err = _consoles(json_out)
-    with _user_errors():
+    report, err = consoles(json_out)
+    with user_errors():
         pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
         scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
         config = engine_config(
             host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg
         )
-        body = _read_text(text)
+        body = read_text(text)
         with _engine(model, config, trace, trace_scores, err) as engine:
             _warmup(engine, warmup, err)
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()
-            with _progress(err, transient=True) as progress:
+            with progress_bar(err, transient=True) as progress:
                 task = progress.add_task(f"scoring {len(ids)} tokens", total=None)
                 result = engine.perplexity(
                     ids, window=window, on_window=lambda done, total: progress.update(task, completed=done, total=total)
@@ -316,7 +236,7 @@ def eval_(
             report.print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens", highlight=False)
         report.print(eval_report(payload))
         if json_out:
-            _emit_json(payload)
+            emit_json(payload)
 
 
 @app.command()
@@ -333,20 +253,20 @@ def quantize(
     json_out: JsonOut = False,
 ) -> None:
     """Write quantized disk tiers of the routed experts, one per precision (resumable: rerun to go on)."""
-    report, err = _consoles(json_out)
-    with _user_errors():
+    report, err = consoles(json_out)
+    with user_errors():
         from moetier.store.qreader import tier_summary
         from moetier.store.quantize import quantize_model
 
         precs = [p.strip() for p in precisions.split(",") if p.strip()]
         groups: dict[str, int | None] = dict(parse_groups(group))
-        with _progress(err) as progress:
+        with progress_bar(err) as progress:
             paths = quantize_model(model, precs, out=out, group_sizes=groups, method=method, progress=progress,
                                    force=force, down_rows=for_sparsity)  # fmt: skip
         rows = [tier_summary(p) | {"path": str(p)} for p in paths]
         report.print(quant_table(rows))
         if json_out:
-            _emit_json({"model": str(model), "tiers": rows})
+            emit_json({"model": str(model), "tiers": rows})
 
 
 @app.command()
@@ -368,15 +288,15 @@ def calibrate(
     |act(gate x)| of routed experts (shared experts stay dense)."""
     import hashlib
 
-    report, err = _consoles(json_out)
-    with _user_errors():
+    report, err = consoles(json_out)
+    with user_errors():
         from moetier.runtime.calibrate import calibrate as run_calibration
         from moetier.runtime.calibrate import model_identity
         from moetier.store.checkpoint import CheckpointIndex
         from moetier.store.qreader import source_fingerprint
         from moetier.store.sparse import default_table_path
 
-        body = _read_text(text)
+        body = read_text(text)
         target = out or default_table_path(model)
         if target.is_dir():
             raise ConfigError(f"--out {target} is a directory; give a file name, e.g. {target / 'thresholds.json'}")
@@ -392,7 +312,7 @@ def calibrate(
             meta = {"text": str(text), "sha256": hashlib.sha256(body.encode()).hexdigest()}
             act = str(getattr(engine.loaded.config, "hidden_act", "?"))
             t0 = time.perf_counter()
-            with _progress(err, transient=True) as progress:
+            with progress_bar(err, transient=True) as progress:
                 task = progress.add_task(f"calibrating on {len(ids)} tokens", total=None)
                 table = run_calibration(
                     engine, ids, win, identity, act, meta,
@@ -405,14 +325,14 @@ def calibrate(
         report.print(calibration_table(payload))
         report.print(f"wrote {path}", highlight=False)
         if json_out:
-            _emit_json(payload)
+            emit_json(payload)
 
 
 @app.command()
 def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) -> None:
     """Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and non-expert bytes."""
-    report, err = _consoles(json_out)
-    with _user_errors():
+    report, err = consoles(json_out)
+    with user_errors():
         with err.status(f"reading {model}"):
             from moetier.runtime.loader import describe
 
@@ -433,7 +353,7 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
         data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]
         data["quantized_tiers"] = tiers
         if json_out:
-            _emit_json(data)
+            emit_json(data)
         else:
             report.print(info_table(data))
             if tiers:

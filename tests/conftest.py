@@ -15,9 +15,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # tiny models: one thread is fastest and immune to oversubscription on a shared 2-core machine
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,11 +91,15 @@ def hf_model(tiny_ckpt: Callable[..., Path]) -> Callable[..., torch.nn.Module]:
 
 @pytest.fixture
 def ckpt_copy(tiny_ckpt: Callable[..., Path], tmp_path: Path) -> Callable[..., Path]:
-    """ckpt_copy(family, variant="fp32") -> a private, writable copy of a tiny checkpoint."""
+    """ckpt_copy(family, variant="fp32", config=None) -> a private, writable copy of a tiny checkpoint;
+    `config` fields overwrite those of its config.json."""
 
-    def get(family: str, variant: str = "fp32") -> Path:
+    def get(family: str, variant: str = "fp32", config: dict[str, Any] | None = None) -> Path:
         dst = tmp_path / f"{family}_{variant}"
         shutil.copytree(tiny_ckpt(family, variant), dst)
+        if config:
+            cfg_file = dst / "config.json"
+            cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | config))
         return dst
 
     return get

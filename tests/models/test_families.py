@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -63,11 +62,7 @@ def test_row_validation():
 
 
 def test_dense_model_is_refused_by_load(ckpt_copy):
-    path = ckpt_copy("qwen3_moe")
-    cfg_file = path / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
-    cfg_file.write_text(json.dumps(cfg))
+    path = ckpt_copy("qwen3_moe", config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(UnknownArchitectureError, match="LlamaForCausalLM"):
         moetier.load(path, EngineConfig(runtime=RUNTIME))
 
@@ -75,11 +70,8 @@ def test_dense_model_is_refused_by_load(ckpt_copy):
 @pytest.mark.parametrize("budget_slots", [None, 1])
 def test_new_family_is_one_row(ckpt_copy, hf_model, monkeypatch, budget_slots):
     """A family 'added by a row': a copy of the qwen3_moe row under a new name and architecture."""
-    path = ckpt_copy("qwen3_moe")
-    cfg_file = path / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["architectures"] = ["FakeTierMoeForCausalLM"]  # model_type stays qwen3_moe for transformers
-    cfg_file.write_text(json.dumps(cfg))
+    # model_type stays qwen3_moe for transformers
+    path = ckpt_copy("qwen3_moe", config={"architectures": ["FakeTierMoeForCausalLM"]})
     new = dataclasses.replace(row("qwen3_moe"), name="fake_tier_moe", architectures=("FakeTierMoeForCausalLM",))
     monkeypatch.setattr(families, "FAMILIES", (new, *FAMILIES))
     assert find_family("qwen3_moe", ["FakeTierMoeForCausalLM"]) is new
@@ -100,10 +92,7 @@ def test_new_family_is_one_row(ckpt_copy, hf_model, monkeypatch, budget_slots):
 
 def test_new_row_is_needed(ckpt_copy):
     """Without the row, an unknown architecture whose model_type is also unknown is refused."""
-    path = ckpt_copy("qwen3_moe")
-    cfg_file = path / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["architectures"], cfg["model_type"] = ["FakeTierMoeForCausalLM"], "fake_tier_moe"
-    cfg_file.write_text(json.dumps(cfg))
+    path = ckpt_copy("qwen3_moe", config={"architectures": ["FakeTierMoeForCausalLM"],
+                                          "model_type": "fake_tier_moe"})  # fmt: skip
     with pytest.raises(UnknownArchitectureError, match="FakeTierMoeForCausalLM"):
         moetier.load(path, EngineConfig(runtime=RUNTIME))

@@ -160,11 +160,7 @@ def test_header_with_wrong_byte_count(tmp_path):
 
 
 def test_unknown_architecture(ckpt_copy):
-    path = ckpt_copy("qwen3_moe")
-    cfg_file = path / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["architectures"], cfg["model_type"] = ["FooMoeForCausalLM"], "foo_moe"
-    cfg_file.write_text(json.dumps(cfg))
+    path = ckpt_copy("qwen3_moe", config={"architectures": ["FooMoeForCausalLM"], "model_type": "foo_moe"})
     err = load_error(path)
     assert isinstance(err, moetier.UnknownArchitectureError)
     assert "FooMoeForCausalLM" in str(err) and "foo_moe" in str(err)
@@ -280,11 +276,7 @@ def test_tensor_in_two_files(ckpt_copy):
 
 
 def test_quantized_checkpoint_is_refused(ckpt_copy):
-    path = ckpt_copy("gpt_oss")
-    cfg_file = path / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
-    cfg_file.write_text(json.dumps(cfg))
+    path = ckpt_copy("gpt_oss", config={"quantization_config": {"quant_method": "mxfp4"}})
     err = load_error(path)
     assert isinstance(err, CheckpointError)
     assert "mxfp4" in str(err) and "config.json" in str(err)

@@ -42,6 +42,14 @@ def make_store(path: Path, budget: int | None, dtype: torch.dtype = torch.float3
     return ExpertStore(FullSource(reader, dtype), list(reader.plans), CPU, budget, None)
 
 
+def budget_for(path: Path, slots: int) -> int:
+    """The host budget that holds exactly `slots` expert slots of `path` (plus its staging buffer)."""
+    probe = make_store(path, None)
+    budget = slots * probe.slot_bytes + probe.staging_bytes
+    probe.close()
+    return budget
+
+
 def stored_bytes(pieces: dict[str, torch.Tensor], itemsize: int) -> int:
     """Bytes one expert occupies in the checkpoint files."""
     return sum(t.numel() for t in pieces.values()) * itemsize
@@ -110,9 +118,7 @@ def test_budget_below_one_expert_names_the_numbers(tiny_ckpt, family):
 
 
 def test_pinned_expert_is_never_evicted(tiny_ckpt):
-    probe = make_store(tiny_ckpt("qwen3_moe"), None)
-    budget = probe.slot_bytes + probe.staging_bytes
-    probe.close()
+    budget = budget_for(tiny_ckpt("qwen3_moe"), 1)
     store = make_store(tiny_ckpt("qwen3_moe"), budget)
     a, b = ExpertKey(0, 1), ExpertKey(0, 2)
     store.acquire(a)
@@ -129,9 +135,7 @@ def test_pinned_expert_is_never_evicted(tiny_ckpt):
 
 
 def test_nested_pins_need_matching_releases(tiny_ckpt):
-    probe = make_store(tiny_ckpt("qwen3_moe"), None)
-    budget = probe.slot_bytes + probe.staging_bytes
-    probe.close()
+    budget = budget_for(tiny_ckpt("qwen3_moe"), 1)
     store = make_store(tiny_ckpt("qwen3_moe"), budget)
     a, b = ExpertKey(1, 0), ExpertKey(1, 3)
     store.acquire(a)
@@ -146,9 +150,7 @@ def test_nested_pins_need_matching_releases(tiny_ckpt):
 
 
 def test_lru_evicts_least_recently_used(tiny_ckpt):
-    probe = make_store(tiny_ckpt("qwen3_moe"), None)
-    budget = 2 * probe.slot_bytes + probe.staging_bytes
-    probe.close()
+    budget = budget_for(tiny_ckpt("qwen3_moe"), 2)
     store = make_store(tiny_ckpt("qwen3_moe"), budget)
     a, b, c = ExpertKey(0, 0), ExpertKey(0, 1), ExpertKey(1, 0)
     for key in (a, b, a, c):
@@ -188,9 +190,7 @@ def test_slot_contents_equal_checkpoint(tiny_ckpt, canonical_experts, family, va
     """Load several experts through one reused slot: each must equal its checkpoint tensors."""
     path = tiny_ckpt(family, variant)
     experts = canonical_experts(family, variant)
-    probe = make_store(path, None)
-    budget = probe.slot_bytes + probe.staging_bytes
-    probe.close()
+    budget = budget_for(path, 1)
     store = make_store(path, budget)
     keys = sorted(experts)
     chosen = [keys[0], keys[len(keys) // 2], keys[-1], keys[1]]

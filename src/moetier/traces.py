@@ -111,3 +111,50 @@ def load(path: str | os.PathLike[str]) -> Trace:
 def _null_column(table: pa.Table, name: str) -> bool:
     """An all-null column (e.g. scores not recorded) may be stored as the null type."""
     return bool(pa.types.is_null(table.schema.field(name).type))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One MoE layer call of a trace, as arrays: ids/weights [T, k], scores [T, E] or None."""
+
+    step: int
+    layer: int
+    ids: Any  # np.ndarray int64 [T, k]
+    weights: Any  # np.ndarray float32 [T, k]
+    scores: Any  # np.ndarray float32 [T, E] | None
+
+
+def iter_calls(trace: Trace) -> list[Call]:
+    """The trace's layer calls in recorded order (rows of one call are contiguous: same step and
+    layer). Raises TraceError for ragged top-k or score rows."""
+    import numpy as np
+
+    t = trace.table
+    if t.num_rows == 0:
+        return []
+    step = t.column("step").to_numpy()
+    layer = t.column("layer").to_numpy()
+    k = int(trace.metadata["top_k"])
+    ids = _fixed(t.column("experts"), k, "experts", np.int64)
+    weights = _fixed(t.column("weights"), k, "weights", np.float32)
+    scores = None
+    if not _null_column(t, "scores") and t.column("scores").null_count == 0:
+        scores = _fixed(t.column("scores"), int(trace.metadata["num_experts"]), "scores", np.float32)
+    change = np.flatnonzero((np.diff(step) != 0) | (np.diff(layer) != 0)) + 1
+    bounds = [0, *change.tolist(), t.num_rows]
+    return [
+        Call(int(step[a]), int(layer[a]), ids[a:b], weights[a:b], None if scores is None else scores[a:b])
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
+def _fixed(column: Any, width: int, name: str, dtype: Any) -> Any:
+    """A list column whose every row has `width` values -> array [N, width]."""
+    import numpy as np
+
+    col = column.combine_chunks()
+    lengths = col.value_lengths().to_numpy(zero_copy_only=False)
+    if col.null_count or (lengths != width).any():
+        bad = int(np.flatnonzero(lengths != width)[0]) if (lengths != width).any() else -1
+        raise TraceError(f"trace column {name!r}: every row needs {width} values (row {bad} differs)")
+    return col.flatten().to_numpy(zero_copy_only=False).astype(dtype).reshape(-1, width)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 
 class LRUPolicy:
@@ -19,6 +19,9 @@ class LRUPolicy:
 
     def on_evict(self, key: Hashable) -> None:
         self._order.pop(key, None)
+
+    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+        pass  # recency only
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:
         allowed = set(candidates)

@@ -1,4 +1,6 @@
-"""The `moetier` command line: generate, eval, quantize, calibrate, info.
+"""The `moetier` command line: generate, eval, quantize, calibrate, info; and, registered from
+their own modules, profile (cli_profile.py), replay (cli_replay.py), synth (cli_synth.py) and
+simulate (cli_simulate.py).
 
 Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
 config dataclasses in moetier.config and the commands call the Python API
@@ -44,7 +46,12 @@ from moetier.cli_options import (
     NoLean,
     Period,
     PrecisionMode,
+    Prefetch,
+    PrefetchDepth,
+    PrefetchMax,
+    Profile,
     QuantDir,
+    Scheduler,
     Sparsity,
     SparsityBlock,
     SparsityTable,
@@ -57,8 +64,14 @@ from moetier.cli_options import (
     engine_config,
     parse_groups,
     precision_config,
+    prefetch_config,
+    scheduler_config,
     sparsity_config,
 )
+from moetier.cli_profile import register as register_profile
+from moetier.cli_replay import register as register_replay
+from moetier.cli_simulate import register as register_simulate
+from moetier.cli_synth import register as register_synth
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import ConfigError
 
@@ -149,6 +162,11 @@ def generate(
     sparsity_table: SparsityTable = None,
     sparsity_block: SparsityBlock = 1,
     sparsity_tipping: SparsityTipping = None,
+    prefetch: Prefetch = False,
+    prefetch_depth: PrefetchDepth = 1,
+    prefetch_max: PrefetchMax = 4,
+    scheduler: Scheduler = None,
+    profile: Profile = None,
     json_out: JsonOut = False,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
@@ -158,7 +176,8 @@ def generate(
         pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
         scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
         config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
+            prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
         )
         with _engine(model, config, trace, trace_scores, err) as engine:
             _warmup(engine, warmup, err)
@@ -205,6 +224,11 @@ def eval_(
     sparsity_table: SparsityTable = None,
     sparsity_block: SparsityBlock = 1,
     sparsity_tipping: SparsityTipping = None,
+    prefetch: Prefetch = False,
+    prefetch_depth: PrefetchDepth = 1,
+    prefetch_max: PrefetchMax = 4,
+    scheduler: Scheduler = None,
+    profile: Profile = None,
     json_out: JsonOut = False,
 ) -> None:
     """Perplexity of a text file over non-overlapping windows."""
@@ -213,7 +237,8 @@ def eval_(
         pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
         scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
         config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
+            prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
         )
         body = read_text(text)
         with _engine(model, config, trace, trace_scores, err) as engine:
@@ -376,6 +401,10 @@ def _root(
     ] = False,
 ) -> None:
     """Run Mixture-of-Experts LMs with expert weights in tiered, budgeted memory."""
+
+
+for _register in (register_profile, register_replay, register_synth, register_simulate):
+    _register(app)
 
 
 def main() -> None:

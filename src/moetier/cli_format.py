@@ -119,10 +119,27 @@ def calibration_table(payload: Mapping[str, Any]) -> Table:
     return table
 
 
+def _cache_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Hit rate and policy; prefetch accuracy and outcome; the hybrid split when it ran."""
+    rows = [("expert hit rate", f"{stats.get('hit_rate', 0.0):.1%} ({stats.get('cache_policy', '?')})")]
+    pf = stats.get("prefetch")
+    if pf is not None:
+        rows.append(("prefetch accuracy", f"{pf['accuracy']:.1%} of {pf['predicted']} predicted (depth {pf['depth']})"))
+        rows.append(("prefetched used / issued", f"{pf['used']} / {pf['issued']} ({pf['wasted']} evicted unused, "
+                                                 f"{pf['failed']} failed, {pf['waits']} waited on)"))  # fmt: skip
+        if pf["errors"]:
+            rows.append(("prefetch errors", pf["errors"][-1]))
+    hy = stats.get("hybrid_stats")
+    if hy is not None:
+        rows.append(("hybrid tasks gpu / cpu", f"{hy['accel_tasks']} / {hy['host_tasks']} ({stats['scheduler']})"))
+    return rows
+
+
 def _engine_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [
         *_precision_rows(stats),
         *_sparsity_rows(stats),
+        *_cache_rows(stats),
         ("expert hits / misses", f"{stats['hits']} / {stats['misses']}"),
         ("bytes read from disk", size(stats["disk_bytes"])),
         ("bytes host -> accelerator", size(stats["h2d_bytes"])),

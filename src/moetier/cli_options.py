@@ -19,7 +19,9 @@ from moetier.config import (
     DtypeName,
     EngineConfig,
     PrecisionConfig,
+    PrefetchConfig,
     RuntimeConfig,
+    SchedulerConfig,
     SparsityConfig,
     parse_size,
 )
@@ -65,7 +67,33 @@ Dtype = Annotated[
 CachePolicy = Annotated[
     str,
     typer.Option(rich_help_panel=_ENGINE,
-                 help=f"Expert eviction policy of every tier; one of: {', '.join(sorted(CACHE_POLICIES))}."),
+                 help=f"Expert eviction policy of every tier; one of: {', '.join(sorted(CACHE_POLICIES))} "
+                      "(belady needs the future: `moetier replay` only)."),
+]  # fmt: skip
+_SCHED = "Prefetch and scheduling"
+Prefetch = Annotated[
+    bool,
+    typer.Option("--prefetch/--no-prefetch", rich_help_panel=_SCHED,
+                 help="Predict the next MoE layers' experts with their routers and load the most useful ones in the "
+                      "background (disk -> host on a CPU machine, host -> GPU on a GPU)."),
+]  # fmt: skip
+PrefetchDepth = Annotated[
+    int, typer.Option(min=1, max=3, rich_help_panel=_SCHED, help="MoE layers ahead to predict and prefetch (1-3).")
+]
+PrefetchMax = Annotated[
+    int, typer.Option(min=1, rich_help_panel=_SCHED, help="Most experts prefetched per MoE layer call.")
+]
+Scheduler = Annotated[
+    str | None,
+    typer.Option(rich_help_panel=_SCHED,
+                 help="Expert scheduler (hybrimoe, ktransformers, llamacpp, gpu-lru, fiddler): on CUDA it splits each "
+                      "layer's experts between GPU and CPU; on a CPU machine it only prices prefetch choices."),
+]  # fmt: skip
+Profile = Annotated[
+    str | None,
+    typer.Option(metavar="NAME|FILE", rich_help_panel=_SCHED,
+                 help="Hardware profile for the cost model (a name in profiles/ or a .json path); default "
+                      "profiles/this-machine.json if present, else a built-in conservative CPU profile."),
 ]  # fmt: skip
 MaxSeqLen = Annotated[
     int,
@@ -164,12 +192,16 @@ def engine_config(
     no_lean: bool,
     precision: PrecisionConfig | None = None,
     sparsity: SparsityConfig | None = None,
+    prefetch: PrefetchConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
 ) -> EngineConfig:
     if policy not in CACHE_POLICIES:
         raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
     return EngineConfig(
         budgets=Budgets(host_expert_bytes=host, accel_expert_bytes=gpu),
         cache=CacheConfig(policy=policy),
+        prefetch=prefetch or PrefetchConfig(),
+        scheduler=scheduler or SchedulerConfig(),
         precision=precision or PrecisionConfig(),
         sparsity=sparsity or SparsityConfig(),
         runtime=RuntimeConfig(device=device, dtype=dtype, lean=not no_lean, max_seq_len=max_seq_len),
@@ -199,3 +231,19 @@ def precision_config(
 
 def sparsity_config(target: float, table: Path | None, block: int, tipping: int | None) -> SparsityConfig:
     return SparsityConfig(target=target, table=str(table) if table else None, block=block, tipping=tipping)
+
+
+def prefetch_config(enabled: bool, depth: int, max_experts: int) -> PrefetchConfig:
+    return PrefetchConfig(enabled=enabled, depth=depth, max_experts=max_experts)
+
+
+def scheduler_config(name: str | None, profile: str | None) -> SchedulerConfig:
+    """--scheduler and --profile; an unknown scheduler or profile is a ConfigError naming the known ones."""
+    from moetier.policies.costmodel import load_profile
+    from moetier.policies.schedulers import SCHEDULERS
+
+    if name is not None and name not in SCHEDULERS:
+        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(sorted(SCHEDULERS))}")
+    if profile is not None:
+        load_profile(profile)  # fails early, naming the known profiles
+    return SchedulerConfig(name=name, profile=profile)

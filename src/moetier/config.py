@@ -1,7 +1,9 @@
 """Frozen, composed configuration. The CLI only maps flags onto these.
 
-EngineConfig = Budgets + CacheConfig + PrecisionConfig + SparsityConfig + RuntimeConfig. Later
-sections (prefetch, scheduler) join as their own dataclasses.
+EngineConfig = Budgets + CacheConfig + PrefetchConfig + SchedulerConfig + PrecisionConfig +
+SparsityConfig + RuntimeConfig. Each section validates its own values on construction; names
+that live in a registry (cache policies, schedulers, hardware profiles) are checked where
+the registry is (the engine, the CLI).
 """
 
 from __future__ import annotations
@@ -67,6 +69,39 @@ class CacheConfig:
     """Which eviction policy each tier uses (a name in moetier.policies.CACHE_POLICIES)."""
 
     policy: str = "lru"
+
+
+PREFETCH_MAX_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Cross-layer expert prefetch (HybriMoE IV-C). After MoE layer l routes, the routers of the
+    next `depth` MoE layers (1..3) are applied to layer l's input to predict their experts; the
+    cost model prices them and policies.prefetch.choose_prefetch picks at most `max_experts` per
+    layer call to load in the background (disk -> host on a CPU machine, host -> GPU on a GPU)."""
+
+    enabled: bool = False
+    depth: int = 1
+    max_experts: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.depth <= PREFETCH_MAX_DEPTH:
+            raise ConfigError(f"prefetch depth must be between 1 and {PREFETCH_MAX_DEPTH} layers, got {self.depth}")
+        if self.max_experts < 1:
+            raise ConfigError(f"prefetch max experts per layer call must be at least 1, got {self.max_experts}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Which domain computes each expert (a name in moetier.policies.schedulers.SCHEDULERS; None:
+    everything on the compute device), and the hardware profile the cost model prices work with
+    (a name in profiles/ or a path; None: profiles/this-machine.json if present, else a built-in
+    conservative CPU profile). Hybrid CPU-GPU execution needs a CUDA device; on a CPU machine the
+    scheduler only prices prefetch choices."""
+
+    name: str | None = None
+    profile: str | None = None
 
 
 PRECISION_MODES = ("full", "int8", "int4", "int2", "dynamic")
@@ -186,6 +221,8 @@ class RuntimeConfig:
 class EngineConfig:
     budgets: Budgets = field(default_factory=Budgets)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

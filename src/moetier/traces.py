@@ -11,6 +11,7 @@ Real traces recorded by the engine and synthetic ones share this schema.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ def iter_calls(trace: Trace) -> list[Call]:
     bounds = [0, *change.tolist(), t.num_rows]
     return [
         Call(int(step[a]), int(layer[a]), ids[a:b], weights[a:b], None if scores is None else scores[a:b])
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        for a, b in itertools.pairwise(bounds)
     ]
 
 

@@ -11,23 +11,38 @@ Schedulers are pure functions of plain data: an `ExpertWork` list whose costs th
 already priced with the cost model (policies/costmodel.py), and the times at which each
 lane becomes free. They return a `Schedule`: a timeline of ops on the three lanes
 (`gpu`, `cpu`, `link`; times in seconds from the layer's start), where each expert
-computes, which experts were moved (the caller admits them into its cache), and the
-makespan. The engine runs the assignment; the simulator replays the timeline; both use
-the same decision.
+computes, which experts were moved (the caller admits them into its cache when the
+scheduler `admits`), and the makespan. The engine runs the assignment; the simulator
+replays the timeline; both use the same decision.
 
 Shared experts are ExpertWork with a negative expert id (-1, -2, ...) and `cached=True`.
+
+Invariants every scheduler keeps (tests/policies/test_schedulers.py checks them):
+- every expert of the call is computed exactly once, on `gpu` or `cpu`;
+- an uncached expert computes on `gpu` only after its `link` op ends; cached ones never move;
+- no lane runs two ops at once, and no op starts before the lane's `ready` time;
+- `makespan` is the end of the last compute op (0 for an empty call);
+- with no slow domain (`slow_s` None) nothing runs on `cpu`: every miss is moved.
+
+`ExpertWork` checks its own fields on construction, so a scheduler only checks what spans the
+list (`check_work`: unique keys, slow_s given for all or none), which keeps planning cheap.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from moetier.types import Domain, ExpertKey
 
 Lane = Literal["gpu", "cpu", "link"]
 LANES: tuple[Lane, ...] = ("gpu", "cpu", "link")
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 @dataclass(frozen=True)
@@ -42,9 +57,21 @@ class ExpertWork:
     move_s: float  # time to move its weights over the link
     nbytes: int = 0  # bytes a move carries
 
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ValueError(f"ExpertWork {tuple(self.key)}: tokens must be an int > 0, got {self.tokens!r}")
+        for name in ("fast_s", "move_s") + (("slow_s",) if self.slow_s is not None else ()):
+            if not _finite(getattr(self, name)):
+                raise ValueError(
+                    f"ExpertWork {tuple(self.key)}: {name} must be finite and >= 0, got {getattr(self, name)!r}"
+                )
+        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
+            raise ValueError(f"ExpertWork {tuple(self.key)}: nbytes must be an int >= 0, got {self.nbytes!r}")
 
-@dataclass(frozen=True)
-class Op:
+
+class Op(NamedTuple):
+    """One op on a lane (a NamedTuple, not a dataclass: a 64-expert prefill builds about 100 per call)."""
+
     lane: Lane
     key: ExpertKey
     start: float
@@ -64,13 +91,97 @@ class Schedule:
 
 
 class Scheduler(Protocol):
-    """One file per variant in policies/, looked up by name in policies.schedulers.SCHEDULERS."""
+    """One file per variant in policies/, looked up by name in policies.schedulers.SCHEDULERS.
+
+    Besides `schedule`, a scheduler names how its user sets up the fast tier:
+    - `admits`: True: experts moved by a schedule are admitted into the fast tier's cache
+      (dynamic); False: the fast tier keeps the placement it started with (static mappings;
+      a moved expert is used for this call only);
+    - `placement`: the initial fast-tier placement, a key of policies.placement.PLACEMENTS:
+      "frequency" (hottest experts of a warm-up window) or "layers" (whole layers, llama.cpp);
+    - `cache_policy`: the default eviction policy name (policies.CACHE_POLICIES) when the user
+      names none; it only decides anything when `admits` (or when prefetches are admitted).
+    """
 
     name: str
-    # True: experts moved by a schedule are admitted into the fast tier's cache (dynamic);
-    # False: the fast tier keeps the placement it started with (static mappings).
     admits: bool
+    placement: str
+    cache_policy: str
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
         """`ready`: when each lane is free (e.g. the link is busy with a prefetch), default 0."""
         ...
+
+
+# Helpers shared by the schedulers ---------------------------------------------------------------------------------
+def lane_ready(ready: Mapping[Lane, float] | None) -> tuple[float, float, float]:
+    """(gpu, cpu, link) free times; ValueError for an unknown lane or a time that is not finite and >= 0."""
+    if not ready:
+        return 0.0, 0.0, 0.0
+    for lane, t in ready.items():
+        if lane not in LANES:
+            raise ValueError(f"ready: unknown lane {lane!r}; lanes are {', '.join(LANES)}")
+        if not _finite(t):
+            raise ValueError(f"ready[{lane!r}] must be finite and >= 0, got {t!r}")
+    return float(ready.get("gpu", 0.0)), float(ready.get("cpu", 0.0)), float(ready.get("link", 0.0))
+
+
+def check_work(work: Sequence[ExpertWork]) -> bool:
+    """Checks what spans the list; returns True when there is a slow domain (slow_s given)."""
+    if len({w.key for w in work}) != len(work):
+        seen: set[ExpertKey] = set()
+        for w in work:
+            if w.key in seen:
+                raise ValueError(f"schedule: expert {tuple(w.key)} appears twice in one layer call's work")
+            seen.add(w.key)
+    n_slow = sum(w.slow_s is not None for w in work)
+    if 0 < n_slow < len(work):
+        raise ValueError(f"schedule: slow_s must be given for all experts or none ({n_slow} of {len(work)} have it)")
+    return n_slow > 0
+
+
+def timeline(
+    work: Sequence[ExpertWork],
+    ready: tuple[float, float, float],
+    fast: Sequence[int],
+    moved: Sequence[int],
+    slow: Sequence[int],
+) -> Schedule:
+    """The schedule of a fixed assignment (indices into `work`): the link moves `moved` back to back in
+    that order; the fast lane computes `fast` (cached experts) in that order, then each moved expert in
+    arrival order (never before it arrives); the slow lane computes `slow` back to back in that order."""
+    tg, tc, tl = ready
+    ops: list[Op] = []
+    domains: dict[ExpertKey, Domain] = {}
+    end = 0.0
+    for i in fast:
+        w = work[i]
+        ops.append(Op("gpu", w.key, tg, tg + w.fast_s))
+        tg += w.fast_s
+        domains[w.key] = Domain.ACCEL
+        end = max(end, tg)
+    for i in moved:
+        w = work[i]
+        ops.append(Op("link", w.key, tl, tl + w.move_s))
+        tl += w.move_s
+        tg = max(tg, tl)
+        ops.append(Op("gpu", w.key, tg, tg + w.fast_s))
+        tg += w.fast_s
+        domains[w.key] = Domain.ACCEL
+        end = max(end, tg)
+    for i in slow:
+        w = work[i]
+        if w.slow_s is None:
+            raise ValueError(f"schedule: expert {tuple(w.key)} assigned to the slow domain, but there is none")
+        ops.append(Op("cpu", w.key, tc, tc + w.slow_s))
+        tc += w.slow_s
+        domains[w.key] = Domain.HOST
+        end = max(end, tc)
+    return Schedule(tuple(ops), domains, tuple(work[i].key for i in moved), end)
+
+
+def by_load(work: Sequence[ExpertWork], idx: Sequence[int], descending: bool) -> list[int]:
+    """Indices ordered by token load; ties in work order either way (deterministic)."""
+    if descending:
+        return sorted(idx, key=lambda i: (-work[i].tokens, i))
+    return sorted(idx, key=lambda i: (work[i].tokens, i))

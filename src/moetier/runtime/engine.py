@@ -4,6 +4,10 @@
 decoder (runtime/lean.py) for families whose attention it implements, else the
 transformers modules with TieredMoE blocks (runtime/decode_hf.py). Both produce the
 reference model's logits.
+
+Wiring beyond the decoder: router scores to the cache policy and cross-layer prefetch
+(runtime/prefetch.py), hybrid CPU-GPU execution when a scheduler is set on CUDA
+(runtime/hybrid.py), precision switching (runtime/precision.py).
 """
 
 from __future__ import annotations
@@ -78,6 +82,14 @@ class Engine:
             self.switching = Switching(
                 self.store, self.store.per_layer, self.info.num_experts, config.precision, loaded.blocks
             )
+        from moetier.runtime.prefetch import wire
+
+        self.prefetcher = wire(loaded, config)
+        self.hybrid = None
+        if config.scheduler.name is not None and self.device.type == "cuda":
+            from moetier.runtime.hybrid import wire_hybrid
+
+            self.hybrid = wire_hybrid(loaded, config)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None
@@ -297,9 +309,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         s = self.store.stats()
         compute = s.get("accel", s["host"])
+        accesses = compute["hits"] + compute["misses"]
         return {
             "hits": compute["hits"],
             "misses": compute["misses"],
+            "hit_rate": compute["hits"] / accesses if accesses else 0.0,
+            "cache_policy": self.config.cache.policy,
+            "scheduler": self.config.scheduler.name,
+            "hybrid": self.hybrid is not None,
             "disk_bytes": s["disk_bytes"],
             "h2d_bytes": s["h2d_bytes"],
             "peak_host_expert_bytes": s["host"]["peak_resident_bytes"],
@@ -314,12 +331,16 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
         } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (
             {"sparsity": self.loaded.sparsity.stats()} if self.loaded.sparsity is not None else {}
+        ) | ({"prefetch": self.prefetcher.summary()} if self.prefetcher is not None else {}) | (
+            {"hybrid_stats": self.hybrid.stats()} if self.hybrid is not None else {}
         )
 
     def close(self) -> None:
         self.save_trace()
         if self.switching is not None:
             self.switching.close()
+        if self.hybrid is not None:
+            self.hybrid.executor.close()
         self.store.close()
 
     def __enter__(self) -> Engine:

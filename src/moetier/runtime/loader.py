@@ -208,6 +208,8 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
     store = build_store(o.reader, path, cfg, dtype, device, reserve=non_expert)
+    if isinstance(store, ExpertStore):
+        store.set_top_k(info.top_k)  # MRS keeps the 2k best scores per call
     # 5. swap the blocks, load everything else, refuse leftovers
     blocks = []
     for site in sites:

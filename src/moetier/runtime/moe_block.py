@@ -3,14 +3,20 @@
 One call runs the pipeline once: route -> plan -> move -> compute -> combine.
 
 1. route: the family's own router module (kept from the reference block) gives
-   top-k ids and weights per token;
+   top-k ids and weights per token; `on_logits` (score-aware caching) gets the router
+   logits and `after_route` (the prefetcher, runtime/prefetch.py) the block's input and
+   ids, both before any expert of the call is touched;
 2. plan: policies.plan.plan_layer orders the experts (resident first);
 3. move: ExpertStore.acquire loads a missing expert into a slot (evicting per policy);
 4. compute: the family's expert function on the slot's views, only for active experts;
-5. combine: weighted outputs summed in token order, plus shared experts.
+5. combine: weighted outputs summed in token order, plus shared experts. Experts are
+   summed in ascending expert id (as the transformers reference does), never in plan
+   order, so the result does not depend on residency, cache policy or prefetch timing
+   (bit-identical runs in bf16).
 
 With intra-expert sparsity on, steps 2-5 of the routed experts are `sparse`'s
-(runtime/sparsity.py); shared experts stay dense.
+(runtime/sparsity.py); with hybrid CPU-GPU execution they are `hybrid`'s
+(runtime/hybrid.py); shared experts stay dense.
 
 Decode (one token) takes a short path with no sort and no scatter; prefill groups
 tokens by expert with one argsort. Neither loops over all E experts or over tokens.
@@ -31,6 +37,8 @@ from moetier.runtime.kernels import small_rows
 from moetier.types import ExpertKey
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits
+LogitsHook = Callable[[int, torch.Tensor], None]  # layer, logits [T, E]
+AfterRoute = Callable[["TieredMoE", torch.Tensor, torch.Tensor], None]  # block, x [T, H], ids [T, k]
 
 
 class Store(Protocol):
@@ -58,6 +66,9 @@ class TieredMoE(nn.Module):
                 self.add_module(attr, getattr(block, attr))
         self.route_hooks: list[RouteHook] = []  # trace recorder, precision controller
         self.sparse: Any = None  # runtime.sparsity.SparseExperts: replaces compute
+        self.hybrid: Any = None  # runtime.hybrid.HybridExperts: replaces plan + compute (CUDA)
+        self.on_logits: LogitsHook | None = None  # router scores to the cache policy (MRS)
+        self.after_route: AfterRoute | None = None  # the prefetcher
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k])."""
@@ -78,7 +89,11 @@ class TieredMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        _, weights, ids = self.route(x)
+        logits, weights, ids = self.route(x)
+        if self.on_logits is not None:
+            self.on_logits(self.layer, logits)
+        if self.after_route is not None:
+            self.after_route(self, x, ids)
         out = self.experts_forward(x, ids, weights)
         shared = self.shared(x)
         if shared is not None:
@@ -91,18 +106,24 @@ class TieredMoE(nn.Module):
         if self.sparse is not None:
             out: torch.Tensor = self.sparse.forward(self, x, ids, weights)
             return out
+        if self.hybrid is not None:
+            mixed: torch.Tensor = self.hybrid.forward(self, x, ids, weights)
+            return mixed
         store, layer, fn = self.store, self.layer, self.expert_fn
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: k experts, one token each
             id_list = ids[0].tolist()
             w_of = dict(zip(id_list, weights[0].tolist(), strict=True))
             plan = plan_layer(layer, dict.fromkeys(id_list, 1), store.index)
+            ys: dict[int, torch.Tensor] = {}
             for task in plan.tasks:
                 views = store.acquire(task.key)
                 try:
-                    out.add_(fn(x, views), alpha=w_of[task.key.expert])  # [1, H] += w * expert(x)
+                    ys[task.key.expert] = fn(x, views)  # [1, H]
                 finally:
                     store.release(task.key)
+            for e in sorted(ys):  # combine in expert order, whatever the residency
+                out.add_(ys[e], alpha=w_of[e])  # [1, H] += w * expert(x)
             return out
         k = ids.shape[1]
         flat = ids.reshape(-1)  # [T*k]
@@ -115,6 +136,7 @@ class TieredMoE(nn.Module):
         token_of = order // k  # [T*k] token index of each sorted slot
         w_sorted = weights.reshape(-1)[order]  # [T*k]
         plan = plan_layer(layer, active, store.index)
+        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for task in plan.tasks:
             e, c = task.key.expert, task.tokens
             tok = token_of[starts[e] : starts[e] + c]  # [c]
@@ -122,7 +144,9 @@ class TieredMoE(nn.Module):
             try:
                 with small_rows(c, x.dtype, x.device):  # an expert with 1-2 of the call's tokens: native GEMV
                     y = fn(x[tok], views)  # [c, H]
-                out.index_add_(0, tok, (y * w_sorted[starts[e] : starts[e] + c, None]).to(out.dtype))
+                outs[e] = (tok, (y * w_sorted[starts[e] : starts[e] + c, None]).to(out.dtype))
             finally:
                 store.release(task.key)
+        for e in sorted(outs):  # combine in expert order, whatever the residency (as the reference does)
+            out.index_add_(0, *outs[e])
         return out

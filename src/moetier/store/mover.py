@@ -5,15 +5,19 @@ it did not ask for. The thread runs `run(move)` for each; a move that raises is
 recorded in `errors` (and passed to `on_error`), the store keeps serving the last
 registered version of that expert, and the thread goes on with the next move.
 `drain()` waits until the queue is empty (for reproducible runs and shutdown).
+
+`PrefetchLoads` runs an ExpertStore's background prefetches on one Mover (see its docstring
+and store/store.py for the slot and provenance invariants).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
-from moetier.types import Move
+from moetier.types import ExpertKey, Move, MoveKind, Tier
 
 _STOP = object()
 
@@ -75,3 +79,83 @@ class Mover:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(timeout)
+
+
+class PrefetchLoads:
+    """Background prefetch loads into slots an ExpertStore reserved (store.prefetch).
+
+    One Mover thread. Each load fills its reserved compute-tier slot outside the store lock
+    (disk -> host slot on a CPU machine; on a GPU machine the host copy is acquired, read from
+    disk first if needed, and copied on a side CUDA stream), then registers it under the lock.
+    A failed load frees its slot, counts in `store.prefetch_failed`, and is recorded in
+    `mover.errors`; the store keeps serving.
+    """
+
+    def __init__(self, store: Any) -> None:  # an ExpertStore (not imported: store.py imports this module)
+        self.store = store
+        self.mover = Mover(self._run, name="moetier-prefetch")
+        self._stream: Any = None
+
+    def issue(self, keys: Iterable[ExpertKey], protect: Collection[ExpertKey]) -> list[ExpertKey]:
+        """Reserve a compute-tier slot per key now (in the caller's thread), queue the loads."""
+        st = self.store
+        issued: list[ExpertKey] = []
+        with st._lock:
+            state = st.compute
+            exclude = set(protect) | state.prefetched
+            for key in keys:
+                if key in state.slots or key in state.inflight:
+                    continue
+                slot = state.take_slot(exclude=exclude)
+                if slot is None:
+                    break
+                state.inflight[key] = slot
+                state.peak_slots = max(state.peak_slots, len(state.slots) + len(state.inflight))
+                issued.append(key)
+            st.prefetch_issued += len(issued)
+        src, dst = (Tier.DISK, Tier.HOST) if st.accel is None else (Tier.HOST, Tier.ACCEL)
+        self.mover.submit(Move(MoveKind.PREFETCH, k, src, dst, st.precision, st.slot_bytes) for k in issued)
+        return issued
+
+    def _run(self, move: Move) -> None:
+        st, key = self.store, move.key
+        state = st.compute
+        with st._lock:
+            slot = state.inflight[key]
+        try:
+            if st.accel is None:
+                n = st.source.read_into(key, state.pool.views[slot])
+                with st._lock:
+                    st.disk_bytes += n
+            else:
+                self._copy_to_accel(key, slot)
+        except BaseException:
+            with st._cv:
+                del state.inflight[key]
+                state.free.append(slot)  # never register a partial expert
+                st.prefetch_failed += 1
+                st._cv.notify_all()
+            raise  # the Mover records the error
+        with st._cv:
+            del state.inflight[key]
+            state.insert(key, slot)
+            state.prefetched.add(key)
+            st._cv.notify_all()
+
+    def _copy_to_accel(self, key: ExpertKey, slot: int) -> None:
+        """GPU machine: host -> GPU on a side stream, fully written before it registers.
+        UNVERIFIED: written without a GPU to run it on."""
+        import torch
+
+        st = self.store
+        host_views = st.acquire(key, Tier.HOST)  # disk -> host if needed; pinned while copying
+        try:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(st.device)
+            with torch.cuda.stream(self._stream):
+                st.accel.pool.views[slot].row.copy_(host_views.row, non_blocking=True)
+            self._stream.synchronize()
+            with st._lock:
+                st.h2d_bytes += st.slot_bytes
+        finally:
+            st.release(key, Tier.HOST)

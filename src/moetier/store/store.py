@@ -8,18 +8,34 @@ Tiers are disk -> host -> accelerator. The compute tier is the accelerator when 
 engine runs on CUDA, else host. `acquire(key)` returns the slot views of `key` in the
 compute tier, loading it on a miss (disk -> host, then host -> accelerator) and
 evicting per the tier's cache policy; the expert stays pinned until `release(key)`.
+`acquire(key, Tier.HOST)` pins host views without copying to the GPU (hybrid execution).
+`on_route` passes a layer call's router scores to the tiers' policies (MRS).
+
+`prefetch(keys, protect)` reserves a compute-tier slot per key at once (free, or an unpinned
+victim outside `protect` that is no unused prefetch) and loads it in the background
+(store/mover.py PrefetchLoads: disk -> host on a CPU machine, host -> GPU on a GPU one),
+outside the store lock, registering it when complete. A forward needing an in-flight expert
+waits for that load (no second read), never for one it does not need (except the disk: the
+reader reads one expert at a time). A failed load frees its slot and is recorded.
 
 Invariants (tested):
 - each tier's pool is allocated once and holds floor((budget - staging) / slot) slots,
-  so resident expert bytes plus the staging buffer never exceed the budget;
+  so resident expert bytes plus in-flight loads plus the staging buffer never exceed the
+  budget (an in-flight load holds a slot of the pool);
+- provenance: an in-flight slot is in no index (`index`, `resident`, `views`) until it
+  is fully written and registered;
 - a pinned expert is never evicted; a key maps to at most one slot per tier;
-- hits + misses of the compute tier == number of acquires.
+- hits + misses of the compute tier == number of compute-tier acquires;
+- prefetch issued == used + wasted + failed + (registered, not yet accessed or evicted)
+  + in flight.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +43,8 @@ import torch
 
 from moetier.config import format_size
 from moetier.errors import BudgetError
-from moetier.policies import CachePolicy, make_cache_policy
+from moetier.policies import CachePolicy, LFUPolicy, LRUPolicy, make_cache_policy
+from moetier.store.mover import PrefetchLoads
 from moetier.store.source import ExpertSource, Pool
 from moetier.types import ExpertKey, Precision, Tier
 
@@ -41,32 +58,44 @@ class TierState:
     slots: dict[ExpertKey, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     pins: Counter[ExpertKey] = field(default_factory=Counter)
+    inflight: dict[ExpertKey, int] = field(default_factory=dict)  # key -> reserved slot, not yet registered
+    prefetched: set[ExpertKey] = field(default_factory=set)  # registered by a prefetch, not accessed since
     hits: int = 0
     misses: int = 0
     evictions: int = 0
     peak_slots: int = 0
+    pf_used: int = 0  # prefetched experts accessed before eviction
+    pf_wasted: int = 0  # prefetched experts evicted unaccessed
 
-    def take_slot(self) -> int:
-        """A free slot, evicting the policy's victim among unpinned residents if needed."""
+    def take_slot(self, exclude: Collection[ExpertKey] = ()) -> int | None:
+        """A free slot, else the policy's victim among unpinned residents outside `exclude`
+        (evicted here); None when there is neither."""
         if self.free:
             return self.free.pop()
-        candidates = [k for k in self.slots if self.pins[k] == 0]
+        candidates = [k for k in self.slots if self.pins[k] == 0 and k not in exclude]
         if not candidates:
-            raise BudgetError(
-                f"{self.tier.value} tier: all {self.pool.n_slots} expert slots are in use at once; "
-                f"raise the {self.tier.value} expert budget above {self.budget} bytes"
-            )
+            return None
         victim = self.policy.victim(candidates)
         assert isinstance(victim, ExpertKey)
         slot = self.slots.pop(victim)
         self.policy.on_evict(victim)
         self.evictions += 1
+        if victim in self.prefetched:
+            self.prefetched.discard(victim)
+            self.pf_wasted += 1
         return slot
 
     def insert(self, key: ExpertKey, slot: int) -> None:
         self.slots[key] = slot
         self.policy.on_insert(key)
-        self.peak_slots = max(self.peak_slots, len(self.slots))
+        self.peak_slots = max(self.peak_slots, len(self.slots) + len(self.inflight))
+
+    def hit(self, key: ExpertKey) -> None:
+        self.hits += 1
+        self.policy.on_access(key)
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.pf_used += 1
 
     def stats(self) -> dict[str, int]:
         return {
@@ -75,6 +104,7 @@ class TierState:
             "evictions": self.evictions,
             "slots": self.pool.n_slots,
             "resident_bytes": len(self.slots) * self.pool.slot_bytes,
+            "inflight_bytes": len(self.inflight) * self.pool.slot_bytes,
             "peak_resident_bytes": self.peak_slots * self.pool.slot_bytes,
             "pool_bytes": self.pool.nbytes,
             "budget_bytes": self.budget,
@@ -128,12 +158,13 @@ class ExpertStore:
         accel_budget: int | None,
         policy: str = "lru",
         reserve: int = 0,  # bytes the non-expert weights will take on the compute device
+        top_k: int | None = None,  # the model's top-k, for policies that rank by it (MRS)
     ) -> None:
         self.source, self.device, self.keys = source, device, keys
         self.precision: Precision = source.precision
         self.slot_bytes = source.slot_bytes
         self.staging_bytes = source.staging_bytes
-        self._total, self._policy, self._reserve = len(keys), policy, reserve
+        self._total, self._policy, self._reserve, self._top_k = len(keys), policy, reserve, top_k
         cpu = torch.device("cpu")
         self.host = self._tier(Tier.HOST, cpu, host_budget, self.staging_bytes, pin=device.type == "cuda")
         self.accel = self._tier(Tier.ACCEL, device, accel_budget, 0) if device.type != "cpu" else None
@@ -141,6 +172,10 @@ class ExpertStore:
         self.disk_bytes = 0
         self.h2d_bytes = 0
         self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)  # notified when an in-flight load ends
+        self._loads: PrefetchLoads | None = None  # the background thread, started by the first prefetch
+        self.prefetch_issued = self.prefetch_failed = self.prefetch_waits = 0
+        self.prefetch_wait_s = 0.0
 
     def _tier(
         self, tier: Tier, device: torch.device, budget: int | None, overhead: int, pin: bool = False
@@ -151,15 +186,45 @@ class ExpertStore:
         if free is not None and device.type == self.device.type:
             free -= self._reserve
         n = slots_for_budget(tier, budget, self.slot_bytes, overhead, self._total, free)
+        policy = make_cache_policy(self._policy, top_k=self._top_k)  # before the pool: Belady refuses here
         pool = self.source.make_pool(n, device, pin=pin)
-        state = TierState(tier, pool, make_cache_policy(self._policy), _budget(budget, pool))
+        state = TierState(tier, pool, policy, _budget(budget, pool))
         state.free = list(range(n - 1, -1, -1))
+        return state
+
+    def set_top_k(self, top_k: int) -> None:
+        """Rebuild the tiers' policies for the model's top-k (MRS keeps p = 2k scores); only before
+        the first load (runtime/precision.build_store does not know the top-k)."""
+        with self._lock:
+            for state in (self.host, self.accel):
+                if state is not None:
+                    if state.slots or state.inflight:
+                        raise RuntimeError("set_top_k() after experts were loaded")
+                    state.policy = make_cache_policy(self._policy, top_k=top_k)
+            self._top_k = top_k
+
+    def _state(self, tier: Tier | None) -> TierState:
+        if tier is None:
+            return self.compute
+        state = self.accel if tier is Tier.ACCEL else self.host if tier is Tier.HOST else None
+        if state is None:
+            raise ValueError(f"this store has no {tier.value} tier")
         return state
 
     # -- queries ---------------------------------------------------------------
     def resident(self, tier: Tier | None = None) -> set[ExpertKey]:
         state = self.compute if tier is None else (self.accel if tier is Tier.ACCEL else self.host)
         return set(state.slots) if state is not None else set()
+
+    def inflight(self, tier: Tier | None = None) -> set[ExpertKey]:
+        """Experts whose background load into `tier` (default: compute) has not registered yet."""
+        with self._lock:
+            return set(self._state(tier).inflight)
+
+    def cached_keys(self) -> set[ExpertKey]:
+        """Compute-tier experts resident or loading: a consistent snapshot for pricing."""
+        with self._lock:
+            return set(self.compute.slots) | set(self.compute.inflight)
 
     @property
     def index(self) -> dict[ExpertKey, int]:
@@ -171,24 +236,46 @@ class ExpertStore:
         """Experts the compute tier can hold pinned at once (its slots)."""
         return self.compute.pool.n_slots
 
-    def views(self, key: ExpertKey) -> Any:
-        """Views of a resident (acquired) expert in the compute tier."""
-        return self.compute.pool.views[self.compute.slots[key]]
+    def views(self, key: ExpertKey, tier: Tier | None = None) -> Any:
+        """Views of a resident (acquired) expert in the compute tier (or `tier`)."""
+        state = self._state(tier)
+        return state.pool.views[state.slots[key]]
+
+    # -- pipeline: route ------------------------------------------------------
+    @property
+    def wants_scores(self) -> bool:
+        """Whether the policies use router scores (all but the recency/frequency ones)."""
+        return not isinstance(self.compute.policy, (LRUPolicy, LFUPolicy))
+
+    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+        """Router probabilities [E] of one layer call, summed over its tokens, before its accesses."""
+        with self._lock:
+            self.compute.policy.on_route(layer, scores)
+            if self.accel is not None:
+                self.host.policy.on_route(layer, scores)
 
     # -- pipeline: move --------------------------------------------------------
-    def acquire(self, key: ExpertKey) -> Any:
-        """Make `key` resident in the compute tier and pin it; loads on a miss."""
-        with self._lock:
-            state = self.compute
+    def acquire(self, key: ExpertKey, tier: Tier | None = None) -> Any:
+        """Make `key` resident in the compute tier (or `tier`) and pin it; loads on a miss, waits
+        for its in-flight prefetch if one is running."""
+        with self._cv:
+            state = self._state(tier)
+            self._wait_inflight(state, key)
             slot = state.slots.get(key)
             if slot is not None:
-                state.hits += 1
-                state.policy.on_access(key)
+                state.hit(key)
             else:
-                slot = self._load_accel(key) if self.accel is not None else self._load_host(key)
+                slot = self._load_accel(key) if state is self.accel else self._load_host(key)
                 state.misses += 1  # counted once the expert is resident, so a failed load is no miss
             state.pins[key] += 1
             return state.pool.views[slot]
+
+    def release(self, key: ExpertKey, tier: Tier | None = None) -> None:
+        with self._lock:
+            pins = self._state(tier).pins
+            pins[key] -= 1
+            if pins[key] <= 0:
+                del pins[key]
 
     def preload(self) -> int:
         """Load experts into the compute tier until it is full (all of them when they fit), so
@@ -201,16 +288,36 @@ class ExpertStore:
                 n += 1
         return n
 
-    def release(self, key: ExpertKey) -> None:
-        with self._lock:
-            pins = self.compute.pins
-            pins[key] -= 1
-            if pins[key] <= 0:
-                del pins[key]
+    def _wait_inflight(self, state: TierState, key: ExpertKey) -> None:
+        """Lock held: if `key` is loading into `state` in the background, wait for that load."""
+        if key not in state.inflight:
+            return
+        t0 = time.perf_counter()
+        self.prefetch_waits += 1
+        while key in state.inflight:
+            self._cv.wait()
+        self.prefetch_wait_s += time.perf_counter() - t0
+
+    def _take_slot(self, state: TierState) -> int:
+        """Lock held: a slot for a demand load; waits for an in-flight load when every other slot
+        is pinned (it registers and becomes evictable)."""
+        while True:
+            slot = state.take_slot()
+            if slot is not None:
+                return slot
+            if not state.inflight:
+                raise BudgetError(
+                    f"{state.tier.value} tier: all {state.pool.n_slots} expert slots are in use at once; "
+                    f"raise the {state.tier.value} expert budget above {state.budget} bytes"
+                )
+            self._cv.wait()
 
     def _load_host(self, key: ExpertKey) -> int:
         host = self.host
-        slot = host.take_slot()
+        self._wait_inflight(host, key)
+        if key in host.slots:  # registered by a prefetch while we waited
+            return host.slots[key]
+        slot = self._take_slot(host)
         try:
             self.disk_bytes += self.source.read_into(key, host.pool.views[slot])
         except BaseException:
@@ -222,19 +329,18 @@ class ExpertStore:
     def _load_accel(self, key: ExpertKey) -> int:
         assert self.accel is not None
         host = self.host
+        self._wait_inflight(host, key)
         host_slot = host.slots.get(key)
         if host_slot is None:
             host_slot = self._load_host(key)
             host.misses += 1
         else:
-            host.hits += 1
-            host.policy.on_access(key)
+            host.hit(key)
         host.pins[key] += 1
         try:
-            slot = self.accel.take_slot()
+            slot = self._take_slot(self.accel)
             try:
-                # blocking on purpose: the host slot may be reused right after; the async mover
-                # (a CUDA stream with per-slot events) comes with the precision issue
+                # blocking on purpose: the host slot may be reused right after
                 self.accel.pool.views[slot].row.copy_(host.pool.views[host_slot].row)
             except BaseException:
                 self.accel.free.append(slot)  # never register a partial copy
@@ -242,10 +348,34 @@ class ExpertStore:
             self.h2d_bytes += self.slot_bytes
             self.accel.insert(key, slot)
         finally:
-            host.pins[key] -= 1
-            if host.pins[key] <= 0:
-                del host.pins[key]
+            self.release(key, Tier.HOST)
         return slot
+
+    # -- pipeline: prefetch (background) ------------------------------------------
+    def prefetch(self, keys: Iterable[ExpertKey], protect: Collection[ExpertKey] = ()) -> list[ExpertKey]:
+        """Start background loads of `keys` into the compute tier; returns the keys issued. A key
+        already resident or in flight is skipped; a slot is a free one or an unpinned victim not in
+        `protect` and not an unused prefetch; when none is left the rest are skipped."""
+        if self._loads is None:
+            self._loads = PrefetchLoads(self)
+        return self._loads.issue(keys, protect)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued prefetch has registered or failed."""
+        return self._loads.mover.drain(timeout) if self._loads is not None else True
+
+    @property
+    def prefetch_errors(self) -> list[str]:
+        return list(self._loads.mover.errors) if self._loads is not None else []
+
+    def prefetch_stats(self) -> dict[str, Any]:
+        with self._lock:
+            state = self.compute
+            return {
+                "issued": self.prefetch_issued, "used": state.pf_used, "wasted": state.pf_wasted,
+                "failed": self.prefetch_failed, "pending": len(state.prefetched), "inflight": len(state.inflight),
+                "waits": self.prefetch_waits, "wait_s": self.prefetch_wait_s, "errors": self.prefetch_errors[-5:],
+            }  # fmt: skip
 
     # -- accounting ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -263,6 +393,9 @@ class ExpertStore:
         return out
 
     def close(self) -> None:
+        if self._loads is not None:
+            self._loads.mover.drain(30.0)
+            self._loads.mover.close()
         self.source.close()
 
 

@@ -1,0 +1,201 @@
+"""`moetier simulate`: replay a routing trace (recorded, or synthetic for a spec) on a simulated
+machine (moetier.sim) and report TTFT, TBT, throughput, MoE layer time, hit rate, utilisation per
+domain, bytes per link and prefetch statistics; optionally draw the timeline of a window.
+
+Registered on the main app by cli.py (`cli_simulate.register(app)`). Thin: flags -> SimConfig,
+trace -> calls, simulate -> a rich table or, with --json, one JSON line.
+
+Invariants (as cli.py): bad input (unknown spec, profile, scheduler or policy; both or neither of
+--trace and --synthetic; a trace of another model; a ratio outside [0, 1]; more steps than the
+trace holds) is one line `error: ...` on stderr and exit 2; with --json stdout holds one JSON line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from moetier.cli_io import consoles, emit_json, user_errors
+from moetier.cli_options import JsonOut
+from moetier.errors import ConfigError, TraceError
+
+_SIM = "Simulation"
+SpecOpt = Annotated[str | None, typer.Option("--spec", rich_help_panel=_SIM,
+                    help="Model spec: a name in specs/, a spec .json, or a checkpoint folder "
+                         "(default: the trace's).")]  # fmt: skip
+ProfileOpt = Annotated[str, typer.Option("--profile", rich_help_panel=_SIM,
+                       help="Hardware profile: a name in profiles/ or a profile .json.")]  # fmt: skip
+TraceOpt = Annotated[Path | None, typer.Option("--trace", rich_help_panel=_SIM, help="Routing trace (.parquet).")]
+SyntheticOpt = Annotated[bool, typer.Option("--synthetic", rich_help_panel=_SIM,
+                         help="Generate a synthetic trace from the spec's preset (moetier.synthetic).")]  # fmt: skip
+StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, rich_help_panel=_SIM,
+                     help="Decode steps to simulate (synthetic default 64; trace default: all).")]  # fmt: skip
+SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel=_SIM, help="Synthetic trace and prediction seed.")]
+BatchOpt = Annotated[int | None, typer.Option("--batch-size", min=1, rich_help_panel=_SIM,
+                     help="Sequences per step (synthetic default 1; trace: its decode rows).")]  # fmt: skip
+PromptOpt = Annotated[int | None, typer.Option("--prompt-len", min=0, rich_help_panel=_SIM,
+                      help="Prompt tokens per sequence (synthetic default 32; trace: its step-0 rows).")]  # fmt: skip
+SchedOpt = Annotated[str, typer.Option("--scheduler", rich_help_panel=_SIM,
+                     help="hybrimoe, ktransformers, llamacpp, gpu-lru, fiddler.")]  # fmt: skip
+PolicyOpt = Annotated[str | None, typer.Option("--cache-policy", rich_help_panel=_SIM,
+                      help="lru, lfu, mrs (default: the scheduler's).")]  # fmt: skip
+RatioOpt = Annotated[float, typer.Option("--cache-ratio", rich_help_panel=_SIM,
+                     help="Fraction in [0, 1] of all routed experts the fast tier holds.")]  # fmt: skip
+PrefetchOpt = Annotated[bool, typer.Option("--prefetch/--no-prefetch", rich_help_panel=_SIM,
+                        help="Impact-driven prefetching of the next MoE layers' experts.")]  # fmt: skip
+DepthOpt = Annotated[int, typer.Option("--prefetch-depth", min=1, max=3, rich_help_panel=_SIM,
+                     help="MoE layers ahead to predict (1-3).")]  # fmt: skip
+AccOpt = Annotated[str | None, typer.Option("--prefetch-accuracy", rich_help_panel=_SIM,
+                   help="Assumed prediction accuracy per distance, comma-separated "
+                        "(default 0.85,0.75,0.65).")]  # fmt: skip
+TimelineOpt = Annotated[Path | None, typer.Option("--timeline", rich_help_panel=_SIM,
+                        help="Write a Gantt chart (PNG) of the window to this file.")]  # fmt: skip
+WinOpt = Annotated[str, typer.Option(rich_help_panel=_SIM, help="Timeline window as FIRST:LAST (end excluded).")]
+
+
+def _range(text: str, flag: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        lo, hi = int(a), int(b) if sep else int(a) + 1
+    except ValueError:
+        raise ConfigError(f"{flag} must be FIRST:LAST (ints), got {text!r}") from None
+    if not 0 <= lo < hi:
+        raise ConfigError(f"{flag} must satisfy 0 <= FIRST < LAST, got {text!r}")
+    return lo, hi
+
+
+def _accuracy(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--prefetch-accuracy must be comma-separated numbers, got {text!r}") from None
+
+
+def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: int | None, seed: int,
+           batch: int | None, prompt: int | None) -> tuple[Any, list[Any], str]:  # fmt: skip
+    """(spec, calls, source) from the flags."""
+    from moetier import traces
+    from moetier.specs import load_spec, spec_from_trace_metadata
+
+    if (trace is None) == (not synthetic):
+        raise ConfigError("give exactly one of --trace TRACE and --synthetic")
+    if synthetic:
+        from moetier.synthetic import generate, preset
+
+        if spec_name is None:
+            raise ConfigError("--synthetic needs --spec")
+        spec = load_spec(spec_name)
+        n = steps or 64
+        t = generate(preset(spec, batch_size=batch or 1, seed=seed), n, prompt_len=32 if prompt is None else prompt)
+        return spec, traces.iter_calls(t), f"synthetic {spec.name} preset, seed {seed}"
+    assert trace is not None
+    if not trace.is_file():
+        raise TraceError(f"{trace}: no such file")
+    loaded = traces.load(trace)
+    found = load_spec(spec_name) if spec_name else spec_from_trace_metadata(loaded.metadata)
+    if found is None:
+        raise ConfigError(f"{trace}: no spec matches the trace's metadata; name one with --spec")
+    spec = found
+    meta = loaded.metadata
+    if int(meta["num_experts"]) != spec.num_experts or int(meta["top_k"]) != spec.top_k:
+        raise TraceError(f"{trace}: trace has {meta['num_experts']} experts, top-{meta['top_k']}; spec "
+                         f"{spec.name!r} has {spec.num_experts}, top-{spec.top_k}")  # fmt: skip
+    return spec, traces.iter_calls(loaded), str(trace)
+
+
+def result_table(d: dict[str, Any], source: str) -> Table:
+    """Metric / value rows of one simulation (the --json payload)."""
+    table = Table(title=f"{d['spec']} on {d['profile']}: {d['scheduler']}, {d['cache_policy']} cache at "
+                        f"{d['cache_ratio']:g}, prefetch {'on' if d['prefetch']['enabled'] else 'off'}",
+                  title_justify="left", caption=source, caption_justify="left")  # fmt: skip
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("TTFT", f"{d['ttft_s'] * 1e3:.2f} ms ({d['prompt_len']} prompt tokens x {d['batch_size']})"),
+        ("TBT", f"{d['tbt_s'] * 1e3:.3f} ms ({d['steps']} decode steps)"),
+        ("throughput", f"{d['throughput_tok_s']:.2f} tok/s"),
+        ("MoE layer (decode)", f"{d['moe_layer_s'] * 1e6:.1f} us"),
+        ("hit rate (all / decode)", f"{100 * d['hit_rate']:.1f}% / {100 * d['decode_hit_rate']:.1f}%"),
+        ("cache slots", str(d["cache_slots"])),
+    ]
+    rows += [(f"utilization {lane}", f"{100 * u:.1f}%") for lane, u in d["utilization"].items()]
+    rows += [(f"bytes over {link}", f"{b / 2**30:.2f} GiB") for link, b in d["link_bytes"].items()]
+    rows.append(("moves (demand / prefetch)", f"{d['moves']['demand']} / {d['moves']['prefetch']}"))
+    pf = d["prefetch"]
+    if pf["enabled"]:
+        rows.append(("prefetch accuracy (assumed)", ",".join(f"{a:g}" for a in d["prefetch_accuracy"])))
+        rows.append(("prediction accuracy", f"{100 * pf['accuracy']:.1f}%"))
+        rows.append(("prefetches issued / used", f"{pf['issued']} / {pf['used']} ({100 * pf['used_frac']:.1f}%)"))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def simulate_cmd(
+    profile: ProfileOpt,
+    spec: SpecOpt = None,
+    trace: TraceOpt = None,
+    synthetic: SyntheticOpt = False,
+    steps: StepsOpt = None,
+    seed: SeedOpt = 0,
+    batch_size: BatchOpt = None,
+    prompt_len: PromptOpt = None,
+    scheduler: SchedOpt = "hybrimoe",
+    cache_policy: PolicyOpt = None,
+    cache_ratio: RatioOpt = 0.25,
+    prefetch: PrefetchOpt = False,
+    prefetch_depth: DepthOpt = 3,
+    prefetch_accuracy: AccOpt = None,
+    timeline: TimelineOpt = None,
+    timeline_steps: WinOpt = "1:2",
+    timeline_layers: WinOpt = "0:4",
+    json_out: JsonOut = False,
+) -> None:
+    """Simulate a trace on a machine profile: TTFT, TBT, utilisation, hit rate, link bytes."""
+    report, err = consoles(json_out)
+    with user_errors():
+        from moetier.policies.costmodel import load_profile
+        from moetier.sim import SimConfig, simulate
+
+        # 1. flags -> config (checked before any trace work)
+        acc = _accuracy(prefetch_accuracy)
+        cfg = SimConfig(
+            prefetch_accuracy=acc if acc is not None else SimConfig.prefetch_accuracy,
+            scheduler=scheduler, cache_policy=cache_policy, cache_ratio=cache_ratio, prefetch=prefetch,
+            prefetch_depth=prefetch_depth, batch_size=batch_size, prompt_len=prompt_len,
+            steps=steps if trace is not None else None, seed=seed,
+            timeline_steps=_range(timeline_steps, "--timeline-steps"),
+            timeline_layers=_range(timeline_layers, "--timeline-layers"),
+        )  # fmt: skip
+        from moetier.policies.schedulers import make_scheduler
+
+        make_scheduler(scheduler)
+        hw = load_profile(profile)
+        # 2. the trace, 3. the run
+        model, calls, source = _calls(spec, trace, synthetic, steps, seed, batch_size, prompt_len)
+        result = simulate(model, hw, calls, cfg)
+        payload = result.as_dict()
+        if timeline is not None:
+            from moetier.sim.timeline import draw_timeline
+
+            draw_timeline(result.timeline, timeline, f"{model.name} on {hw.name}, {scheduler}, cache {cache_ratio:g}")
+            payload["timeline"] = str(timeline)
+            err.print(f"timeline written to {timeline}", highlight=False)
+        report.print(result_table(payload, source))
+        if json_out:
+            emit_json({**payload, "source": source})
+
+
+def register(app: typer.Typer) -> None:
+    """Add `moetier simulate` to `app` (once)."""
+    if any(cmd.name == "simulate" for cmd in app.registered_commands):
+        return
+    app.command(name="simulate")(simulate_cmd)
+
+
+__all__ = ["register", "result_table", "simulate_cmd"]

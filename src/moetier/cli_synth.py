@@ -1,0 +1,141 @@
+"""`moetier synth`: write a synthetic routing trace (moetier.synthetic) and print its statistics.
+
+Registered on the main app by cli.py (`cli_synth.register(app)`). The knobs come from a model spec's
+preset (`--spec NAME`, TriMoE 3.1 statistics) or from a fit to a recorded trace (`--fit TRACE`); the
+trace has `--steps` decode steps of `--batch-size` tokens after a prefill chunk of `--prompt-len`
+tokens per sequence, and carries all router scores.
+
+Invariants (as cli.py): bad input (neither or both of --spec/--fit, an unknown spec, a missing or
+malformed trace, non-positive steps) is one line `error: ...` on stderr and exit 2; with --json stdout
+holds exactly one JSON line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from moetier.cli_io import consoles, emit_json, user_errors
+from moetier.cli_options import JsonOut
+from moetier.errors import ConfigError, TraceError
+
+SpecOpt = Annotated[str | None, typer.Option("--spec", help="Model spec name (specs/) or .json path: its preset.")]
+FitOpt = Annotated[
+    Path | None, typer.Option("--fit", help="Recorded trace (.parquet, with scores) to fit the knobs to.")
+]
+StepsOpt = Annotated[int, typer.Option("--steps", help="Decode steps to generate.")]
+OutOpt = Annotated[Path, typer.Option("--out", help="Output trace file (.parquet).")]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option("--batch-size", help="Sequences per step (default: the preset's 1, or the fitted trace's)."),
+]
+PromptOpt = Annotated[int, typer.Option("--prompt-len", help="Prefill tokens per sequence (step 0); 0 = none.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed of the generator.")]
+
+STAT_ROWS = (
+    ("top10_share", "share of tokens on the top 10% experts"),
+    ("bottom70_share", "share of tokens on the bottom 70% experts"),
+    ("reuse", "step-to-step reuse of a sequence's experts"),
+    ("reuse_indep", "  reuse if steps were independent"),
+    ("layer_pred", "adjacent-layer predictability (co-activation)"),
+    ("layer_pred_base", "  predicting the most loaded experts instead"),
+    ("drift_corr", "load correlation, first vs second half"),
+    ("topk_mass", "router probability mass of the top-k"),
+)
+
+
+def _load_spec(name: str) -> Any:
+    """The spec named on the command line (moetier.specs)."""
+    from moetier.specs import load_spec
+
+    return load_spec(name)
+
+
+def stats_table(stats: dict[str, Any], params: dict[str, Any]) -> Table:
+    """Shape, knobs and statistics of a generated trace."""
+    table = Table(title=f"synthetic trace of {params['model']}", title_justify="left")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    shape = f"{stats['layers']} layers x {stats['num_experts']} experts, top-{stats['top_k']}"
+    table.add_row("shape", shape)
+    table.add_row(
+        "steps", f"{stats['prefill_tokens']} prefill tokens, {stats['decode_steps']} x {stats['batch']} decode"
+    )
+    for key in (
+        "hot_frac",
+        "warm_frac",
+        "hot_share",
+        "warm_share",
+        "spread",
+        "temporal",
+        "layer_corr",
+        "drift",
+        "sharpness",
+    ):
+        table.add_row(f"knob {key}", f"{params[key]:.3f}")
+    table.add_section()
+    for key, label in STAT_ROWS:
+        value = stats.get(key)
+        table.add_row(label, "-" if value is None else f"{value:.3f}")
+    return table
+
+
+def synth_cmd(
+    steps: StepsOpt,
+    out: OutOpt,
+    spec: SpecOpt = None,
+    fit: FitOpt = None,
+    batch_size: BatchOpt = None,
+    prompt_len: PromptOpt = 0,
+    seed: SeedOpt = 0,
+    json_out: JsonOut = False,
+) -> None:
+    """Write a synthetic routing trace from a model's preset or a fit to a recorded trace."""
+    report, err = consoles(json_out)
+    with user_errors():
+        from moetier import synthetic, traces
+        from moetier.synthetic_stats import trace_stats
+
+        # 1. flags
+        if (spec is None) == (fit is None):
+            raise ConfigError("give exactly one of --spec NAME or --fit TRACE")
+        if steps < 1:
+            raise ConfigError(f"--steps must be at least 1, got {steps}")
+        if prompt_len < 0:
+            raise ConfigError(f"--prompt-len must be >= 0, got {prompt_len}")
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
+        # 2. the knobs
+        if fit is not None:
+            if not fit.is_file():
+                raise TraceError(f"{fit}: no such file")
+            with err.status(f"fitting to {fit}"):
+                params = synthetic.fit(traces.load(fit))
+        else:
+            params = synthetic.preset(_load_spec(str(spec)))
+        params = replace(params, seed=seed, batch_size=batch_size or params.batch_size)
+        # 3. generate, write, measure
+        with err.status("generating"):
+            trace = synthetic.generate(params, steps, prompt_len)
+            synthetic.save(trace, out)
+            stats = trace_stats(trace)
+        knobs = {**asdict(params), "moe_layers": list(params.layer_ids)}
+        report.print(stats_table(stats, knobs))
+        err.print(f"trace written to {out} ({len(trace)} rows)", markup=False, highlight=False)
+        if json_out:
+            emit_json({"out": str(out), "rows": len(trace), "source": f"fit:{fit}" if fit else f"spec:{spec}",
+                       "params": knobs, "stats": stats})  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    """Add `moetier synth` to `app` (once)."""
+    if any(cmd.name == "synth" for cmd in app.registered_commands):
+        return
+    app.command(name="synth")(synth_cmd)
+
+
+__all__ = ["register", "stats_table", "synth_cmd"]

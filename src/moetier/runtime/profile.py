@@ -1,0 +1,420 @@
+"""`moetier profile`: measure this machine into a HardwareProfile (policies/costmodel.py).
+
+What is measured, in order (one progress step each):
+1. per-expert compute time against token load, per precision (full = the model dtype, int8, int4), on
+   synthetic experts of a reference shape (default the benchmark model's H=1024, I=256), and again on a
+   small 128x128 expert (the fixed per-call cost; see costmodel's small_luts), in the engine's
+   own layouts (SlotPool rows for full precision, ExpertFormat/QuantPool slots for int8/int4) through
+   the engine's expert function (runtime/experts.SwiGLU) and `small_rows`, rotating over enough experts
+   to leave the CPU caches, as the engine's decode path does -> `luts`, `lut_shape`;
+2. streaming bandwidth of a GEMV over a large bf16 matrix (dense weights) -> `mem_bw`, `dense_bw`;
+3. a fixed per-decoder-layer overhead: norms, attention projections, attention and router of a tiny
+   layer whose weights cost nothing, so what remains is dispatch -> `layer_overhead_s`;
+4. disk read bandwidth of a temp file, cold (O_DIRECT, or posix_fadvise DONTNEED where O_DIRECT is
+   refused) and through the page cache; `disk` holds the page-cache figure (the engine reads experts
+   from memory-mapped safetensors, which stay in the page cache after first touch), notes hold both;
+5. host -> GPU copy bandwidth and the same expert LUTs on the GPU when CUDA is present (written, but
+   unverified: the machine this was written on has no GPU).
+`peak_flops` is the best expert FLOP rate measured in step 1 and `overhead_s` the small expert's
+1-token time. Timing is the best of rounds of a mean over a minimum duration.
+Invariants: the temp file is removed; torch's thread count and oneDNN state are restored.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moetier.errors import ConfigError
+from moetier.policies.costmodel import ComputeProfile, HardwareProfile, LinkProfile
+from moetier.runtime.experts import SwiGLU
+from moetier.runtime.kernels import small_rows
+from moetier.store.layout import ExpertLayout
+from moetier.store.pool import QuantPool, SlotPool
+from moetier.store.qformat import ExpertFormat
+from moetier.store.quant import QuantSpec, quantize_expert
+from moetier.types import Precision
+
+COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PRECISIONS = ("full", "int8", "int4")
+ROTATE_BYTES = 96 << 20  # experts rotated over per timing: beyond a 32 MiB L3
+SMALL_SHAPE = (128, 128)  # second LUT shape: the fixed per-call cost (costmodel: time linear in params)
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    name: str = "this-machine"
+    threads: int | None = None  # None: torch's current setting
+    quick: bool = False  # few points, tiny sizes: seconds (tests)
+    hidden: int = 1024
+    inter: int = 256
+    counts: tuple[int, ...] = COUNTS
+    precisions: tuple[str, ...] = PRECISIONS
+    disk_mb: int = 256
+    gemv_mb: int = 96
+    tmp_dir: Path | None = None
+    min_s: float = 0.003  # per timing round: short, so some rounds fall between other processes
+    rounds: int = 25
+
+    def resolved(self) -> ProfileOptions:
+        """Quick mode shrinks every size and count; validates the rest."""
+        for p in self.precisions:
+            if p not in PRECISIONS:
+                raise ConfigError(f"profile: unknown precision {p!r}; expected some of {', '.join(PRECISIONS)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"profile: --threads must be >= 1, got {self.threads}")
+        if (
+            min(self.hidden, self.inter) < 128
+            or self.hidden % 128
+            or self.inter % 128
+            or self.hidden == 128 == self.inter
+        ):
+            raise ConfigError(
+                f"profile: expert shape must be multiples of 128 and larger than {SMALL_SHAPE}, got "
+                f"H={self.hidden}, I={self.inter}"
+            )
+        if not self.quick:
+            return self
+        return ProfileOptions(
+            name=self.name, threads=self.threads, quick=True, hidden=256, inter=128, counts=(1, 4, 16),
+            precisions=self.precisions, disk_mb=4, gemv_mb=4, tmp_dir=self.tmp_dir, min_s=0.002, rounds=1,
+        )  # fmt: skip
+
+
+def n_steps(opts: ProfileOptions) -> int:
+    """Progress steps `measure` reports (GPU steps included when CUDA is present)."""
+    cpu = len(opts.precisions) + 3
+    return cpu + (len(opts.precisions) + 2 if torch.cuda.is_available() else 0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], device: torch.device, min_s: float, rounds: int) -> float:
+    """Best over `rounds` of the mean time of fn() over at least `min_s` seconds (after one warm-up). The best,
+    not the median: on a shared machine other processes only ever add time."""
+    fn()
+    _sync(device)
+    res = []
+    for _ in range(rounds):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            if n % 4 == 0 or device.type != "cuda":
+                _sync(device)
+                el = time.perf_counter() - t0
+                if el >= min_s:
+                    break
+        res.append(el / n)
+    return min(res)
+
+
+# 1. Experts ---------------------------------------------------------------------------------------------------
+def synthetic_experts(precision: str, hidden: int, inter: int, device: torch.device, n_max: int = 64) -> list[Any]:
+    """Slot views of random experts in the engine's layout (enough of them to exceed ROTATE_BYTES, 2..n_max).
+    Quantised slots are packed once from an RTN-quantised random expert and copied (same bytes, same cost)."""
+    gen = torch.Generator().manual_seed(0)
+    layout = ExpertLayout(hidden=hidden, inter=inter, has_bias=False)
+    pieces = {
+        "gate": torch.randn(inter, hidden, generator=gen) * hidden**-0.5,  # [I, H]
+        "up": torch.randn(inter, hidden, generator=gen) * hidden**-0.5,  # [I, H]
+        "down": torch.randn(hidden, inter, generator=gen) * inter**-0.5,  # [H, I]
+    }
+    if precision == "full":
+        slot = layout.slot_bytes(2)
+        pool = SlotPool(layout, max(2, min(n_max, ROTATE_BYTES // slot)), torch.bfloat16, device)
+        flat = torch.cat([pieces["gate"].flatten(), pieces["up"].flatten(), pieces["down"].flatten()])  # [numel]
+        pool.buf.copy_(flat.to(torch.bfloat16).expand_as(pool.buf))
+        return list(pool.views)
+    spec = QuantSpec(Precision(precision))
+    fmt = ExpertFormat(layout, spec, torch.bfloat16, device)
+    qpool = QuantPool(fmt, max(2, min(n_max, ROTATE_BYTES // fmt.slot_bytes)), device)
+    canonical = {k: v.to(device) for k, v in quantize_expert(pieces, spec, method="rtn").items()}
+    fmt.pack_into(canonical, qpool.views[0])
+    qpool.buf[1:].copy_(qpool.buf[0].expand_as(qpool.buf[1:]))
+    return list(qpool.views)
+
+
+def expert_lut(
+    precision: str, opts: ProfileOptions, device: torch.device, shape: tuple[int, int] | None = None
+) -> tuple[tuple[int, float], ...]:  # fmt: skip
+    """(tokens, seconds) of one expert call (expert function + weighted accumulate, as the engine's loop) on
+    experts of `shape` (hidden, inter), default the options' reference shape."""
+    hidden, inter = shape or (opts.hidden, opts.inter)
+    experts = synthetic_experts(precision, hidden, inter, device)
+    fn = SwiGLU(F.silu)
+    gen = torch.Generator().manual_seed(1)
+    x_all = torch.randn(max(opts.counts), hidden, generator=gen).to(device, torch.bfloat16)  # [N, H]
+    it = [0]
+    out: list[tuple[int, float]] = []
+    with torch.inference_mode():
+        for c in opts.counts:
+            x = x_all[:c].contiguous()  # [c, H]
+            acc = torch.zeros_like(x)  # [c, H]
+
+            def call(x: torch.Tensor = x, acc: torch.Tensor = acc) -> None:
+                it[0] = (it[0] + 1) % len(experts)
+                with small_rows(x.shape[0], x.dtype, x.device):
+                    acc.add_(fn(x, experts[it[0]]), alpha=0.5)
+
+            out.append((c, best_time(call, device, opts.min_s, opts.rounds)))
+    return tuple(out)
+
+
+# 2. Dense streaming bandwidth ---------------------------------------------------------------------------------
+def gemv_bandwidth(opts: ProfileOptions, device: torch.device) -> float:
+    """Bytes/s of y = W x for one token over a bf16 W of about gemv_mb MiB (cache-cold)."""
+    k = 4096 if opts.gemv_mb >= 64 else 1024
+    n = max(64, (opts.gemv_mb << 20) // (2 * k))
+    w = torch.randn(n, k, device=device).to(torch.bfloat16)  # [N, K]
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)  # [1, K]
+    with torch.inference_mode(), small_rows(1, torch.bfloat16, device):
+        t = best_time(lambda: F.linear(x, w), device, opts.min_s, opts.rounds)
+    return w.numel() * w.element_size() / t
+
+
+# 3. Per-layer fixed overhead ----------------------------------------------------------------------------------
+def layer_overhead(opts: ProfileOptions, device: torch.device, context: int = 16) -> float:
+    """Seconds of one decode step of a tiny decoder layer (H=64, 4 heads, 8 experts): norms, q/k/v/o, attention
+    over `context` keys, router softmax and top-2. Its weights are ~70 KB, so this is the fixed dispatch cost."""
+    h, nh, e = 64, 4, 8
+    g = torch.Generator().manual_seed(2)
+
+    def mk(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.1).to(device, torch.bfloat16)
+
+    wq, wk, wv, wo, wr = mk(h, h), mk(h, h), mk(h, h), mk(h, h), mk(e, h)
+    n1, n2 = torch.ones(h, device=device, dtype=torch.bfloat16), torch.ones(h, device=device, dtype=torch.bfloat16)
+    kc, vc = mk(1, nh, context, h // nh), mk(1, nh, context, h // nh)  # [B, nh, S, hd]
+    x = mk(1, 1, h)  # [B, T, H]
+
+    def step() -> torch.Tensor:
+        a = F.rms_norm(x, (h,), n1)
+        q = F.linear(a, wq).view(1, 1, nh, -1).transpose(1, 2)  # [B, nh, 1, hd]
+        k = torch.cat([kc, F.linear(a, wk).view(1, 1, nh, -1).transpose(1, 2)], dim=2)  # [B, nh, S+1, hd]
+        v = torch.cat([vc, F.linear(a, wv).view(1, 1, nh, -1).transpose(1, 2)], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, 1, h)  # [B, 1, H]
+        y = x + F.linear(o, wo)
+        r = torch.softmax(F.linear(F.rms_norm(y, (h,), n2), wr).float(), dim=-1)  # [B, 1, E]
+        torch.topk(r, 2, dim=-1)
+        return y
+
+    with torch.inference_mode(), small_rows(1, torch.bfloat16, device):
+        return best_time(step, device, opts.min_s, opts.rounds)
+
+
+# 4. Disk ------------------------------------------------------------------------------------------------------
+def _read_all(fd: int, buf: mmap.mmap, size: int) -> int:
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [buf], done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def disk_bandwidth(opts: ProfileOptions) -> dict[str, Any]:
+    """Cold read (O_DIRECT, else fadvise DONTNEED) and page-cache read of a temp file: bytes/s, method, and the
+    latency of a 4 KiB page-cache read. The file is removed afterwards."""
+    size, chunk = opts.disk_mb << 20, 4 << 20
+    folder = Path(opts.tmp_dir) if opts.tmp_dir else Path(tempfile.gettempdir())
+    fd_w, path = tempfile.mkstemp(prefix="moetier-profile-", dir=folder)
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    try:
+        block = os.urandom(chunk)
+        with os.fdopen(fd_w, "wb") as f:
+            for _ in range(size // chunk or 1):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        size = os.path.getsize(path)
+        # 4a. cold: O_DIRECT bypasses the page cache; where refused (tmpfs), drop the file's pages first
+        method = "O_DIRECT"
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            try:
+                t0 = time.perf_counter()
+                got = _read_all(fd, buf, size)
+                cold_s = time.perf_counter() - t0
+            finally:
+                os.close(fd)
+        except OSError:
+            got = 0
+        if got < size:
+            method = "posix_fadvise(DONTNEED)"
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                _read_all(fd, buf, size)
+                cold_s = time.perf_counter() - t0
+            finally:
+                os.close(fd)
+        # 4b. page cache: read once to load it, then time the best of a few passes, and 4 KiB reads
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _read_all(fd, buf, size)
+            warm_s = min(_timed(lambda: _read_all(fd, buf, size)) for _ in range(max(1, opts.rounds)))
+            small = mmap.mmap(-1, 4096)
+            offsets = list(range(0, size - 4096, max(4096, (size // 256) & ~4095)))[:256]
+            t0 = time.perf_counter()
+            for off in offsets:
+                os.preadv(fd, [small], off)
+            lat = (time.perf_counter() - t0) / max(1, len(offsets))
+            small.close()
+        finally:
+            os.close(fd)
+    finally:
+        buf.close()
+        os.unlink(path)
+    return {"cold_bw": size / cold_s, "cold_method": method, "cached_bw": size / warm_s, "cached_latency_s": lat,
+            "file_bytes": size, "folder": str(folder)}  # fmt: skip
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# 5. Host -> GPU ---------------------------------------------------------------------------------------------------
+def pcie_bandwidth(opts: ProfileOptions) -> tuple[float, float]:
+    """(bytes/s, latency s) of pinned host -> GPU copies (unverified: written without a GPU)."""
+    dev = torch.device("cuda")
+    src = torch.empty(max(1, opts.disk_mb) << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=dev)
+    t = best_time(lambda: dst.copy_(src, non_blocking=True), dev, opts.min_s, opts.rounds)
+    s_src, s_dst = src[:4096], dst[:4096]
+    lat = best_time(lambda: s_dst.copy_(s_src, non_blocking=True), dev, opts.min_s, opts.rounds)
+    return src.numel() / t, lat
+
+
+# 6. All together --------------------------------------------------------------------------------------------------
+Luts = dict[str, tuple[tuple[int, float], ...]]
+
+
+def _luts(opts: ProfileOptions, device: torch.device, say: Callable[[str], None]) -> tuple[Luts, Luts]:
+    """Per precision: the LUT on the reference shape and on SMALL_SHAPE (one progress step each)."""
+    luts: Luts = {}
+    small: Luts = {}
+    for p in opts.precisions:
+        say(f"{device.type} expert {p}")
+        luts[p] = expert_lut(p, opts, device)
+        small[p] = expert_lut(p, opts, device, SMALL_SHAPE)
+    return luts, small
+
+
+def _compute_profile(luts: Luts, small: Luts, bw: float, layer_s: float, opts: ProfileOptions) -> ComputeProfile:
+    """peak_flops: best FLOP rate of the full-precision LUT; overhead_s: the small expert's 1-token time."""
+    flops_per_token = 2 * 3 * opts.hidden * opts.inter
+    full = luts.get("full") or next(iter(luts.values()))
+    peak = max(flops_per_token * n / t for n, t in full)
+    tiny = small.get("full") or next(iter(small.values()))
+    overhead = tiny[0][1] if tiny[0][0] == 1 else 0.0
+    return ComputeProfile(peak_flops=peak, mem_bw=bw, overhead_s=overhead, luts=luts,
+                          lut_shape=(opts.hidden, opts.inter), dense_bw=bw, layer_overhead_s=layer_s,
+                          small_luts=small, small_shape=SMALL_SHAPE)  # fmt: skip
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure(
+    opts: ProfileOptions, step: Callable[[str], None] | None = None
+) -> tuple[HardwareProfile, dict[str, Any]]:  # fmt: skip
+    """Measure this machine. `step(description)` is called before each of `n_steps(opts)` steps.
+    Returns the profile and notes (sources, both disk figures, the machine)."""
+    opts = opts.resolved()
+    say = step or (lambda _d: None)
+    old_threads = torch.get_num_threads()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    try:
+        cpu = torch.device("cpu")
+        luts, small = _luts(opts, cpu, say)
+        say("cpu GEMV bandwidth")
+        bw = gemv_bandwidth(opts, cpu)
+        say("cpu layer overhead")
+        layer_s = layer_overhead(opts, cpu)
+        say("disk read bandwidth")
+        disk = disk_bandwidth(opts)
+        gpu, pcie, gpu_mem, gpu_notes = _measure_gpu(opts, say) if torch.cuda.is_available() else (None, None, None, {})
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    host_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    profile = HardwareProfile(
+        name=opts.name, source=f"measured by `moetier profile` on {_cpu_model()} ({time.strftime('%Y-%m-%d')})",
+        cpu=_compute_profile(luts, small, bw, layer_s, opts), gpu=gpu, pcie=pcie,
+        disk=LinkProfile(bandwidth=disk["cached_bw"], latency_s=disk["cached_latency_s"]),
+        cpu_threads=threads, host_mem_bytes=host_mem, gpu_mem_bytes=gpu_mem,
+    )  # fmt: skip
+    notes = {
+        "machine": f"{_cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {threads} threads",
+        "luts": f"one expert call (SwiGLU + weighted accumulate) of shape H={opts.hidden}, I={opts.inter} in the "
+        f"engine's layouts, rotating over >= {ROTATE_BYTES >> 20} MiB of experts; tokens: {list(opts.counts)}",
+        "cpu.mem_bw": "bf16 GEMV of one token over a cache-cold matrix (dense_bw is the same figure)",
+        "cpu.peak_flops": "best expert FLOP rate in the full-precision LUT (2*3*H*I*tokens / time)",
+        "cpu.overhead_s": f"1-token full-precision call of a {SMALL_SHAPE} expert (its weights sit in L2)",
+        "cpu.small_luts": f"the same LUTs on a {SMALL_SHAPE} expert: with luts they make time linear in expert params "
+        "(keeps the fixed per-call cost for small experts)",
+        "cpu.layer_overhead_s": "decode step of a tiny decoder layer (H=64): norms, q/k/v/o, attention over 16 keys, "
+        "router softmax + top-2; its weights are negligible, so this is dispatch cost",
+        "disk": f"page-cache read of a {disk['file_bytes'] >> 20} MiB temp file in {disk['folder']} "
+        f"({disk['cached_bw'] / 1e9:.2f} GB/s; latency = mean 4 KiB read): what the engine sees once an expert's "
+        "safetensors pages were touched",
+        "disk_cold": f"{disk['cold_bw'] / 1e9:.3f} GB/s reading the same file with {disk['cold_method']} "
+        "(first touch of an expert)",
+        "load_avg": _load_note(threads),
+        "quick": opts.quick,
+    } | gpu_notes  # fmt: skip
+    return profile, notes
+
+
+def _load_note(threads: int) -> str:
+    """The 1-minute load average when measured; a warning when other processes competed for the cores."""
+    load = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    busy = load > max(1, cores - threads) + 0.5
+    warn = "; other processes competed for the cores, re-run on an idle machine for cleaner figures" if busy else ""
+    return f"{load:.2f} on {cores} logical CPUs at the end of the run{warn}"
+
+
+def _measure_gpu(
+    opts: ProfileOptions, say: Callable[[str], None]
+) -> tuple[ComputeProfile, LinkProfile, int, dict[str, str]]:  # fmt: skip
+    """GPU expert LUTs, HBM GEMV bandwidth and pinned host -> GPU copies (unverified: written without a GPU)."""
+    dev = torch.device("cuda")
+    luts, small = _luts(opts, dev, say)
+    say("gpu GEMV bandwidth")
+    bw = gemv_bandwidth(opts, dev)
+    say("host -> gpu copies")
+    pbw, plat = pcie_bandwidth(opts)
+    prof = _compute_profile(luts, small, bw, layer_overhead(opts, dev), opts)
+    notes = {
+        "gpu": f"{torch.cuda.get_device_name(dev)}; GPU path of `moetier profile` is UNVERIFIED "
+        "(written on a machine without CUDA)",
+        "pcie": "pinned host -> device copy_ of disk_mb MiB; latency: 4 KiB",
+    }
+    return prof, LinkProfile(bandwidth=pbw, latency_s=plat), torch.cuda.get_device_properties(dev).total_memory, notes

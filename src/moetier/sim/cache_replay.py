@@ -1,0 +1,227 @@
+"""Cache-only replay of a routing trace: the hit rate a cache policy would get, no timing.
+
+One global cache holds `slots = floor(cache_ratio * total_experts)` experts (at least 1), where
+total_experts counts the routed experts of all MoE layers (the paper's "GPU expert cache ratio").
+It starts empty. Per layer call, in trace order:
+
+1. the policy sees the call's router scores summed over its tokens (`on_route`; a trace without
+   scores falls back to the top-k gate weights scattered into an [E] vector, and the result says
+   `scores="weights"`);
+2. each unique expert of the call is accessed once, the resident ones first (a layer computes
+   its cached experts while the others load), each group in ascending id order: a hit calls
+   `on_access`; a miss evicts, when the cache is full, the policy's victim among the residents
+   that are not experts of this call (if the call alone needs more experts than the cache
+   holds, among all residents but the one being fetched), then inserts the expert.
+
+An access is one unique expert of one layer call. Decode counts cover calls with step > 0
+(step 0 is the prefill chunk in engine traces). Belady gets the whole access sequence up front
+(per call in ascending id order; it only consumes each key's positions in order, so the
+hits-first reordering inside a call does not disturb it).
+
+Invariants: hits + misses == accesses, per layer and overall; resident experts never exceed
+the slots; the victim is always a resident outside the current call (checked). Pure numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from moetier.errors import ConfigError, TraceError
+from moetier.policies import CACHE_POLICIES, make_cache_policy
+from moetier.traces import Call, Trace, iter_calls
+from moetier.types import ExpertKey
+
+ALL_POLICIES = ("lru", "lfu", "mrs", "belady")
+
+
+@dataclass(frozen=True)
+class LayerHits:
+    layer: int
+    accesses: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    cache_ratio: float
+    slots: int
+    total_experts: int
+    scores: str  # "router" (the trace's scores) | "weights" (fallback: top-k gate weights)
+    calls: int
+    accesses: int
+    hits: int
+    evictions: int
+    decode_accesses: int
+    decode_hits: int
+    layers: tuple[LayerHits, ...]
+    options: tuple[tuple[str, Any], ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def misses(self) -> int:
+        return self.accesses - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def decode_hit_rate(self) -> float:
+        return self.decode_hits / self.decode_accesses if self.decode_accesses else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "cache_ratio": self.cache_ratio, "slots": self.slots,
+            "total_experts": self.total_experts, "scores": self.scores, "calls": self.calls,
+            "accesses": self.accesses, "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+            "hit_rate": self.hit_rate, "decode_accesses": self.decode_accesses, "decode_hits": self.decode_hits,
+            "decode_hit_rate": self.decode_hit_rate,
+            "per_layer": {str(h.layer): {"accesses": h.accesses, "hits": h.hits, "hit_rate": h.hit_rate}
+                          for h in self.layers},
+            "options": dict(self.options), "replay_s": self.seconds,
+        }  # fmt: skip
+
+
+def slots_for(cache_ratio: float, total_experts: int) -> int:
+    """Cache slots for a ratio in (0, 1] of `total_experts` (floor, at least 1)."""
+    if not (isinstance(cache_ratio, (int, float)) and math.isfinite(cache_ratio) and 0.0 < cache_ratio <= 1.0):
+        raise ConfigError(f"cache ratio must lie in (0, 1], got {cache_ratio}")
+    if total_experts < 1:
+        raise ConfigError(f"total experts must be >= 1, got {total_experts}")
+    return max(1, math.floor(cache_ratio * total_experts + 1e-9))
+
+
+def parse_policies(spec: str) -> list[str]:
+    """'lru', 'lru,mrs' or 'all' -> policy names, each checked against the registry."""
+    names = list(ALL_POLICIES) if spec.strip() == "all" else [p.strip() for p in spec.split(",") if p.strip()]
+    if not names:
+        raise ConfigError("no cache policy given")
+    unknown = [n for n in names if n not in CACHE_POLICIES]
+    if unknown:
+        raise ConfigError(f"unknown cache policy {unknown[0]!r}; known: {', '.join(sorted(CACHE_POLICIES))}, all")
+    return list(dict.fromkeys(names))
+
+
+def _call_experts(calls: Sequence[Call], num_experts: int) -> list[list[int]]:
+    """Unique experts of each call, ascending; ids checked against [0, E)."""
+    out = []
+    for call in calls:
+        ids = np.asarray(call.ids)  # [T, k]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+            raise TraceError(f"step {call.step} layer {call.layer}: expert id out of range [0, {num_experts})")
+        out.append(sorted(set(ids[0].tolist())) if ids.shape[0] == 1 else np.unique(ids).tolist())  # [k] one token
+    return out
+
+
+def _call_scores(call: Call, num_experts: int) -> np.ndarray:
+    """Router scores of one call summed over its tokens [E]; fallback: gate weights scattered."""
+    if call.scores is not None:
+        s = np.asarray(call.scores, dtype=np.float64)  # [T, E]
+        if s.ndim != 2 or s.shape[1] != num_experts:
+            raise TraceError(f"step {call.step} layer {call.layer}: scores {s.shape}, expected [T, {num_experts}]")
+        return s[0] if s.shape[0] == 1 else s.sum(axis=0)  # [E]
+    ids = np.asarray(call.ids).ravel()  # [T*k]
+    w = np.asarray(call.weights, dtype=np.float64).ravel()  # [T*k]
+    return np.bincount(ids, weights=w, minlength=num_experts).astype(np.float64)  # [E]
+
+
+def replay(
+    calls: Sequence[Call],
+    policy: str,
+    cache_ratio: float,
+    num_experts: int,
+    top_k: int | None = None,
+    layers: Sequence[int] | None = None,
+    **knobs: Any,
+) -> ReplayResult:
+    """Replay `calls` (traces.iter_calls) through a fresh `policy` with a cache of `cache_ratio` of all
+    experts; `layers` are the MoE layers (default: those in the calls); `knobs` go to the policy
+    (MRS: alpha, top_p, normalize)."""
+    t0 = time.perf_counter()
+    # 1. size the cache
+    layer_ids = sorted({int(c.layer) for c in calls}) if layers is None else sorted({int(x) for x in layers})
+    missing = sorted({int(c.layer) for c in calls} - set(layer_ids))
+    if missing:
+        raise TraceError(f"trace calls layer(s) {missing[:4]} outside the MoE layers {layer_ids[:8]}")
+    if num_experts < 1:
+        raise TraceError(f"num_experts must be >= 1, got {num_experts}")
+    total = num_experts * max(1, len(layer_ids))
+    slots = slots_for(cache_ratio, total)
+    if policy not in CACHE_POLICIES:
+        raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
+    # 2. the access sequence (Belady's future) and the policy
+    call_keys = [[ExpertKey(int(c.layer), e) for e in ex] for c, ex in zip(calls, _call_experts(calls, num_experts),
+                                                                          strict=True)]  # fmt: skip
+    future: list[Hashable] = [key for keys in call_keys for key in keys]
+    pol = make_cache_policy(policy, top_k=top_k, future=future, **knobs)  # only Belady takes the future
+    has_scores = all(c.scores is not None for c in calls)
+    # 3. replay
+    resident: set[ExpertKey] = set()
+    acc = dict.fromkeys(layer_ids, 0)
+    hit = dict.fromkeys(layer_ids, 0)
+    dec_acc = dec_hit = evictions = 0
+    for call, keys in zip(calls, call_keys, strict=True):
+        layer = int(call.layer)
+        pol.on_route(layer, cast(Sequence[float], _call_scores(call, num_experts)))
+        in_call = set(keys)
+        n_hit = 0
+        for key in [k for k in keys if k in resident] + [k for k in keys if k not in resident]:  # hits first
+            if key in resident:
+                n_hit += 1
+                pol.on_access(key)
+                continue
+            if len(resident) >= slots:
+                cands = resident - in_call or resident - {key}
+                victim = pol.victim(cands)
+                if victim not in cands:
+                    raise AssertionError(f"policy {policy!r} chose {victim!r}, not a candidate")
+                resident.discard(victim)
+                pol.on_evict(victim)
+                evictions += 1
+            resident.add(key)
+            pol.on_insert(key)
+        acc[layer] += len(keys)
+        hit[layer] += n_hit
+        if call.step > 0:
+            dec_acc += len(keys)
+            dec_hit += n_hit
+    options = dict(getattr(pol, "options", knobs))  # the knobs in effect, defaults included (MRS)
+    return ReplayResult(
+        policy=policy, cache_ratio=float(cache_ratio), slots=slots, total_experts=total,
+        scores="router" if has_scores else "weights", calls=len(calls),
+        accesses=sum(acc.values()), hits=sum(hit.values()), evictions=evictions,
+        decode_accesses=dec_acc, decode_hits=dec_hit,
+        layers=tuple(LayerHits(layer, acc[layer], hit[layer]) for layer in layer_ids),
+        options=tuple(sorted(options.items())), seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+def trace_layers(trace: Trace) -> list[int] | None:
+    """The MoE layers named by the trace metadata (engine traces), else None (use the calls')."""
+    moe = trace.metadata.get("moe_layers")
+    if isinstance(moe, list) and moe and all(isinstance(x, int) for x in moe):
+        return [int(x) for x in moe]
+    return None
+
+
+def replay_trace(trace: Trace, policy: str, cache_ratio: float, **knobs: Any) -> ReplayResult:
+    """`replay` with num_experts, top_k and the MoE layers taken from the trace's metadata."""
+    calls = iter_calls(trace)
+    if not calls:
+        raise TraceError("the trace holds no layer calls")
+    meta = trace.metadata
+    return replay(
+        calls, policy, cache_ratio, num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]),
+        layers=trace_layers(trace), **knobs,
+    )  # fmt: skip

@@ -1,0 +1,107 @@
+"""What one simulation run is asked (`SimConfig`) and what it reports (`SimResult`).
+
+Invariants: SimConfig is frozen and validated on construction (bad values raise ConfigError
+naming the field); SimResult.as_dict() is JSON-serialisable and holds at least ttft_s, tbt_s,
+throughput_tok_s, moe_layer_s, hit_rate, utilization (per domain / link), link_bytes and prefetch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetier.errors import ConfigError
+from moetier.sim.machine import TimelineOp
+from moetier.sim.predict import DEFAULT_ACCURACY, check_accuracy
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    scheduler: str = "hybrimoe"
+    cache_policy: str | None = None  # None: the scheduler's default (policies.schedulers)
+    cache_ratio: float = 0.25  # fraction of all routed experts (all MoE layers) the fast tier holds
+    prefetch: bool = False
+    prefetch_depth: int = 3  # MoE layers ahead (<= 3, HybriMoE IV-C)
+    prefetch_accuracy: tuple[float, ...] = DEFAULT_ACCURACY  # per distance 1..depth (see sim/predict.py)
+    prefetch_max: int | None = None  # experts chosen per decision; None: top_k per predicted layer
+    fill: bool = False  # decode misses not moved by the schedule are fetched in the background (link, prefetch
+    # priority) and admitted by the cache policy: a dynamic cache for schedulers that never move
+    batch_size: int | None = None  # None: from the trace (rows of a decode call)
+    prompt_len: int | None = None  # None: from the trace (rows of the step-0 call / batch); 0: no prefill
+    steps: int | None = None  # decode steps to simulate; None: all in the trace (after the warm-up)
+    warmup_steps: int = 0  # the trace's first decode steps that are a warm-up window, not replayed: the static
+    # placements and every initial cache are built from their counts; 0: from the replayed calls (an oracle)
+    prefill_admit: bool = False  # False: experts moved during the prefill go through a staging buffer (used for
+    # that call only, never admitted); True: admitted into the cache like decode moves (see sim/run.py)
+    seed: int = 0  # prediction noise
+    precision: str = "full"
+    timeline_steps: tuple[int, int] = (1, 2)  # [first, last) trace steps drawn in the timeline
+    timeline_layers: tuple[int, int] = (0, 4)  # [first, last) decoder layers drawn
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cache_ratio, int | float) and math.isfinite(self.cache_ratio)
+                and 0.0 <= self.cache_ratio <= 1.0):  # fmt: skip
+            raise ConfigError(f"cache ratio must be in [0, 1], got {self.cache_ratio!r}")
+        check_accuracy(tuple(self.prefetch_accuracy), self.prefetch_depth if self.prefetch else 0)
+        object.__setattr__(self, "prefetch_accuracy", tuple(float(a) for a in self.prefetch_accuracy))
+        for name in ("batch_size", "steps", "prefetch_max"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"{name.replace('_', ' ')} must be >= 1, got {v}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.prompt_len is not None and self.prompt_len < 0:
+            raise ConfigError(f"prompt length must be >= 0, got {self.prompt_len}")
+        for name in ("timeline_steps", "timeline_layers"):
+            a, b = getattr(self, name)
+            if not 0 <= a <= b:
+                raise ConfigError(f"{name} must be a range [first, last) with 0 <= first <= last, got {(a, b)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler, "cache_policy": self.cache_policy, "cache_ratio": self.cache_ratio,
+            "prefetch": self.prefetch, "prefetch_depth": self.prefetch_depth,
+            "prefetch_accuracy": list(self.prefetch_accuracy), "prefetch_max": self.prefetch_max,
+            "fill": self.fill, "batch_size": self.batch_size, "prompt_len": self.prompt_len, "steps": self.steps,
+            "warmup_steps": self.warmup_steps, "prefill_admit": self.prefill_admit, "seed": self.seed,
+            "precision": self.precision,
+        }  # fmt: skip
+
+
+@dataclass
+class SimResult:
+    spec: str
+    profile: str
+    config: SimConfig  # as run: cache_policy, batch_size, prompt_len, steps resolved
+    ttft_s: float  # prefill (step 0) wall time; 0 without a prefill
+    tbt_s: float  # mean decode step time
+    throughput_tok_s: float  # batch / tbt
+    moe_layer_s: float  # mean decode time of one MoE layer's expert work (schedule replay, no dense part)
+    prefill_moe_layer_s: float
+    hit_rate: float  # fast-tier hits / routed expert accesses, all calls
+    decode_hit_rate: float
+    accesses: int
+    hits: int
+    total_s: float
+    utilization: dict[str, float]  # lane (gpu / cpu / pcie / disk) -> busy / total_s
+    busy_s: dict[str, float]
+    link_bytes: dict[str, int]  # link -> bytes moved (demand + prefetch)
+    moves: dict[str, int]  # "demand" / "prefetch" -> experts moved
+    prefetch: Any  # policies.prefetch.PrefetchStats
+    cache_slots: int
+    evictions: int
+    machine: dict[str, str | None]  # fast / slow / link
+    timeline: tuple[TimelineOp, ...] = field(default=(), repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec, "profile": self.profile, **self.config.as_dict(),
+            "ttft_s": self.ttft_s, "tbt_s": self.tbt_s, "throughput_tok_s": self.throughput_tok_s,
+            "moe_layer_s": self.moe_layer_s, "prefill_moe_layer_s": self.prefill_moe_layer_s,
+            "hit_rate": self.hit_rate, "decode_hit_rate": self.decode_hit_rate, "accesses": self.accesses,
+            "hits": self.hits, "total_s": self.total_s, "utilization": dict(self.utilization),
+            "busy_s": dict(self.busy_s), "link_bytes": dict(self.link_bytes), "moves": dict(self.moves),
+            "prefetch": {**self.prefetch.as_dict(), "enabled": self.config.prefetch},
+            "cache_slots": self.cache_slots, "evictions": self.evictions, "machine": dict(self.machine),
+        }  # fmt: skip

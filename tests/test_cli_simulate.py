@@ -1,0 +1,78 @@
+"""`moetier simulate` (cli_simulate.register): the JSON line, the table, the timeline, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from moetier.cli_simulate import register
+
+app = typer.Typer()
+
+
+@app.callback()
+def _root() -> None:
+    """Test app."""
+
+
+register(app)
+register(app)  # idempotent
+runner = CliRunner()
+BASE = ["simulate", "--spec", "deepseek-v2-lite", "--profile", "a6000-5220r", "--synthetic", "--steps", "3",
+        "--prompt-len", "8"]  # fmt: skip
+
+
+def test_json_line_has_the_keys(tmp_path: Path) -> None:
+    png = tmp_path / "tl.png"
+    res = runner.invoke(app, [*BASE, "--scheduler", "hybrimoe", "--cache-ratio", "0.5", "--prefetch", "--json",
+                              "--timeline", str(png)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1
+    d = json.loads(lines[0])
+    for key in (
+        "ttft_s",
+        "tbt_s",
+        "throughput_tok_s",
+        "moe_layer_s",
+        "hit_rate",
+        "utilization",
+        "link_bytes",
+        "prefetch",
+    ):
+        assert key in d
+    assert set(d["utilization"]) == {"gpu", "cpu", "pcie"}
+    assert d["cache_policy"] == "mrs" and d["cache_ratio"] == 0.5 and d["steps"] == 3 and d["prompt_len"] == 8
+    assert d["prefetch"]["enabled"] is True and d["prefetch"]["predicted"] > 0
+    assert d["tbt_s"] > 0 and d["ttft_s"] > d["tbt_s"]
+    assert png.is_file() and png.stat().st_size > 1000
+
+
+def test_table_output() -> None:
+    res = runner.invoke(app, [*BASE, "--scheduler", "ktransformers"])
+    assert res.exit_code == 0, res.output
+    assert "TBT" in res.stdout and "utilization cpu" in res.stdout and "lfu" in res.stdout
+
+
+def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "x.parquet"
+    bad.write_text("not parquet")
+    cases = [
+        ([*BASE, "--scheduler", "nope"], "unknown scheduler"),
+        (["simulate", "--spec", "nope", "--profile", "a6000-5220r", "--synthetic"], "unknown model spec"),
+        (["simulate", "--spec", "deepseek-v2-lite", "--profile", "nope", "--synthetic"], "hardware profile"),
+        (["simulate", "--spec", "deepseek-v2-lite", "--profile", "a6000-5220r"], "exactly one of"),
+        ([*BASE, "--cache-ratio", "1.5"], "cache ratio"),
+        ([*BASE, "--cache-policy", "belady"], "belady"),
+        (["simulate", "--profile", "a6000-5220r", "--trace", str(tmp_path / "missing.parquet")], "no such file"),
+        (["simulate", "--profile", "a6000-5220r", "--trace", str(bad)], "Parquet"),
+        ([*BASE, "--timeline-steps", "x"], "FIRST:LAST"),
+    ]
+    for args, msg in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        err = res.stderr.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, res.stderr)

@@ -36,7 +36,15 @@ import torch
 
 import moetier
 from benchmarks._models import qwen3_bench_model
-from moetier.config import Budgets, CacheConfig, EngineConfig, PrefetchConfig, RuntimeConfig, SchedulerConfig
+from moetier.config import (
+    Budgets,
+    CacheConfig,
+    EngineConfig,
+    PrefetchConfig,
+    RuntimeConfig,
+    SamplingConfig,
+    SchedulerConfig,
+)
 
 
 def drop_page_cache(folder: Path) -> None:
@@ -71,7 +79,7 @@ def snapshot_profile(name: str | None) -> tuple[str, str]:
 
 
 def run(path: Path, prompt: list[int], tokens: int, budget: int, policy: str, prefetch: PrefetchConfig,
-        profile: str | None, cold: bool) -> dict[str, Any]:  # fmt: skip
+        profile: str | None, cold: bool, sampling: SamplingConfig) -> dict[str, Any]:  # fmt: skip
     cfg = EngineConfig(
         budgets=Budgets(host_expert_bytes=budget), cache=CacheConfig(policy), prefetch=prefetch,
         scheduler=SchedulerConfig(profile=profile), runtime=RuntimeConfig(device="cpu", dtype="bf16"),
@@ -88,7 +96,7 @@ def run(path: Path, prompt: list[int], tokens: int, budget: int, policy: str, pr
                 drop_page_cache(path)
 
         t0 = time.perf_counter()
-        res = engine.generate(prompt, tokens, on_token=on_token, stop_at_eos=False)
+        res = engine.generate(prompt, tokens, sampling, on_token=on_token, stop_at_eos=False)
         wall = time.perf_counter() - t0
         engine.store.drain(30)
         st = engine.stats()
@@ -114,17 +122,22 @@ def main() -> None:
     ap.add_argument("--max-experts", type=int, default=4, help="prefetches per layer call")
     ap.add_argument("--profile", default=None, help="hardware profile (default: profiles/this-machine.json)")
     ap.add_argument("--cold", action="store_true", help="drop the checkpoint's page cache before runs and per token")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="sampling temperature (seeded, the same for every candidate); greedy text of the random "
+                    "benchmark model loops, which makes any cache look perfect")
+    ap.add_argument("--model", default="bench", help="'bench' (Qwen3-MoE shape, random) or a checkpoint folder")
     ap.add_argument("--cache-dir", default=str(Path(__file__).resolve().parent.parent / ".bench"))
     args = ap.parse_args()
     # 1. the model, the 25% budget, the prompt
-    path = qwen3_bench_model(args.cache_dir)
+    path = qwen3_bench_model(args.cache_dir) if args.model == "bench" else Path(args.model)
+    sampling = SamplingConfig(temperature=args.temperature, seed=0)
     probe = moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="bf16")))
     expert_bytes = probe.store.slot_bytes * len(probe.store.keys)
     staging = probe.store.staging_bytes
     probe.close()
     budget = expert_bytes // 4 + staging
     profile = snapshot_profile(args.profile)
-    prompt = torch.randint(3, 32000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(3, 256, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     off = PrefetchConfig()
     on = PrefetchConfig(enabled=True, depth=args.depth, max_experts=args.max_experts)
     candidates = {"lru": ("lru", off), "mrs": ("mrs", off), f"mrs+prefetch(d={args.depth})": ("mrs", on)}
@@ -132,7 +145,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in candidates}
     for _ in range(args.repeats):
         for name, (policy, pf) in candidates.items():
-            runs[name].append(run(path, prompt, args.tokens, budget, policy, pf, profile[1], args.cold))
+            runs[name].append(run(path, prompt, args.tokens, budget, policy, pf, profile[1], args.cold, sampling))
     # 3. report: medians over repeats
     print(f"model {path.name}: {expert_bytes / 2**20:.0f} MiB of experts, host budget {budget / 2**20:.0f} MiB "
           f"(25%), disk: {'cold (fadvise DONTNEED per token)' if args.cold else 'page cache'}, "
@@ -154,7 +167,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "hybrid_engine", "model": path.name, "tokens": args.tokens, "repeats": args.repeats,
         "budget_bytes": budget, "expert_bytes": expert_bytes, "cold": args.cold, "threads": torch.get_num_threads(),
-        "profile": profile[0], "identical_tokens": same, "results": summary,
+        "profile": profile[0], "identical_tokens": same, "temperature": args.temperature, "results": summary,
     }))  # fmt: skip
 
 

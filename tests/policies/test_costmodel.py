@@ -15,7 +15,9 @@ from moetier.policies.costmodel import (
     HardwareProfile,
     LinkProfile,
     load_profile,
+    profile_from_dict,
     profile_names,
+    profile_to_dict,
     save_profile,
     token_counts,
 )
@@ -186,3 +188,20 @@ def test_save_load_round_trip_and_bad_files(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="cannot read profile"):
         load_profile(tmp_path / "bad.json")
+
+
+def test_head_and_engine_overheads_are_priced() -> None:
+    """head_s: the LM head's weights at dense_bw plus token_overhead_s; dispatch_s rides on every routed
+    expert call (not on shared experts or empty calls)."""
+    cpu = ComputeProfile(peak_flops=1e15, mem_bw=10e9, overhead_s=0.0, dense_bw=20e9, token_overhead_s=1e-4,
+                         dispatch_s=5e-6)  # fmt: skip
+    spec = _spec()
+    cm = CostModel(_profile(cpu), spec)
+    assert cm.head_s("cpu", 1) == pytest.approx(spec.vocab * spec.hidden * spec.dtype_bytes / 20e9 + 1e-4)
+    assert cm.head_s("cpu", 0) == 0.0
+    bare = CostModel(_profile(ComputeProfile(peak_flops=1e15, mem_bw=10e9, overhead_s=0.0, dense_bw=20e9)), spec)
+    assert cm.expert_s("cpu", 1) == pytest.approx(bare.expert_s("cpu", 1) + 5e-6)
+    assert cm.expert_s("cpu", 0) == 0.0
+    # the fields round-trip through the profile's JSON form
+    back = profile_from_dict(json.loads(json.dumps(profile_to_dict(_profile(cpu)))))
+    assert (back.cpu.token_overhead_s, back.cpu.dispatch_s) == (1e-4, 5e-6)

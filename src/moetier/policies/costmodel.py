@@ -14,11 +14,15 @@ Expert compute time of `n` tokens on a domain ("gpu" | "cpu"):
   where eff(n) is the profile's `efficiency` curve ((tokens, fraction of peak) points, piecewise
   linear, flat beyond the ends; empty = 1.0). It models GPUs whose matmul utilisation rises
   slowly with tokens per expert (TriMoE: about 30% at 256 tokens on an H100).
+Routed experts add the domain's `dispatch_s`, the runtime's own bookkeeping per expert call.
 Move time over a link ("pcie" | "disk"): latency_s + bytes / bandwidth.
 Dense time of one decoder layer (`dense_s`): a roofline over the non-expert weights read at
 dense_bw (attention, norms, router; the dense MLP when moe=False) plus the KV cache read once
 (context x kv bytes per token), against 2 x params x tokens + attention score FLOPs; plus
 layer_overhead_s.
+Head time of one decode step (`head_s`): the LM head (vocab x hidden weights) and final norm for the
+step's new tokens (one per sequence) on the same roofline, plus token_overhead_s, the engine's fixed
+cost per forward (embedding lookup, sampling, its Python loop).
 
 Invariants: every time is >= 0 and finite; zero tokens / zero bytes cost 0; more tokens never
 cost less on the roofline; profiles round-trip through save_profile/load_profile unchanged.
@@ -88,6 +92,8 @@ class ComputeProfile:
     lut_shape: tuple[int, int] | None = None  # (hidden, inter) the LUTs were measured on
     dense_bw: float = 0.0  # bytes/s for non-expert weight reads; 0 -> mem_bw
     layer_overhead_s: float = 0.0  # fixed non-expert cost per decoder layer call
+    token_overhead_s: float = 0.0  # fixed cost per forward beyond the layers (embedding, sampling, loop)
+    dispatch_s: float = 0.0  # the runtime's bookkeeping per expert call (plan, acquire/release, combine)
     efficiency: Points = ()  # (tokens, fraction of peak_flops reached) for the roofline; () -> 1.0
     small_luts: Mapping[str, Points] = field(default_factory=dict)  # as luts, measured on small_shape
     small_shape: tuple[int, int] | None = None  # (hidden, inter) of small_luts, fewer params than lut_shape
@@ -100,6 +106,8 @@ class ComputeProfile:
             overhead_s=self.overhead_s,
             dense_bw=self.dense_bw,
             layer_overhead_s=self.layer_overhead_s,
+            token_overhead_s=self.token_overhead_s,
+            dispatch_s=self.dispatch_s,
         )
         if self.peak_flops <= 0 or self.mem_bw <= 0:
             raise ConfigError(
@@ -225,7 +233,9 @@ def _compute_dict(c: ComputeProfile) -> dict[str, Any]:
         "peak_flops": c.peak_flops, "mem_bw": c.mem_bw, "overhead_s": c.overhead_s,
         "luts": {p: [list(pt) for pt in pts] for p, pts in c.luts.items()},
         "lut_shape": list(c.lut_shape) if c.lut_shape else None, "dense_bw": c.dense_bw,
-        "layer_overhead_s": c.layer_overhead_s, "efficiency": [list(pt) for pt in c.efficiency],
+        "layer_overhead_s": c.layer_overhead_s, "token_overhead_s": c.token_overhead_s,
+        "dispatch_s": c.dispatch_s,
+        "efficiency": [list(pt) for pt in c.efficiency],
         "small_luts": {p: [list(pt) for pt in pts] for p, pts in c.small_luts.items()},
         "small_shape": list(c.small_shape) if c.small_shape else None,
     }  # fmt: skip
@@ -305,7 +315,8 @@ class CostModel:
             if not self.spec.num_shared:
                 raise ConfigError(f"spec {self.spec.name!r} has no shared experts")
             return self.ffn_s(domain, tokens, self.spec.shared_inter, "full", self.shared_nbytes)
-        return self.ffn_s(domain, tokens, self.spec.moe_inter, self.precision, self.expert_nbytes)
+        dispatch = self._domain(domain).dispatch_s if tokens > 0 else 0.0
+        return self.ffn_s(domain, tokens, self.spec.moe_inter, self.precision, self.expert_nbytes) + dispatch
 
     def move_s(self, link: str, nbytes: int) -> float:
         """Time to move `nbytes` over the link (0 for nothing)."""
@@ -327,6 +338,16 @@ class CostModel:
         flops = 2 * params * tokens + s.attention_flops(tokens, max(0, context))
         bw = c.dense_bw or c.mem_bw
         return max(nbytes / bw, flops / (c.peak_flops * c.eff(tokens))) + c.layer_overhead_s
+
+    def head_s(self, domain: str, tokens: int = 1) -> float:
+        """One forward's LM head (logits of `tokens` positions) plus the domain's fixed per-forward cost."""
+        if tokens <= 0:
+            return 0.0
+        c, s = self._domain(domain), self.spec
+        params = s.vocab * s.hidden
+        return max(params * s.dtype_bytes / (c.dense_bw or c.mem_bw), 2 * params * tokens / c.peak_flops) + (
+            c.token_overhead_s
+        )
 
     def work(
         self,

@@ -8,8 +8,9 @@ What is measured, in order (one progress step each):
    the engine's expert function (runtime/experts.SwiGLU) and `small_rows`, rotating over enough experts
    to leave the CPU caches, as the engine's decode path does -> `luts`, `lut_shape`;
 2. streaming bandwidth of a GEMV over a large bf16 matrix (dense weights) -> `mem_bw`, `dense_bw`;
-3. a fixed per-decoder-layer overhead: norms, attention projections, attention and router of a tiny
-   layer whose weights cost nothing, so what remains is dispatch -> `layer_overhead_s`;
+3. the engine's own overheads beyond the weights it reads, from its decode time on tiny random
+   checkpoints (runtime/profile_engine.py) -> `layer_overhead_s`, `token_overhead_s`, `dispatch_s`,
+   and the disk link's `latency_s` (its per-miss cost);
 4. disk read bandwidth of a temp file, cold (O_DIRECT, or posix_fadvise DONTNEED where O_DIRECT is
    refused) and through the page cache; `disk` holds the page-cache figure (the engine reads experts
    from memory-mapped safetensors, which stay in the page cache after first touch), notes hold both;
@@ -28,7 +29,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from moetier.errors import ConfigError
 from moetier.policies.costmodel import ComputeProfile, HardwareProfile, LinkProfile
 from moetier.runtime.experts import SwiGLU
 from moetier.runtime.kernels import small_rows
+from moetier.runtime.profile_engine import EngineOverheads, engine_overheads
 from moetier.store.layout import ExpertLayout
 from moetier.store.pool import QuantPool, SlotPool
 from moetier.store.qformat import ExpertFormat
@@ -318,6 +320,15 @@ def _luts(opts: ProfileOptions, device: torch.device, say: Callable[[str], None]
     return luts, small
 
 
+def _engine_overheads(opts: ProfileOptions, luts: Luts, small: Luts, bw: float, disk_bw: float) -> EngineOverheads:
+    """Overheads measured on the engine itself (runtime/profile_engine.py)."""
+    draft = HardwareProfile(
+        name="draft", source="", cpu=_compute_profile(luts, small, bw, 0.0, opts), gpu=None, pcie=None,
+        disk=LinkProfile(bandwidth=disk_bw), cpu_threads=torch.get_num_threads(), host_mem_bytes=1, gpu_mem_bytes=None,
+    )  # fmt: skip
+    return engine_overheads(draft, tokens=8 if opts.quick else 48, rounds=1 if opts.quick else 3)
+
+
 def _compute_profile(luts: Luts, small: Luts, bw: float, layer_s: float, opts: ProfileOptions) -> ComputeProfile:
     """peak_flops: best FLOP rate of the full-precision LUT; overhead_s: the small expert's 1-token time."""
     flops_per_token = 2 * 3 * opts.hidden * opts.inter
@@ -355,10 +366,10 @@ def measure(
         luts, small = _luts(opts, cpu, say)
         say("cpu GEMV bandwidth")
         bw = gemv_bandwidth(opts, cpu)
-        say("cpu layer overhead")
-        layer_s = layer_overhead(opts, cpu)
         say("disk read bandwidth")
         disk = disk_bandwidth(opts)
+        say("engine overheads (decoding tiny checkpoints)")
+        eng = _engine_overheads(opts, luts, small, bw, disk["cached_bw"])
         gpu, pcie, gpu_mem, gpu_notes = _measure_gpu(opts, say) if torch.cuda.is_available() else (None, None, None, {})
         threads = torch.get_num_threads()
     finally:
@@ -366,8 +377,10 @@ def measure(
     host_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = HardwareProfile(
         name=opts.name, source=f"measured by `moetier profile` on {_cpu_model()} ({time.strftime('%Y-%m-%d')})",
-        cpu=_compute_profile(luts, small, bw, layer_s, opts), gpu=gpu, pcie=pcie,
-        disk=LinkProfile(bandwidth=disk["cached_bw"], latency_s=disk["cached_latency_s"]),
+        cpu=replace(_compute_profile(luts, small, bw, eng.layer_overhead_s, opts),
+                    token_overhead_s=eng.token_overhead_s, dispatch_s=eng.dispatch_s),
+        gpu=gpu, pcie=pcie,
+        disk=LinkProfile(bandwidth=disk["cached_bw"], latency_s=max(disk["cached_latency_s"], eng.miss_latency_s)),
         cpu_threads=threads, host_mem_bytes=host_mem, gpu_mem_bytes=gpu_mem,
     )  # fmt: skip
     notes = {
@@ -379,8 +392,14 @@ def measure(
         "cpu.overhead_s": f"1-token full-precision call of a {SMALL_SHAPE} expert (its weights sit in L2)",
         "cpu.small_luts": f"the same LUTs on a {SMALL_SHAPE} expert: with luts they make time linear in expert params "
         "(keeps the fixed per-call cost for small experts)",
-        "cpu.layer_overhead_s": "decode step of a tiny decoder layer (H=64): norms, q/k/v/o, attention over 16 keys, "
-        "router softmax + top-2; its weights are negligible, so this is dispatch cost",
+        "cpu.layer_overhead_s": "the engine's own per-layer cost beyond the priced weights: slope of its decode time "
+        f"over depth on tiny random Qwen3-MoE checkpoints, minus the priced dense part and experts "
+        f"(runtime/profile_engine.py): {eng.raw}",
+        "cpu.token_overhead_s": "the engine's fixed cost per forward beyond the layers and the LM head (same runs)",
+        "cpu.dispatch_s": "the engine's bookkeeping per expert call: decode time per extra expert (top-8 vs top-4) "
+        "minus the LUT's expert call",
+        "disk.latency_s": "the engine's own cost of one miss beyond its bytes (a quarter-budget run against the "
+        f"resident one), or the 4 KiB read latency ({disk['cached_latency_s'] * 1e6:.1f} us) if larger",
         "disk": f"page-cache read of a {disk['file_bytes'] >> 20} MiB temp file in {disk['folder']} "
         f"({disk['cached_bw'] / 1e9:.2f} GB/s; latency = mean 4 KiB read): what the engine sees once an expert's "
         "safetensors pages were touched",

@@ -179,6 +179,8 @@ class _Replay:
                     self.call_index = idx
                     yield from self._moe(idx, self.calls[idx], decode=not prefill)
                     idx += 1
+            # the LM head of each sequence's last position, and the engine's fixed per-forward cost
+            yield from m.compute(fast, prep.batch * self.cm.head_s(fast, 1), "dense", "head")
             self.step_s.append(m.now - t0)
 
     def _moe(self, idx: int, call: Call, decode: bool) -> SimGen:

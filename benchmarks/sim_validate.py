@@ -29,13 +29,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `benchmarks._models` from any cwd
 
-import moetier
-from benchmarks._models import qwen3_bench_model
-from moetier.config import Budgets, EngineConfig, RuntimeConfig
-from moetier.policies.costmodel import load_profile
-from moetier.sim import SimConfig, simulate
-from moetier.specs import load_spec
-from moetier.traces import iter_calls, load
+import moetier  # noqa: E402
+from benchmarks._models import qwen3_bench_model  # noqa: E402
+from moetier.config import Budgets, EngineConfig, RuntimeConfig  # noqa: E402
+from moetier.policies.costmodel import load_profile  # noqa: E402
+from moetier.sim import SimConfig, simulate  # noqa: E402
+from moetier.specs import load_spec  # noqa: E402
+from moetier.traces import iter_calls, load  # noqa: E402
 
 BUNDLED = ROOT / "models" / "tiny-shakespeare-moe"
 

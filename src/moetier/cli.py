@@ -5,7 +5,7 @@ simulate (cli_simulate.py).
 Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
 config dataclasses in moetier.config and the commands call the Python API
 (`moetier.load`, `Engine`, `quantize_model`); console output, errors and progress bars
-are cli_io.py's, tables cli_format.py's.
+are cli_io.py's, tables cli_format.py's, loading and closing the engine cli_engine.py's.
 Invariants:
 - every MoetierError, and any OSError on a file named by a flag, becomes one line
   `error: <message>` on stderr and exit code 2, never a traceback; bad flag values
@@ -20,15 +20,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from moetier import __version__
+from moetier.cli_engine import engine_session, run_warmup
 from moetier.cli_format import calibration_table, eval_report, generation_report, info_table, quant_table
 from moetier.cli_io import TokenStream, consoles, emit_json, progress_bar, read_text, user_errors
 from moetier.cli_options import (
@@ -72,11 +70,8 @@ from moetier.cli_profile import register as register_profile
 from moetier.cli_replay import register as register_replay
 from moetier.cli_simulate import register as register_simulate
 from moetier.cli_synth import register as register_synth
-from moetier.config import EngineConfig, SamplingConfig
+from moetier.config import SamplingConfig
 from moetier.errors import ConfigError
-
-if TYPE_CHECKING:  # the engine (torch, transformers) loads only when a command runs: --help stays fast
-    from moetier.runtime.engine import Engine
 
 
 def _offline_by_default() -> None:
@@ -99,35 +94,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-
-
-def _warmup(engine: Engine, warmup: Path | None, err: Console) -> None:
-    if warmup is None:
-        return
-    if engine.switching is None:
-        raise ConfigError("--warmup needs --precision dynamic")
-    with err.status(f"warming up on {warmup}"):
-        n = engine.warmup(read_text(warmup))
-    err.print(f"warmup: {n} tokens, {engine.store.stats().get('promotions', 0)} experts promoted", highlight=False)
-
-
-@contextmanager
-def _engine(model: Path, config: EngineConfig, trace: Path | None, scores: bool, err: Console) -> Iterator[Engine]:
-    """Load (with a status line on stderr), start the trace if asked, and always close."""
-    if scores and trace is None:
-        raise ConfigError("--trace-scores needs --trace FILE")
-    with err.status(f"loading {model}"):
-        from moetier.runtime.engine import load
-
-        engine = load(model, config)
-    try:
-        if trace is not None:
-            engine.record_trace(trace, with_scores=scores)
-        yield engine
-    finally:
-        engine.close()  # also writes the trace
-    if trace is not None:
-        err.print(f"trace written to {trace}", markup=False, highlight=False)
 
 
 # -- commands ---------------------------------------------------------------------
@@ -179,8 +145,8 @@ def generate(
             host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
             prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
         )
-        with _engine(model, config, trace, trace_scores, err) as engine:
-            _warmup(engine, warmup, err)
+        with engine_session(model, config, trace, trace_scores, err) as engine:
+            run_warmup(engine, warmup, err)
             stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
             try:
                 result = engine.generate(prompt, max_new_tokens, sampling, on_token=stream, stop_at_eos=not ignore_eos)
@@ -241,8 +207,8 @@ def eval_(
             prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
         )
         body = read_text(text)
-        with _engine(model, config, trace, trace_scores, err) as engine:
-            _warmup(engine, warmup, err)
+        with engine_session(model, config, trace, trace_scores, err) as engine:
+            run_warmup(engine, warmup, err)
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()
             with progress_bar(err, transient=True) as progress:
@@ -326,7 +292,7 @@ def calibrate(
         if target.is_dir():
             raise ConfigError(f"--out {target} is a directory; give a file name, e.g. {target / 'thresholds.json'}")
         config = engine_config(host_expert_mem, gpu_expert_mem, device, dtype, "lru", max_seq_len, False)
-        with _engine(model, config, None, False, err) as engine:
+        with engine_session(model, config, None, False, err) as engine:
             ids = engine.encode(body)[:max_tokens]
             limit = min(int(getattr(engine.loaded.config, "max_position_embeddings", 1024)), 1024,
                         engine.max_len)  # fmt: skip

@@ -1,5 +1,6 @@
-"""Console side of the command line (cli.py): reading text files, one-line errors, the report and
-stderr consoles, progress bars, the --json line, and streaming generated text.
+"""Console side of the command line (cli.py): reading text and trace files, one-line errors, the
+report and stderr consoles, progress bars, the --json line, streaming generated text, and
+registering a command module's command on the app (cli_profile/replay/synth/simulate.py).
 
 Invariants (see cli.py): every MoetierError and any OSError on a file named by a flag becomes
 `error: <message>` on stderr with exit 2; with --json, stdout holds exactly one JSON line.
@@ -18,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moetier.errors import ConfigError, MoetierError
+from moetier.errors import ConfigError, MoetierError, TraceError
 
 if TYPE_CHECKING:
     from moetier.runtime.engine import Engine
@@ -29,6 +30,19 @@ def read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def require_trace(path: Path) -> None:
+    """TraceError (-> `error: PATH: no such file`) unless `path` is a file."""
+    if not path.is_file():
+        raise TraceError(f"{path}: no such file")
+
+
+def register_command(app: typer.Typer, name: str, command: Any) -> None:
+    """Add `command` to `app` as `moetier NAME`, once: a second call for the same name is a no-op."""
+    if any(cmd.name == name for cmd in app.registered_commands):
+        return
+    app.command(name=name)(command)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -101,5 +115,3 @@ class TokenStream:
             self.out.write(text[self.written :])
             self.out.flush()
             self.written = len(text)
-
-

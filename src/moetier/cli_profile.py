@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, progress_bar, user_errors
+from moetier.cli_io import consoles, emit_json, progress_bar, register_command, user_errors
 from moetier.cli_options import JsonOut
 from moetier.errors import ConfigError
 
@@ -91,5 +91,5 @@ def lut_table(luts: dict[str, Sequence[tuple[int, float]]]) -> list[dict[str, An
 
 
 def register(app: typer.Typer) -> None:
-    """Add `moetier profile` to the app."""
-    app.command(name="profile")(profile)
+    """Add `moetier profile` to `app` (once)."""
+    register_command(app, "profile", profile)

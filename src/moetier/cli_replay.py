@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, user_errors
+from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
 from moetier.errors import ConfigError, TraceError
 
@@ -77,8 +77,7 @@ def replay_cmd(
         if knobs and "mrs" not in policies:
             raise ConfigError(f"only mrs takes {', '.join('--' + k.replace('_', '-') for k in knobs)}")
         # 2. the trace
-        if not trace.is_file():
-            raise TraceError(f"{trace}: no such file")
+        require_trace(trace)
         loaded = traces.load(trace)
         calls = traces.iter_calls(loaded)
         if not calls:
@@ -109,9 +108,7 @@ def replay_cmd(
 
 def register(app: typer.Typer) -> None:
     """Add `moetier replay` to `app` (once)."""
-    if any(cmd.name == "replay" for cmd in app.registered_commands):
-        return
-    app.command(name="replay")(replay_cmd)
+    register_command(app, "replay", replay_cmd)
 
 
 __all__ = ["register", "replay_cmd", "replay_table"]

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, user_errors
+from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
 from moetier.errors import ConfigError, TraceError
 
@@ -94,8 +94,7 @@ def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: in
         t = generate(preset(spec, batch_size=batch or 1, seed=seed), n, prompt_len=32 if prompt is None else prompt)
         return spec, traces.iter_calls(t), f"synthetic {spec.name} preset, seed {seed}"
     assert trace is not None
-    if not trace.is_file():
-        raise TraceError(f"{trace}: no such file")
+    require_trace(trace)
     loaded = traces.load(trace)
     found = load_spec(spec_name) if spec_name else spec_from_trace_metadata(loaded.metadata)
     if found is None:
@@ -193,9 +192,7 @@ def simulate_cmd(
 
 def register(app: typer.Typer) -> None:
     """Add `moetier simulate` to `app` (once)."""
-    if any(cmd.name == "simulate" for cmd in app.registered_commands):
-        return
-    app.command(name="simulate")(simulate_cmd)
+    register_command(app, "simulate", simulate_cmd)
 
 
 __all__ = ["register", "result_table", "simulate_cmd"]

@@ -19,9 +19,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, user_errors
+from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
-from moetier.errors import ConfigError, TraceError
+from moetier.errors import ConfigError
 
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="Model spec name (specs/) or .json path: its preset.")]
 FitOpt = Annotated[
@@ -111,8 +111,7 @@ def synth_cmd(
             raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
         # 2. the knobs
         if fit is not None:
-            if not fit.is_file():
-                raise TraceError(f"{fit}: no such file")
+            require_trace(fit)
             with err.status(f"fitting to {fit}"):
                 params = synthetic.fit(traces.load(fit))
         else:
@@ -133,9 +132,7 @@ def synth_cmd(
 
 def register(app: typer.Typer) -> None:
     """Add `moetier synth` to `app` (once)."""
-    if any(cmd.name == "synth" for cmd in app.registered_commands):
-        return
-    app.command(name="synth")(synth_cmd)
+    register_command(app, "synth", synth_cmd)
 
 
 __all__ = ["register", "stats_table", "synth_cmd"]

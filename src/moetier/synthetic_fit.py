@@ -14,7 +14,10 @@ Method (docs/traces.md):
    one knob at a time, each with the others fixed. Three rounds; then sharpness is bisected on the top-k mass
    (a trace without scores keeps the default sharpness).
 Statistics are monotone in their knob and the generator gives each knob its own random stream, so a
-bisection over fixed seeds is deterministic. The fit is deterministic for a given trace.
+bisection over fixed seeds is deterministic.
+
+Invariants: the fit is deterministic for a given trace; it keeps the trace's shape (layers, E, k,
+batch, MoE layer ids).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ the trace's MoE layers in ascending order. Statistics (each a mean over layers, 
   compare traces of equal size); `layer_pred_base` predicts the top-k most loaded experts instead.
 - `drift_corr`: Pearson correlation of per-expert decode loads in the first and second half of the trace.
 - `topk_mass`: mean router probability mass of the top-k experts (None without scores).
-Pure numpy; no torch.
+
+Invariants: pure numpy, no torch; every statistic is a deterministic function of the trace.
 """
 
 from __future__ import annotations

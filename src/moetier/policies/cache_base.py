@@ -8,12 +8,14 @@ no torch.
 
 Policies that need no scores (LRU, LFU) ignore `on_route`. Belady's optimal policy needs
 the future: the replayer gives it the whole access sequence up front (`cache_belady.py`).
+`heap_victim` is the lazy-heap victim search LFU and Belady share (the victim is always a candidate).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol
+import heapq
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Protocol
 
 
 class CachePolicy(Protocol):
@@ -32,3 +34,29 @@ class CachePolicy(Protocol):
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:
         """Return one of `candidates` to evict. `candidates` is never empty."""
         ...
+
+
+# Helper shared by the lazy-heap policies (LFU, Belady) -------------------------------------------------------------
+def heap_victim(heap: list[Any], candidates: Iterable[Hashable], current: Callable[[Any], bool]) -> Hashable:
+    """Victim search over a lazy min-heap whose entries are tuples ending in the key: pop entries in order,
+    dropping stale ones (`current(entry)` False) for good, up to the first current entry whose key is a
+    candidate; every current entry popped goes back (the victim too: on_evict makes it stale).
+    ValueError when `candidates` is empty or none of them has a current entry."""
+    allowed = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+    if not allowed:
+        raise ValueError("victim() needs at least one candidate")
+    skipped: list[Any] = []
+    found: Hashable | None = None
+    while heap:
+        entry = heapq.heappop(heap)
+        if not current(entry):
+            continue  # stale: evicted, or touched since
+        skipped.append(entry)
+        if entry[-1] in allowed:
+            found = entry[-1]
+            break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    if found is None:
+        raise ValueError(f"none of the candidates {sorted(map(str, allowed))[:4]} is tracked by the policy")
+    return found

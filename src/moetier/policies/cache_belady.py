@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 
 from moetier.errors import ConfigError
+from moetier.policies.cache_base import heap_victim
 
 
 class BeladyPolicy:
@@ -80,23 +81,9 @@ class BeladyPolicy:
     def on_route(self, layer: int, scores: Sequence[float]) -> None:
         pass  # knows the future; needs no scores
 
+    def _current(self, entry: tuple[int, int, Hashable]) -> bool:
+        """False for a stale heap entry: its key was evicted, or used since."""
+        return self._next.get(entry[2]) == -entry[0]
+
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:
-        allowed = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        if not allowed:
-            raise ValueError("victim() needs at least one candidate")
-        skipped: list[tuple[int, int, Hashable]] = []
-        found: Hashable | None = None
-        heap = self._heap
-        while heap:
-            entry = heapq.heappop(heap)
-            if self._next.get(entry[2]) != -entry[0]:
-                continue  # stale: evicted, or used since
-            skipped.append(entry)
-            if entry[2] in allowed:
-                found = entry[2]
-                break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        if found is None:
-            raise ValueError(f"none of the candidates {sorted(map(str, allowed))[:4]} is tracked by the policy")
-        return found
+        return heap_victim(self._heap, candidates, self._current)

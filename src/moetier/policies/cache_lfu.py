@@ -21,6 +21,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
 
+from moetier.policies.cache_base import heap_victim
+
 
 class LFUPolicy:
     def __init__(self) -> None:
@@ -61,24 +63,10 @@ class LFUPolicy:
     def on_route(self, layer: int, scores: Sequence[float]) -> None:
         pass  # frequency only
 
+    def _current(self, entry: tuple[int, int, int, Hashable]) -> bool:
+        """False for a stale heap entry: its key was evicted, or touched since."""
+        count, last, _, key = entry
+        return key in self._resident and count == self._count[key] and last == self._last[key]
+
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:
-        allowed = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        if not allowed:
-            raise ValueError("victim() needs at least one candidate")
-        skipped: list[tuple[int, int, int, Hashable]] = []
-        found: Hashable | None = None
-        heap = self._heap
-        while heap:
-            entry = heapq.heappop(heap)
-            count, last, _, key = entry
-            if key not in self._resident or count != self._count[key] or last != self._last[key]:
-                continue  # stale: evicted, or touched since
-            skipped.append(entry)  # still valid: goes back, victim or not (on_evict marks it)
-            if key in allowed:
-                found = key
-                break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        if found is None:
-            raise ValueError(f"none of the candidates {sorted(map(str, allowed))[:4]} is tracked by the policy")
-        return found
+        return heap_victim(self._heap, candidates, self._current)

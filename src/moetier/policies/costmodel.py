@@ -24,246 +24,37 @@ Head time of one decode step (`head_s`): the LM head (vocab x hidden weights) an
 step's new tokens (one per sequence) on the same roofline, plus token_overhead_s, the engine's fixed
 cost per forward (embedding lookup, sampling, its Python loop).
 
+The profiles themselves (dataclasses, checks, JSON files) are policies/hwprofile.py's, re-exported here.
+
 Invariants: every time is >= 0 and finite; zero tokens / zero bytes cost 0; more tokens never
 cost less on the roofline; profiles round-trip through save_profile/load_profile unchanged.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.policies.hwprofile import (  # the profile half, re-exported: callers import it from here
+    PRECISIONS,
+    PROFILES_DIR,
+    ComputeProfile,
+    HardwareProfile,
+    LinkProfile,
+    interp,
+    load_profile,
+    profile_from_dict,
+    profile_names,
+    profile_to_dict,
+    save_profile,
+    shape_params,
+)
 from moetier.policies.schedule_base import ExpertWork
 from moetier.specs import ModelSpec
 from moetier.types import ExpertKey
 
-PROFILES_DIR = Path(__file__).resolve().parents[3] / "profiles"
-PRECISIONS = ("full", "int8", "int4", "int2")
-Points = tuple[tuple[int, float], ...]
 
-
-def _points(raw: Any, where: str) -> Points:
-    """((x, y), ...) sorted by x, x > 0 distinct, y >= 0 and finite."""
-    try:
-        pts = tuple((int(x), float(y)) for x, y in raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a list of [tokens, value] pairs, got {raw!r}") from None
-    xs = [x for x, _ in pts]
-    if not pts or xs != sorted(set(xs)) or xs[0] <= 0 or any(not math.isfinite(y) or y < 0 for _, y in pts):
-        raise ConfigError(f"{where}: points need distinct increasing tokens > 0 and finite values >= 0, got {raw!r}")
-    return pts
-
-
-def _interp(pts: Points, x: float, extrapolate: bool) -> float:
-    """Piecewise-linear y(x); beyond the ends: the end segment's line (extrapolate) or the end value."""
-    if len(pts) == 1:
-        return pts[0][1]
-    if x <= pts[0][0] or x >= pts[-1][0]:
-        if not extrapolate:
-            return pts[0][1] if x <= pts[0][0] else pts[-1][1]
-        (x0, y0), (x1, y1) = (pts[0], pts[1]) if x <= pts[0][0] else (pts[-2], pts[-1])
-    else:
-        i = next(j for j in range(1, len(pts)) if pts[j][0] >= x)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
-def _params(shape: tuple[int, int]) -> int:
-    return shape[0] * shape[1]
-
-
-def _positive(where: str, **vals: float) -> None:
-    for k, v in vals.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
-
-
-@dataclass(frozen=True)
-class ComputeProfile:
-    peak_flops: float  # FLOP/s of expert matmuls (bf16)
-    mem_bw: float  # bytes/s streaming expert weights
-    overhead_s: float  # fixed cost per expert call
-    luts: Mapping[str, Points] = field(default_factory=dict)  # precision -> ((tokens, seconds), ...) measured
-    lut_shape: tuple[int, int] | None = None  # (hidden, inter) the LUTs were measured on
-    dense_bw: float = 0.0  # bytes/s for non-expert weight reads; 0 -> mem_bw
-    layer_overhead_s: float = 0.0  # fixed non-expert cost per decoder layer call
-    token_overhead_s: float = 0.0  # fixed cost per forward beyond the layers (embedding, sampling, loop)
-    dispatch_s: float = 0.0  # the runtime's bookkeeping per expert call (plan, acquire/release, combine)
-    efficiency: Points = ()  # (tokens, fraction of peak_flops reached) for the roofline; () -> 1.0
-    small_luts: Mapping[str, Points] = field(default_factory=dict)  # as luts, measured on small_shape
-    small_shape: tuple[int, int] | None = None  # (hidden, inter) of small_luts, fewer params than lut_shape
-
-    def __post_init__(self) -> None:
-        _positive(
-            "ComputeProfile",
-            peak_flops=self.peak_flops,
-            mem_bw=self.mem_bw,
-            overhead_s=self.overhead_s,
-            dense_bw=self.dense_bw,
-            layer_overhead_s=self.layer_overhead_s,
-            token_overhead_s=self.token_overhead_s,
-            dispatch_s=self.dispatch_s,
-        )
-        if self.peak_flops <= 0 or self.mem_bw <= 0:
-            raise ConfigError(
-                f"ComputeProfile: peak_flops and mem_bw must be > 0, got {self.peak_flops}, {self.mem_bw}"
-            )
-        for attr, shape_attr in (("luts", "lut_shape"), ("small_luts", "small_shape")):
-            luts = {str(p): _points(v, f"ComputeProfile {attr} {p!r}") for p, v in dict(getattr(self, attr)).items()}
-            for p in luts:
-                if p not in PRECISIONS:
-                    raise ConfigError(
-                        f"ComputeProfile: {attr} for unknown precision {p!r}; known: {', '.join(PRECISIONS)}"
-                    )
-            shape = getattr(self, shape_attr)
-            if luts and shape is None:
-                raise ConfigError(f"ComputeProfile: {attr} given without {shape_attr} (hidden, inter)")
-            if shape is not None:
-                shape = tuple(int(x) for x in shape)
-                if len(shape) != 2 or min(shape) <= 0:
-                    raise ConfigError(f"ComputeProfile: {shape_attr} must be (hidden, inter) > 0, got {shape!r}")
-                object.__setattr__(self, shape_attr, shape)
-            object.__setattr__(self, attr, luts)
-        if self.small_shape and (not self.lut_shape or _params(self.small_shape) >= _params(self.lut_shape)):
-            raise ConfigError(
-                f"ComputeProfile: small_shape {self.small_shape} needs fewer params than lut_shape {self.lut_shape}"
-            )
-        eff = _points(self.efficiency, "ComputeProfile efficiency") if self.efficiency else ()
-        if any(y <= 0 or y > 1 for _, y in eff):
-            raise ConfigError(f"ComputeProfile: efficiency fractions must be in (0, 1], got {self.efficiency!r}")
-        object.__setattr__(self, "efficiency", eff)
-
-    def eff(self, tokens: float) -> float:
-        return _interp(self.efficiency, tokens, extrapolate=False) if self.efficiency else 1.0
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    bandwidth: float  # bytes/s
-    latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        _positive("LinkProfile", bandwidth=self.bandwidth, latency_s=self.latency_s)
-        if self.bandwidth <= 0:
-            raise ConfigError(f"LinkProfile: bandwidth must be > 0, got {self.bandwidth}")
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    name: str
-    source: str
-    cpu: ComputeProfile
-    gpu: ComputeProfile | None
-    pcie: LinkProfile | None
-    disk: LinkProfile
-    cpu_threads: int
-    host_mem_bytes: int
-    gpu_mem_bytes: int | None
-
-    def __post_init__(self) -> None:
-        if self.cpu_threads <= 0 or self.host_mem_bytes <= 0:
-            raise ConfigError(f"profile {self.name!r}: cpu_threads and host_mem_bytes must be > 0")
-        if (self.gpu is None) != (self.gpu_mem_bytes is None):
-            raise ConfigError(f"profile {self.name!r}: gpu and gpu_mem_bytes must both be given or both null")
-        if self.gpu is not None and self.pcie is None:
-            raise ConfigError(f"profile {self.name!r}: a GPU needs a pcie link")
-
-
-# 1. Profile files -------------------------------------------------------------------------------------------------
-def _section(d: Any, cls: type, where: str) -> Any:
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected an object, got {d!r}")
-    allowed = {f.name for f in fields(cls)}
-    extra = set(d) - allowed - {"source", "notes"}
-    if extra:
-        raise ConfigError(f"{where}: unknown keys {sorted(extra)}; allowed: {sorted(allowed)}")
-    kw = {k: v for k, v in d.items() if k in allowed}
-    for k in ("lut_shape", "small_shape"):
-        if kw.get(k) is not None:
-            kw[k] = tuple(kw[k])
-    try:
-        return cls(**kw)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> HardwareProfile:
-    need = ("name", "cpu", "disk", "cpu_threads", "host_mem_bytes")
-    missing = [k for k in need if k not in d]
-    if missing:
-        raise ConfigError(f"{where}: missing keys {missing}")
-    return HardwareProfile(
-        name=str(d["name"]), source=str(d.get("source", "")),
-        cpu=_section(d["cpu"], ComputeProfile, f"{where}: cpu"),
-        gpu=None if d.get("gpu") is None else _section(d["gpu"], ComputeProfile, f"{where}: gpu"),
-        pcie=None if d.get("pcie") is None else _section(d["pcie"], LinkProfile, f"{where}: pcie"),
-        disk=_section(d["disk"], LinkProfile, f"{where}: disk"),
-        cpu_threads=int(d["cpu_threads"]), host_mem_bytes=int(d["host_mem_bytes"]),
-        gpu_mem_bytes=None if d.get("gpu_mem_bytes") is None else int(d["gpu_mem_bytes"]),
-    )  # fmt: skip
-
-
-def profile_names() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.json")) if PROFILES_DIR.is_dir() else []
-
-
-def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A shipped profile by name (profiles/NAME.json) or a path to a profile .json."""
-    s = str(name_or_path)
-    named = PROFILES_DIR / f"{s}.json"
-    path = named if ("/" not in s and not s.endswith(".json") and named.is_file()) else Path(s)
-    if not path.is_file():
-        raise ConfigError(f"unknown hardware profile {s!r}; known: {', '.join(profile_names())} (or a .json path)")
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read profile {path}: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"profile {path}: expected a JSON object")
-    return profile_from_dict(d, str(path))
-
-
-def _compute_dict(c: ComputeProfile) -> dict[str, Any]:
-    return {
-        "peak_flops": c.peak_flops, "mem_bw": c.mem_bw, "overhead_s": c.overhead_s,
-        "luts": {p: [list(pt) for pt in pts] for p, pts in c.luts.items()},
-        "lut_shape": list(c.lut_shape) if c.lut_shape else None, "dense_bw": c.dense_bw,
-        "layer_overhead_s": c.layer_overhead_s, "token_overhead_s": c.token_overhead_s,
-        "dispatch_s": c.dispatch_s,
-        "efficiency": [list(pt) for pt in c.efficiency],
-        "small_luts": {p: [list(pt) for pt in pts] for p, pts in c.small_luts.items()},
-        "small_shape": list(c.small_shape) if c.small_shape else None,
-    }  # fmt: skip
-
-
-def profile_to_dict(profile: HardwareProfile, notes: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    def link(x: LinkProfile | None) -> dict[str, float] | None:
-        return None if x is None else {"bandwidth": x.bandwidth, "latency_s": x.latency_s}
-
-    d: dict[str, Any] = {
-        "name": profile.name, "source": profile.source, "cpu": _compute_dict(profile.cpu),
-        "gpu": None if profile.gpu is None else _compute_dict(profile.gpu), "pcie": link(profile.pcie),
-        "disk": link(profile.disk), "cpu_threads": profile.cpu_threads, "host_mem_bytes": profile.host_mem_bytes,
-        "gpu_mem_bytes": profile.gpu_mem_bytes,
-    }  # fmt: skip
-    if notes:
-        d["notes"] = dict(notes)
-    return d
-
-
-def save_profile(profile: HardwareProfile, path: str | Path, notes: Mapping[str, Any] | None = None) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(profile_to_dict(profile, notes), indent=2) + "\n")
-    return out
-
-
-# 2. The cost model ------------------------------------------------------------------------------------------------
+# The cost model ------------------------------------------------------------------------------------------------
 class CostModel:
     """Per-domain time functions of one model on one machine. Domains: "gpu" | "cpu"; links: "pcie" | "disk"."""
 
@@ -299,11 +90,11 @@ class CostModel:
         c = self._domain(domain)
         lut = c.luts.get(precision)
         if lut and c.lut_shape:
-            params, ref = self.spec.hidden * inter, _params(c.lut_shape)
-            y_ref = _interp(lut, tokens, extrapolate=True)
+            params, ref = self.spec.hidden * inter, shape_params(c.lut_shape)
+            y_ref = interp(lut, tokens, extrapolate=True)
             small = c.small_luts.get(precision)
             if small and c.small_shape:
-                y_small, p_small = _interp(small, tokens, extrapolate=True), _params(c.small_shape)
+                y_small, p_small = interp(small, tokens, extrapolate=True), shape_params(c.small_shape)
                 return max(0.0, y_small + (y_ref - y_small) * (params - p_small) / (ref - p_small))
             return y_ref * params / ref
         flops = 2 * 3 * self.spec.hidden * inter * tokens
@@ -400,3 +191,9 @@ def token_counts(ids: Sequence[Sequence[int]]) -> dict[int, int]:
         for e in row:
             out[int(e)] = out.get(int(e), 0) + 1
     return out
+
+
+__all__ = [
+    "PRECISIONS", "PROFILES_DIR", "ComputeProfile", "CostModel", "HardwareProfile", "LinkProfile", "load_profile",
+    "profile_from_dict", "profile_names", "profile_to_dict", "save_profile", "token_counts",
+]  # fmt: skip

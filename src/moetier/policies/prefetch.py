@@ -21,6 +21,9 @@ Keeping it cheap (a few milliseconds for 3 layers x 64 experts):
   only when they reach the top of the heap.
 
 `PrefetchStats` counts predictions and prefetches the same way in the engine and the simulator.
+
+Invariants: `choose_prefetch` picks only uncached experts, each at most once, at most `max_experts`,
+whose moves together fit `budget_s`; a bad budget or limit is a ConfigError.
 """
 
 from __future__ import annotations

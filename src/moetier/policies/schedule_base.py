@@ -185,3 +185,27 @@ def by_load(work: Sequence[ExpertWork], idx: Sequence[int], descending: bool) ->
     if descending:
         return sorted(idx, key=lambda i: (-work[i].tokens, i))
     return sorted(idx, key=lambda i: (work[i].tokens, i))
+
+
+def moved_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+    """Cached experts on the fast lane (high load first), every miss moved (high load first) then computed there.
+    What every scheduler degrades to without a slow domain (a CPU-only machine: the "link" is the disk and
+    there is nowhere else to compute a miss)."""
+    hits = by_load(work, [i for i, w in enumerate(work) if w.cached], descending=True)
+    misses = by_load(work, [i for i, w in enumerate(work) if not w.cached], descending=True)
+    return timeline(work, ready, hits, misses, ())
+
+
+class LayerScheduler:
+    """The `schedule` every variant shares: read the lanes' ready times, check the call, and without a slow
+    domain fall back to `moved_timeline`; otherwise `plan` (the variant's own decision) decides."""
+
+    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
+        t0 = lane_ready(ready)
+        if not check_work(work):
+            return moved_timeline(work, t0)
+        return self.plan(work, t0)
+
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+        """The schedule of a checked call with a slow domain; `ready` is (gpu, cpu, link) free times."""
+        raise NotImplementedError

@@ -7,30 +7,30 @@ the slow lane when `slow_s <= move_s + fast_s` (ties stay on the CPU: no link tr
 is moved and computed on the fast lane. Cached experts compute on the fast lane (high load
 first), CPU misses low load first, moved misses high load first. Without a slow domain every
 miss is moved.
+
+Invariants: those of schedule_base.Scheduler (tests/policies/test_schedulers.py); the schedule is a
+pure function of (work, ready); with a slow domain a miss computes on `cpu` iff slow_s <= move_s + fast_s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from moetier.policies.schedule_base import ExpertWork, Lane, Schedule, by_load, check_work, lane_ready, timeline
-from moetier.policies.schedule_gpu_lru import moved_timeline
+from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Schedule, by_load, timeline
 
 
-class FiddlerScheduler:
+class FiddlerScheduler(LayerScheduler):
     name = "fiddler"
     admits = False
     placement = "frequency"
     cache_policy = "lfu"  # never consulted while admits is False
 
-    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
-        t0 = lane_ready(ready)
-        if not check_work(work):
-            return moved_timeline(work, t0)
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
         hits = [i for i, w in enumerate(work) if w.cached]
         on_cpu = [
             i for i, w in enumerate(work) if not w.cached and w.slow_s is not None and w.slow_s <= w.move_s + w.fast_s
         ]
         cset = set(on_cpu)
         moved = [i for i, w in enumerate(work) if not w.cached and i not in cset]
-        return timeline(work, t0, by_load(work, hits, True), by_load(work, moved, True), by_load(work, on_cpu, False))
+        fast, slow = by_load(work, hits, True), by_load(work, on_cpu, False)
+        return timeline(work, ready, fast, by_load(work, moved, True), slow)

@@ -6,31 +6,26 @@ transfer priority as HybriMoE, so the two differ only in what the CPU does); eac
 then computes on the fast lane in arrival order, never before its move ends. The slow domain
 is never used. Moved experts are admitted into the cache (`admits`), ranked by LRU by default.
 
-`moved_timeline` is also what every other scheduler degrades to without a slow domain (a
-CPU-only machine: the "link" is the disk and there is nowhere else to compute a miss).
+`moved_timeline` (schedule_base.py, re-exported here) is also what every other scheduler degrades
+to without a slow domain (a CPU-only machine: the "link" is the disk and there is nowhere else to
+compute a miss).
+
+Invariants: those of schedule_base.Scheduler (tests/policies/test_schedulers.py); the schedule is a
+pure function of (work, ready); nothing ever runs on `cpu`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-from moetier.policies.schedule_base import ExpertWork, Lane, Schedule, by_load, check_work, lane_ready, timeline
+from moetier.policies.schedule_base import LayerScheduler, moved_timeline
 
 
-def moved_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
-    """Cached experts on the fast lane (high load first), every miss moved (high load first) then computed there."""
-    hits = by_load(work, [i for i, w in enumerate(work) if w.cached], descending=True)
-    misses = by_load(work, [i for i, w in enumerate(work) if not w.cached], descending=True)
-    return timeline(work, ready, hits, misses, ())
-
-
-class GpuLruScheduler:
+class GpuLruScheduler(LayerScheduler):
     name = "gpu-lru"
     admits = True
     placement = "frequency"
     cache_policy = "lru"
 
-    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
-        t0 = lane_ready(ready)
-        check_work(work)
-        return moved_timeline(work, t0)
+    plan = staticmethod(moved_timeline)  # with or without a slow domain: every miss is moved
+
+
+__all__ = ["GpuLruScheduler", "moved_timeline"]

@@ -41,16 +41,19 @@ On random instances the simulation alone is worse than the better extreme in abo
 Without a slow domain (slow_s None: a CPU-only machine) every miss is moved (gpu-lru's timeline).
 Ties in load are broken by position in `work`. Cost: O(n log n) plus the steal projections;
 benchmarks/plan_speed.py measures it.
+
+Invariants: those of schedule_base.Scheduler (tests/policies/test_schedulers.py); the schedule is a
+pure function of (work, ready);
+its makespan is never above both extremes' (the safety net).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from operator import attrgetter
 
-from moetier.policies.schedule_base import ExpertWork, Lane, Op, Schedule, check_work, lane_ready
-from moetier.policies.schedule_gpu_lru import moved_timeline
+from moetier.policies.schedule_base import ExpertWork, Lane, LayerScheduler, Op, Schedule, moved_timeline
 from moetier.policies.schedule_ktransformers import split_timeline
 from moetier.types import Domain
 
@@ -201,18 +204,15 @@ def extremes_makespan(work: Sequence[ExpertWork], ready: tuple[float, float, flo
     return split, (t if misses else g)
 
 
-class HybriMoEScheduler:
+class HybriMoEScheduler(LayerScheduler):
     name = "hybrimoe"
     admits = True
     placement = "frequency"
     cache_policy = "mrs"
 
-    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
-        t0 = lane_ready(ready)
-        if not check_work(work):
-            return moved_timeline(work, t0)
-        best = hybrid_timeline(work, t0)
-        split, all_moved = extremes_makespan(work, t0)
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+        best = hybrid_timeline(work, ready)
+        split, all_moved = extremes_makespan(work, ready)
         if min(split, all_moved) < best.makespan * (1 - 1e-9):  # 3. the safety net
-            return split_timeline(work, t0) if split <= all_moved else moved_timeline(work, t0)
+            return split_timeline(work, ready) if split <= all_moved else moved_timeline(work, ready)
         return best

@@ -4,15 +4,17 @@ The fast tier holds a fixed placement of high-frequency experts (shared experts 
 there: they are `cached`). Each layer call computes the cached experts on the fast lane (high
 load first) and every uncached expert on the slow lane (low load first); nothing crosses the
 link and the placement never changes (`admits` False). Without a slow domain (a CPU-only
-machine) a miss has nowhere else to go: it is moved for this call only (gpu_lru.moved_timeline).
+machine) a miss has nowhere else to go: it is moved for this call only (schedule_base.moved_timeline).
+
+Invariants: those of schedule_base.Scheduler (tests/policies/test_schedulers.py); the schedule is a
+pure function of (work, ready); with a slow domain nothing crosses the link.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from moetier.policies.schedule_base import ExpertWork, Lane, Schedule, by_load, check_work, lane_ready, timeline
-from moetier.policies.schedule_gpu_lru import moved_timeline
+from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Schedule, by_load, timeline
 
 
 def split_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
@@ -22,14 +24,10 @@ def split_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]
     return timeline(work, ready, hits, (), misses)
 
 
-class KTransformersScheduler:
+class KTransformersScheduler(LayerScheduler):
     name = "ktransformers"
     admits = False
     placement = "frequency"
     cache_policy = "lfu"  # Table I; never consulted while admits is False
 
-    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
-        t0 = lane_ready(ready)
-        if not check_work(work):
-            return moved_timeline(work, t0)
-        return split_timeline(work, t0)
+    plan = staticmethod(split_timeline)

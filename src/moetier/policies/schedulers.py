@@ -5,6 +5,9 @@
 - llamacpp: static layer mapping, whole layers on the GPU (placement "layers");
 - gpu-lru: GPU only, every miss moved on demand, LRU cache (mixtral-offloading, AdapMoE);
 - fiddler: a miss computes on the CPU when that beats moving it, static placement.
+
+Invariants: each entry's key is its class's `name`; `make_scheduler` returns a fresh instance, or
+raises ConfigError naming the known schedulers.
 """
 
 from __future__ import annotations

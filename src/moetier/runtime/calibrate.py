@@ -5,6 +5,9 @@ returns the ThresholdTable (store/sparse.py): per MoE layer and mask block size,
 of |act(gate x)| of routed experts, from streaming log2 histograms (policies/sparsity.py).
 `table_summary` is what `moetier info` shows of a table; `model_identity` is what a table
 records of its model.
+
+Invariants: only SwiGLU-type experts and texts of at least a few hundred tokens are calibrated
+(ConfigError otherwise); the engine's expert functions are restored afterwards, also on error.
 """
 
 from __future__ import annotations

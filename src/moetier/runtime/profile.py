@@ -11,9 +11,10 @@ What is measured, in order (one progress step each):
 3. the engine's own overheads beyond the weights it reads, from its decode time on tiny random
    checkpoints (runtime/profile_engine.py) -> `layer_overhead_s`, `token_overhead_s`, `dispatch_s`,
    and the disk link's `latency_s` (its per-miss cost);
-4. disk read bandwidth of a temp file, cold (O_DIRECT, or posix_fadvise DONTNEED where O_DIRECT is
-   refused) and through the page cache; `disk` holds the page-cache figure (the engine reads experts
-   from memory-mapped safetensors, which stay in the page cache after first touch), notes hold both;
+4. disk read bandwidth of a temp file (runtime/profile_disk.py), cold (O_DIRECT, or posix_fadvise
+   DONTNEED where O_DIRECT is refused) and through the page cache; `disk` holds the page-cache figure
+   (the engine reads experts from memory-mapped safetensors, which stay in the page cache after first
+   touch), notes hold both;
 5. host -> GPU copy bandwidth and the same expert LUTs on the GPU when CUDA is present (written, but
    unverified: the machine this was written on has no GPU).
 `peak_flops` is the best expert FLOP rate measured in step 1 and `overhead_s` the small expert's
@@ -23,10 +24,8 @@ Invariants: the temp file is removed; torch's thread count and oneDNN state are 
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,6 +39,7 @@ from moetier.errors import ConfigError
 from moetier.policies.costmodel import ComputeProfile, HardwareProfile, LinkProfile
 from moetier.runtime.experts import SwiGLU
 from moetier.runtime.kernels import small_rows
+from moetier.runtime.profile_disk import disk_bandwidth
 from moetier.runtime.profile_engine import EngineOverheads, engine_overheads
 from moetier.store.layout import ExpertLayout
 from moetier.store.pool import QuantPool, SlotPool
@@ -216,81 +216,6 @@ def layer_overhead(opts: ProfileOptions, device: torch.device, context: int = 16
 
     with torch.inference_mode(), small_rows(1, torch.bfloat16, device):
         return best_time(step, device, opts.min_s, opts.rounds)
-
-
-# 4. Disk ------------------------------------------------------------------------------------------------------
-def _read_all(fd: int, buf: mmap.mmap, size: int) -> int:
-    done = 0
-    while done < size:
-        n = os.preadv(fd, [buf], done)
-        if n <= 0:
-            break
-        done += n
-    return done
-
-
-def disk_bandwidth(opts: ProfileOptions) -> dict[str, Any]:
-    """Cold read (O_DIRECT, else fadvise DONTNEED) and page-cache read of a temp file: bytes/s, method, and the
-    latency of a 4 KiB page-cache read. The file is removed afterwards."""
-    size, chunk = opts.disk_mb << 20, 4 << 20
-    folder = Path(opts.tmp_dir) if opts.tmp_dir else Path(tempfile.gettempdir())
-    fd_w, path = tempfile.mkstemp(prefix="moetier-profile-", dir=folder)
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-    try:
-        block = os.urandom(chunk)
-        with os.fdopen(fd_w, "wb") as f:
-            for _ in range(size // chunk or 1):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        size = os.path.getsize(path)
-        # 4a. cold: O_DIRECT bypasses the page cache; where refused (tmpfs), drop the file's pages first
-        method = "O_DIRECT"
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            try:
-                t0 = time.perf_counter()
-                got = _read_all(fd, buf, size)
-                cold_s = time.perf_counter() - t0
-            finally:
-                os.close(fd)
-        except OSError:
-            got = 0
-        if got < size:
-            method = "posix_fadvise(DONTNEED)"
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                t0 = time.perf_counter()
-                _read_all(fd, buf, size)
-                cold_s = time.perf_counter() - t0
-            finally:
-                os.close(fd)
-        # 4b. page cache: read once to load it, then time the best of a few passes, and 4 KiB reads
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _read_all(fd, buf, size)
-            warm_s = min(_timed(lambda: _read_all(fd, buf, size)) for _ in range(max(1, opts.rounds)))
-            small = mmap.mmap(-1, 4096)
-            offsets = list(range(0, size - 4096, max(4096, (size // 256) & ~4095)))[:256]
-            t0 = time.perf_counter()
-            for off in offsets:
-                os.preadv(fd, [small], off)
-            lat = (time.perf_counter() - t0) / max(1, len(offsets))
-            small.close()
-        finally:
-            os.close(fd)
-    finally:
-        buf.close()
-        os.unlink(path)
-    return {"cold_bw": size / cold_s, "cold_method": method, "cached_bw": size / warm_s, "cached_latency_s": lat,
-            "file_bytes": size, "folder": str(folder)}  # fmt: skip
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # 5. Host -> GPU ---------------------------------------------------------------------------------------------------

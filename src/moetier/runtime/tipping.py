@@ -5,6 +5,9 @@ on synthetic experts of the model's shape, dtype and quantization, at token coun
 `policies.sparsity.tipping_point` reads the switch from it. `load_or_measure_tipping` caches
 profiles per machine, threads, shape, dtype, quantization, target, block, kernel build and torch
 in CACHE/sparse-profiles.json.
+
+Invariants: the cache file is replaced atomically (temp file, then os.replace); an unreadable or
+unwritable cache only costs a re-measure, never an error.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ state (HybriMoE IV-C). The simulator has no hidden states, so it takes the trace
 routing and degrades it to a configured accuracy per distance: each actually routed expert is
 kept with probability `accuracy[d-1]` (d = 1..3 MoE layers ahead), else replaced by an expert that
 was not routed (carrying the same token count). Precision of the prediction is therefore
-`accuracy` in expectation. Deterministic for a given numpy Generator.
+`accuracy` in expectation.
+
+Invariants: deterministic for a given numpy Generator; a prediction never holds more experts than
+the actual routing, and a swapped-in expert is one the call did not route (same token count).
 """
 
 from __future__ import annotations

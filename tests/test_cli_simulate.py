@@ -76,3 +76,32 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         assert res.exit_code == 2, (args, res.output)
         err = res.stderr.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, res.stderr)
+
+
+def _json(args: list[str]) -> dict[str, object]:
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out: dict[str, object] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_study_flags_reach_the_simulation() -> None:
+    """--precision int4 moves fewer bytes per expert; --warmup-steps and --stats hybrimoe change the run."""
+    base = [*BASE, "--scheduler", "gpu-lru", "--cache-ratio", "0.25"]
+    full, int4 = _json(base), _json([*base, "--precision", "int4"])
+    assert int4["precision"] == "int4" and full["precision"] == "full"
+    moves_full, moves_int4 = full["moves"], int4["moves"]
+    assert isinstance(moves_full, dict) and isinstance(moves_int4, dict)
+    bytes_full, bytes_int4 = full["link_bytes"], int4["link_bytes"]
+    assert isinstance(bytes_full, dict) and isinstance(bytes_int4, dict)
+    per_move = bytes_full["pcie"] / moves_full["demand"], bytes_int4["pcie"] / moves_int4["demand"]
+    assert per_move[1] < per_move[0] / 3  # 4-bit experts (with scales) are over 3x smaller than bf16
+    warm = _json([*base, "--warmup-steps", "4", "--stats", "hybrimoe", "--prefill-stage"])
+    assert warm["warmup_steps"] == 4 and warm["steps"] == 3
+
+
+def test_stats_needs_a_synthetic_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "t.parquet"
+    trace.write_bytes(b"")
+    res = runner.invoke(app, ["simulate", "--profile", "a6000-5220r", "--trace", str(trace), "--stats", "hybrimoe"])
+    assert res.exit_code == 2 and "--stats applies to --synthetic" in res.output

@@ -53,6 +53,17 @@ AccOpt = Annotated[str | None, typer.Option("--prefetch-accuracy", rich_help_pan
                         "(default 0.85,0.75,0.65).")]  # fmt: skip
 TimelineOpt = Annotated[Path | None, typer.Option("--timeline", rich_help_panel=_SIM,
                         help="Write a Gantt chart (PNG) of the window to this file.")]  # fmt: skip
+PrecOpt = Annotated[str, typer.Option("--precision", rich_help_panel=_SIM,
+                    help="Routed experts' precision: full, int8, int4, int2 (HybriMoE ran 4-bit).")]  # fmt: skip
+StatsOpt = Annotated[str, typer.Option("--stats", rich_help_panel=_SIM,
+                     help="Synthetic trace statistics: trimoe (TriMoE 3.1, default) or hybrimoe (fitted to "
+                          "HybriMoE Fig. 9's hit rates); docs/traces.md.")]  # fmt: skip
+WarmOpt = Annotated[int, typer.Option("--warmup-steps", min=0, rich_help_panel=_SIM,
+                    help="Decode steps before the replayed ones that only build the static placements and the "
+                         "initial cache (0: the replayed steps themselves, an oracle).")]  # fmt: skip
+AdmitOpt = Annotated[bool, typer.Option("--prefill-admit/--prefill-stage", rich_help_panel=_SIM,
+                     help="Admit experts moved during the prefill into the cache (default: a staging buffer, "
+                          "used for their call and dropped).")]  # fmt: skip
 WinOpt = Annotated[str, typer.Option(rich_help_panel=_SIM, help="Timeline window as FIRST:LAST (end excluded).")]
 
 
@@ -77,7 +88,8 @@ def _accuracy(text: str | None) -> tuple[float, ...] | None:
 
 
 def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: int | None, seed: int,
-           batch: int | None, prompt: int | None) -> tuple[Any, list[Any], str]:  # fmt: skip
+           batch: int | None, prompt: int | None, stats: str = "trimoe",
+           warmup: int = 0) -> tuple[Any, list[Any], str]:  # fmt: skip
     """(spec, calls, source) from the flags."""
     from moetier import traces
     from moetier.specs import load_spec, spec_from_trace_metadata
@@ -90,9 +102,10 @@ def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: in
         if spec_name is None:
             raise ConfigError("--synthetic needs --spec")
         spec = load_spec(spec_name)
-        n = steps or 64
-        t = generate(preset(spec, batch_size=batch or 1, seed=seed), n, prompt_len=32 if prompt is None else prompt)
-        return spec, traces.iter_calls(t), f"synthetic {spec.name} preset, seed {seed}"
+        n = (steps or 64) + warmup
+        params = preset(spec, batch_size=batch or 1, seed=seed, stats=stats)
+        t = generate(params, n, prompt_len=32 if prompt is None else prompt)
+        return spec, traces.iter_calls(t), f"synthetic {spec.name} preset ({stats} statistics), seed {seed}"
     assert trace is not None
     require_trace(trace)
     loaded = traces.load(trace)
@@ -150,6 +163,10 @@ def simulate_cmd(
     prefetch: PrefetchOpt = False,
     prefetch_depth: DepthOpt = 3,
     prefetch_accuracy: AccOpt = None,
+    precision: PrecOpt = "full",
+    stats: StatsOpt = "trimoe",
+    warmup_steps: WarmOpt = 0,
+    prefill_admit: AdmitOpt = False,
     timeline: TimelineOpt = None,
     timeline_steps: WinOpt = "1:2",
     timeline_layers: WinOpt = "0:4",
@@ -167,7 +184,8 @@ def simulate_cmd(
             prefetch_accuracy=acc if acc is not None else SimConfig.prefetch_accuracy,
             scheduler=scheduler, cache_policy=cache_policy, cache_ratio=cache_ratio, prefetch=prefetch,
             prefetch_depth=prefetch_depth, batch_size=batch_size, prompt_len=prompt_len,
-            steps=steps if trace is not None else None, seed=seed,
+            steps=steps if trace is not None else None, seed=seed, precision=precision,
+            warmup_steps=warmup_steps, prefill_admit=prefill_admit,
             timeline_steps=_range(timeline_steps, "--timeline-steps"),
             timeline_layers=_range(timeline_layers, "--timeline-layers"),
         )  # fmt: skip
@@ -176,7 +194,9 @@ def simulate_cmd(
         make_scheduler(scheduler)
         hw = load_profile(profile)
         # 2. the trace, 3. the run
-        model, calls, source = _calls(spec, trace, synthetic, steps, seed, batch_size, prompt_len)
+        if stats != "trimoe" and not synthetic:
+            raise ConfigError("--stats applies to --synthetic traces only")
+        model, calls, source = _calls(spec, trace, synthetic, steps, seed, batch_size, prompt_len, stats, warmup_steps)
         result = simulate(model, hw, calls, cfg)
         payload = result.as_dict()
         if timeline is not None:

@@ -207,9 +207,7 @@ def open_model(path: str | os.PathLike[str], cfg: EngineConfig) -> LoadedModel:
     # 4. the tiered store; the non-expert weights' bytes are reserved on their device before
     #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
-    store = build_store(o.reader, path, cfg, dtype, device, reserve=non_expert)
-    if isinstance(store, ExpertStore):
-        store.set_top_k(info.top_k)  # MRS keeps the 2k best scores per call
+    store = build_store(o.reader, path, cfg, dtype, device, reserve=non_expert, top_k=info.top_k)  # MRS: p = 2k
     # 5. swap the blocks, load everything else, refuse leftovers
     blocks = []
     for site in sites:

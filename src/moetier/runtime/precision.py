@@ -53,7 +53,7 @@ def make_source(
 
 def build_store(
     reader: ExpertReader, model_dir: str | os.PathLike[str], cfg: EngineConfig, dtype: torch.dtype,
-    device: torch.device, reserve: int,
+    device: torch.device, reserve: int, top_k: int | None = None,
 ) -> ExpertStore | DynamicStore:  # fmt: skip
     pcfg = cfg.precision
     keys = list(reader.plans)
@@ -62,7 +62,7 @@ def build_store(
         try:
             return ExpertStore(
                 source, keys, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
-                cfg.cache.policy, reserve=reserve,
+                cfg.cache.policy, reserve=reserve, top_k=top_k,
             )  # fmt: skip
         except BaseException:
             source.close()

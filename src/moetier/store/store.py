@@ -93,17 +93,6 @@ class ExpertStore:
         state.free = list(range(n - 1, -1, -1))
         return state
 
-    def set_top_k(self, top_k: int) -> None:
-        """Rebuild the tiers' policies for the model's top-k (MRS keeps p = 2k scores); only before
-        the first load (runtime/precision.build_store does not know the top-k)."""
-        with self._lock:
-            for state in (self.host, self.accel):
-                if state is not None:
-                    if state.slots or state.inflight:
-                        raise RuntimeError("set_top_k() after experts were loaded")
-                    state.policy = make_cache_policy(self._policy, top_k=top_k)
-            self._top_k = top_k
-
     def _state(self, tier: Tier | None) -> TierState:
         if tier is None:
             return self.compute

@@ -25,6 +25,14 @@ class Tier(StrEnum):
     DISK = "disk"
 
 
+class Layout(StrEnum):
+    """How an expert's weights lie in host DRAM (TriMoE 4.3): across every DIMM (full host bandwidth
+    for CPU / GPU reads), or on one DIMM (needed for near-data processing on that DIMM)."""
+
+    STRIPED = "striped"
+    LOCALISED = "localised"
+
+
 class Precision(StrEnum):
     FULL = "full"
     INT8 = "int8"

@@ -69,6 +69,7 @@ from moetier.cli_options import (
 from moetier.cli_profile import register as register_profile
 from moetier.cli_replay import register as register_replay
 from moetier.cli_simulate import register as register_simulate
+from moetier.cli_sweep import register as register_sweep
 from moetier.cli_synth import register as register_synth
 from moetier.config import SamplingConfig
 from moetier.errors import ConfigError
@@ -369,7 +370,7 @@ def _root(
     """Run Mixture-of-Experts LMs with expert weights in tiered, budgeted memory."""
 
 
-for _register in (register_profile, register_replay, register_synth, register_simulate):
+for _register in (register_profile, register_replay, register_synth, register_simulate, register_sweep):
     _register(app)
 
 

@@ -1,0 +1,318 @@
+"""Sweeps: expand a GRID.toml into points, run each point (a named function of its parameters) in a
+process pool or on a Ray cluster, and keep one row per point (`moetier sweep`, cli_sweep.py).
+
+GRID.toml::
+
+    point = "simulate"          # a name in POINTS (default "simulate")
+    metrics = ["tbt_s"]         # result columns plotted (default: the point's first column)
+    [params]                    # fixed values, one per parameter
+    profile = "a6000-5220r"
+    [grid]                      # lists; the sweep is their cartesian product, first key outermost
+    models = ["deepseek-v2-lite", "qwen2-57b-a14b"]
+    cache_ratios = [0.25, 0.5]
+
+A key names a parameter of the point, or its plural (models -> model, batch_sizes -> batch_size,
+cache_policies -> cache_policy). The output folder holds `points.jsonl` (one JSON record per finished
+point, appended and flushed as it finishes, keyed by a stable hash of the point name and the parameters
+the grid gives it), `results.parquet` (one row per point: its parameters, status, error, seconds, then
+the result columns; sweep_results.py) and the plots (sweep_plot.py). Points run through sweep_exec.py.
+
+Invariants: no torch here (points import what they need inside); a grid is checked whole (keys, value
+types, each point's own check) before any point runs, and an unknown key is one ConfigError naming it;
+a point that raises is an error row and the sweep goes on; a point with a record in points.jsonl never
+runs again (resume: an interrupted sweep redoes nothing it finished); results.parquet is always rebuilt
+from points.jsonl, in grid order; ray is imported only when a Ray address is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import time
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetier.errors import ConfigError, MoetierError
+from moetier.sweep_exec import RECORDS, Appender, read_records, run_point, run_pool, run_ray
+
+REQUIRED: Any = object()  # a parameter default meaning "the grid must give it"
+Scalar = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class Point:
+    """What a sweep point computes: fn(params) -> {column: value}; nested dicts are flattened (a_b)."""
+
+    fn: Callable[[dict[str, Any]], dict[str, Any]]  # module-level, so process pools can pickle it
+    params: Mapping[str, Any]  # accepted parameter -> default (REQUIRED: no default)
+    refused: Mapping[str, str] = field(default_factory=dict)  # parameters this point cannot use -> why
+    check: Callable[[dict[str, Any]], None] | None = None  # cheap validation of one point's params
+    columns: tuple[str, ...] = ()  # result columns it returns (plottable metrics); () unknown
+
+
+POINTS: dict[str, Point] = {}
+POINT_MODULES = ("moetier.sweep_simulate",)  # modules that register the shipped points (a new point: add it here)
+
+
+def register_point(name: str, point: Point) -> None:
+    """Make `point` available as `point = "NAME"` in grid files (replacing any of that name)."""
+    POINTS[name] = point
+
+
+def get_point(name: str) -> Point:
+    import importlib
+
+    for module in POINT_MODULES:  # each registers its points on import (cheap, no torch)
+        importlib.import_module(module)
+    try:
+        return POINTS[name]
+    except KeyError:
+        raise ConfigError(f"unknown point {name!r}; known: {', '.join(sorted(POINTS))}") from None
+
+
+# Grid files ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Grid:
+    point: str
+    axes: tuple[tuple[str, tuple[Scalar, ...]], ...]  # parameter -> values, file order (first outermost)
+    fixed: tuple[tuple[str, Scalar], ...]  # [params]
+    metrics: tuple[str, ...]
+    source: str = ""
+
+    @property
+    def varying(self) -> tuple[str, ...]:
+        """Axes with more than one value, in file order."""
+        return tuple(name for name, values in self.axes if len(values) > 1)
+
+    def given(self) -> list[dict[str, Any]]:
+        """Every point's given parameters ([params] + one value per axis), in grid order."""
+        names = [name for name, _ in self.axes]
+        combos = itertools.product(*(values for _, values in self.axes))
+        return [{**dict(self.fixed), **dict(zip(names, combo, strict=True))} for combo in combos]
+
+    def full(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The point function's argument: its defaults overlaid with the given parameters."""
+        return {**get_point(self.point).params, **given}
+
+
+def point_key(point: str, given: Mapping[str, Any]) -> str:
+    """Stable hash of a point: its function's name and the parameters the grid gives it (not defaults)."""
+    text = json.dumps({"point": point, "params": dict(given)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _param_name(key: str, known: Iterable[str]) -> str | None:
+    names = set(known)
+    for cand in (key, key[:-3] + "y" if key.endswith("ies") else None, key[:-1] if key.endswith("s") else None):
+        if cand in names:
+            return cand
+    return None
+
+
+def _scalar(value: Any, where: str, default: Any) -> Scalar:
+    if not isinstance(value, str | int | float | bool):
+        raise ConfigError(f"{where}: expected a string, number or boolean, got {value!r}")
+    if default is REQUIRED or default is None:
+        return value
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, float):
+        ok, value = isinstance(value, int | float), float(value) if isinstance(value, int | float) else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"{where}: expected a {type(default).__name__}, got {value!r}")
+    return value
+
+
+def _homogeneous(values: list[Scalar]) -> tuple[Scalar, ...]:
+    """Ints and floats mixed in one list become floats (one Parquet column type)."""
+    nums = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if any(isinstance(v, float) for v in nums) and len(nums) == len(values):
+        return tuple(float(v) for v in values)
+    return tuple(values)
+
+
+def parse_grid(data: Mapping[str, Any], source: str = "grid") -> Grid:
+    """A Grid from a parsed GRID.toml; ConfigError naming the file and key on any problem."""
+    extra = sorted(set(data) - {"point", "metrics", "params", "grid"})
+    if extra:
+        raise ConfigError(f"{source}: unknown top-level keys {extra}; allowed: point, metrics, [params], [grid]")
+    name = data.get("point", "simulate")
+    if not isinstance(name, str):
+        raise ConfigError(f"{source}: point must be a string, got {name!r}")
+    pt = get_point(name)
+    fixed_raw, grid_raw = data.get("params", {}), data.get("grid", {})
+    if not isinstance(fixed_raw, dict) or not isinstance(grid_raw, dict):
+        raise ConfigError(f"{source}: [params] and [grid] must be tables")
+    known = [*pt.params, *pt.refused]
+    unknown = sorted(k for k in [*fixed_raw, *grid_raw] if _param_name(k, known) is None)
+    if unknown:
+        raise ConfigError(f"{source}: point {name!r} has no parameter(s) {unknown}; it takes: "
+                          f"{', '.join(sorted(pt.params))} (grid keys may be plural)")  # fmt: skip
+    seen: dict[str, str] = {}
+    fixed: list[tuple[str, Scalar]] = []
+    axes: list[tuple[str, tuple[Scalar, ...]]] = []
+    for table, raw in (("params", fixed_raw), ("grid", grid_raw)):
+        for key, value in raw.items():
+            param = _param_name(key, known)
+            assert param is not None
+            if param in pt.refused:
+                raise ConfigError(f"{source}: [{table}] {key}: point {name!r} cannot use {param}: {pt.refused[param]}")
+            if param in seen:
+                raise ConfigError(f"{source}: {param} is given twice ({seen[param]} and [{table}] {key})")
+            seen[param] = f"[{table}] {key}"
+            where, default = f"{source}: [{table}] {key}", pt.params[param]
+            if table == "params":
+                fixed.append((param, _scalar(value, where, default)))
+                continue
+            if not isinstance(value, list) or not value:
+                raise ConfigError(f"{where}: expected a non-empty list of values, got {value!r}")
+            if len(set(map(repr, value))) != len(value):
+                raise ConfigError(f"{where}: repeated values in {value!r}")
+            axes.append((param, _homogeneous([_scalar(v, where, default) for v in value])))
+    missing = sorted(p for p, d in pt.params.items() if d is REQUIRED and p not in seen)
+    if missing:
+        raise ConfigError(f"{source}: point {name!r} needs {missing} in [params] or [grid]")
+    metrics = data.get("metrics", list(pt.columns[:1]))
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        raise ConfigError(f"{source}: metrics must be a list of column names, got {metrics!r}")
+    grid = Grid(name, tuple(axes), tuple(fixed), tuple(metrics), source)
+    check_metrics(grid, grid.metrics)
+    if pt.check is not None:
+        for given in grid.given():
+            try:
+                pt.check(grid.full(given))
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: point {given}: {exc}") from None
+    return grid
+
+
+def check_metrics(grid: Grid, metrics: Iterable[str]) -> None:
+    cols = get_point(grid.point).columns
+    bad = [m for m in metrics if cols and m not in cols]
+    if bad:
+        raise ConfigError(f"{grid.source}: unknown metric(s) {bad}; point {grid.point!r} returns: {', '.join(cols)}")
+
+
+def load_grid(path: str | Path) -> Grid:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such grid file")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not a valid TOML file ({exc})") from None
+    return parse_grid(data, str(p))
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    points: int  # in the grid
+    done_before: int  # skipped: already in points.jsonl
+    ran: int
+    errors: int  # error rows in results.parquet (this run or before)
+    lost: int  # points whose worker died (not recorded; a re-run retries them)
+    seconds: float
+    results: Path
+    plots: tuple[Path, ...]
+    runner: str  # "none" (nothing to run) | "inline" | "processes:N" | "ray:ADDRESS"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in ("points", "done_before", "ran", "errors", "lost", "seconds")},
+                "results": str(self.results), "plots": [str(p) for p in self.plots], "runner": self.runner}  # fmt: skip
+
+
+def run_sweep(
+    grid: Grid,
+    out: str | Path,
+    *,
+    jobs: int | None = None,
+    ray: str | None = None,
+    metrics: Iterable[str] | None = None,
+    retry_errors: bool = False,
+    on_start: Callable[[int], None] | None = None,
+    on_point: Callable[[dict[str, Any]], None] | None = None,
+) -> SweepReport:
+    """Run every point of `grid` not yet in OUT/points.jsonl, then write OUT/results.parquet and the plots
+    (sweep_results.py, sweep_plot.py).
+    jobs: worker processes (default os.cpu_count(); 1 runs inline); ray: a Ray address ("local": start a
+    local instance with `jobs` CPUs). on_start(n) before the n points to run; on_point(record) after each."""
+    from moetier.sweep_plot import plot_results
+    from moetier.sweep_results import RESULTS, result_rows, write_results
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    pt = get_point(grid.point)
+    plot_metrics = tuple(metrics) if metrics else grid.metrics
+    check_metrics(grid, plot_metrics)
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"jobs must be >= 1, got {jobs}")
+    out.mkdir(parents=True, exist_ok=True)
+    records = read_records(out)
+    todo: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    seen: set[str] = set()
+    for given in grid.given():
+        key = point_key(grid.point, given)
+        rec = records.get(key)
+        if key not in seen and (rec is None or (retry_errors and rec.get("status") != "ok")):
+            todo.append((key, given, grid.full(given)))
+        seen.add(key)
+    counts = {"ran": 0, "lost": 0}
+    appender = Appender(out / RECORDS)
+
+    def done(key: str, given: dict[str, Any], outcome: dict[str, Any] | None) -> None:
+        if outcome is None:
+            counts["lost"] += 1
+            return
+        rec = {"key": key, "point": grid.point, "params": given, **outcome}
+        appender.write(rec)
+        records[key] = rec
+        counts["ran"] += 1
+        if on_point is not None:
+            on_point(rec)
+
+    start = on_start or (lambda n: None)
+    n_jobs = jobs or os.cpu_count() or 1
+    try:
+        if ray is not None:
+            runner = f"ray:{ray}"
+            if todo:
+                run_ray(pt.fn, todo, ray, jobs, done, start)
+            else:
+                start(0)
+        elif n_jobs == 1 or len(todo) <= 1:
+            runner = "inline" if todo else "none"
+            start(len(todo))
+            for key, given, full in todo:
+                done(key, given, run_point(pt.fn, full))
+        else:
+            runner = f"processes:{min(n_jobs, len(todo))}"
+            run_pool(pt.fn, todo, min(n_jobs, len(todo)), done, start)
+    finally:
+        appender.close()
+        rows = result_rows(grid, records)
+        write_results(rows, grid, out / RESULTS)
+
+    plots = tuple(p for m in plot_metrics for p in plot_results(rows, grid, m, out))
+    if counts["lost"]:
+        raise MoetierError(f"{counts['lost']} point(s) lost to a failed worker (not recorded); "
+                           f"re-run the same command to retry them")  # fmt: skip
+    return SweepReport(
+        points=len(seen), done_before=len(seen) - len(todo), ran=counts["ran"],
+        errors=sum(r["status"] != "ok" for r in rows), lost=counts["lost"], seconds=time.perf_counter() - t0,
+        results=out / RESULTS, plots=plots, runner=runner,
+    )  # fmt: skip
+
+
+__all__ = [
+    "POINTS", "POINT_MODULES", "REQUIRED", "Grid", "Point", "SweepReport", "get_point", "load_grid", "parse_grid",
+    "point_key", "register_point", "run_sweep",
+]  # fmt: skip

@@ -1,0 +1,219 @@
+"""The three-domain machine of TriMoE (GPU + AMX CPU + DIMM-NDP) and its per-expert pricer (paper 4.1, 4.2).
+
+`NdpParams` (frozen): the near-data tier that no shipped profile measures. Defaults are TriMoE Table 1:
+16 DIMM-NDPs, each a GEMV unit of 256 GFLOPS bf16 reading its own DIMM at 153.6 GB/s internal bandwidth;
+DIMM-Link 25 GB/s per link; host DRAM of 8 channels at 307.2 GB/s. `links` is how many DIMM-Link transfers
+run at once (DIMM-Link is host-free and parallel, paper 5.5); 0 means n_dimms // 2 (disjoint DIMM pairs), an
+ESTIMATE that makes "four experts in ~0.63 ms" (5.5) about right for the paper's expert sizes.
+`load_ndp` reads the optional "ndp" section of a profile JSON (profiles/*.json), defaults otherwise; the
+profile loader in policies/hwprofile.py ignores that section, so old profiles stay valid.
+
+`NdpMachine` = a HardwareProfile (GPU, CPU, PCIe: profiles/h100-8470.json holds Table 1's numbers) +
+NdpParams + a CPU TFLOPS scale (the sensitivity sweep of paper 5.4.2). Compute time against token load
+(the paper's lookup tables): f_calc(n) = 6*H*I*n / (peak * eff(n)) + overhead for the GPU and CPU, eff(n)
+the profile's efficiency curve (flat beyond its ends: about 30% at 256 tokens per expert on an H100);
+for an NDP unit f_calc = 6*H*I*n / ndp_flops (a GEMV unit, no batching gain) plus the activations moved
+to and from the DIMM (2 * n * H * dtype bytes at one DIMM's share of host bandwidth, MoNDE's
+"activation migration"). Weight reads: T_PCIe = latency + W / pcie_bw, T_DRAM = schedule_trimoe.dram_read_s,
+T_Internal = W / ndp_bw; DIMM-Link moves of one expert (relayout or migration): W / link_bw.
+
+`price_call` turns one layer call (expert -> tokens), the HBM residency, layouts and home DIMMs into
+schedule_trimoe.TriExpert costs (eq. 1-4); shared experts (ids -1, -2, ...) are resident and GPU-only
+(their CPU cost is `GPU_ONLY`, a finite stand-in for "never").
+
+Invariants: every time is finite and >= 0; more tokens never cost less; a striped expert has no home DIMM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetier.errors import ConfigError
+from moetier.policies.hwprofile import PROFILES_DIR, ComputeProfile, HardwareProfile, load_profile
+from moetier.policies.predictor import PathTimes
+from moetier.policies.schedule_trimoe import TriExpert, dram_read_s
+from moetier.specs import ModelSpec
+from moetier.types import ExpertKey, Layout
+
+GPU_ONLY = 1e30  # a finite "never" for paths a shared expert may not take
+DEFAULT_PROFILE = "h100-8470"
+
+
+@dataclass(frozen=True)
+class NdpParams:
+    """DIMM-NDP tier, TriMoE Table 1 (see the module docstring)."""
+
+    n_dimms: int = 16
+    ndp_flops: float = 256e9  # per DIMM, bf16
+    ndp_bw: float = 153.6e9  # per DIMM internal bandwidth, bytes/s
+    link_bw: float = 25e9  # DIMM-Link, bytes/s per link
+    links: int = 0  # concurrent DIMM-Link transfers; 0 -> n_dimms // 2 (ESTIMATE)
+    host_bw: float = 307.2e9  # 8 channels DDR5-4800
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_dimms, bool) or not isinstance(self.n_dimms, int) or self.n_dimms < 1:
+            raise ConfigError(f"NdpParams: n_dimms must be an int >= 1, got {self.n_dimms!r}")
+        if isinstance(self.links, bool) or not isinstance(self.links, int) or self.links < 0:
+            raise ConfigError(f"NdpParams: links must be an int >= 0, got {self.links!r}")
+        for name in ("ndp_flops", "ndp_bw", "link_bw", "host_bw"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"NdpParams: {name} must be a finite number > 0, got {v!r}")
+
+    @property
+    def n_links(self) -> int:
+        return self.links or max(1, self.n_dimms // 2)
+
+
+def ndp_from_dict(d: Mapping[str, Any] | None, where: str = "ndp") -> NdpParams:
+    """NdpParams from a profile's "ndp" section (None -> defaults); unknown keys are a ConfigError."""
+    if d is None:
+        return NdpParams()
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{where}: expected an object, got {d!r}")
+    allowed = {f.name for f in fields(NdpParams)}
+    extra = set(d) - allowed - {"source", "notes"}
+    if extra:
+        raise ConfigError(f"{where}: unknown keys {sorted(extra)}; allowed: {sorted(allowed)}")
+    return NdpParams(**{k: v for k, v in d.items() if k in allowed})
+
+
+def load_ndp(name_or_path: str | Path = DEFAULT_PROFILE) -> NdpParams:
+    """The "ndp" section of a shipped profile (by name) or a profile .json path; Table 1 defaults without one."""
+    s = str(name_or_path)
+    named = PROFILES_DIR / f"{s}.json"
+    path = named if named.is_file() else Path(s)
+    if not path.is_file():
+        raise ConfigError(f"unknown hardware profile {s!r} (no {named.name} in profiles/, no such file)")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read profile {path}: {e}") from None
+    return ndp_from_dict(d.get("ndp") if isinstance(d, dict) else None, f"{path}: ndp")
+
+
+def _calc(c: ComputeProfile, flops: np.ndarray, tokens: np.ndarray, scale: float) -> np.ndarray:
+    """Roofline-LUT compute time of matmuls of `flops` at `tokens` tokens each (0 tokens -> 0)."""
+    if c.efficiency:
+        xs, ys = zip(*c.efficiency, strict=True)
+        eff = np.interp(tokens, xs, ys)  # flat beyond the ends, as ComputeProfile.eff
+    else:
+        eff = np.ones_like(tokens)
+    out = flops / (c.peak_flops * scale * eff) + c.overhead_s
+    return np.where(tokens > 0, out, 0.0)
+
+
+class NdpMachine:
+    """GPU + AMX CPU + DIMM-NDP pricing for one model (see the module docstring)."""
+
+    def __init__(
+        self, spec: ModelSpec, profile: HardwareProfile | None = None, ndp: NdpParams | None = None,
+        cpu_scale: float = 1.0,
+    ) -> None:  # fmt: skip
+        # 1. Check and keep the parts
+        self.profile = profile if profile is not None else load_profile(DEFAULT_PROFILE)
+        if self.profile.gpu is None or self.profile.pcie is None:
+            raise ConfigError(f"profile {self.profile.name!r} has no GPU; the three-domain machine needs one")
+        if not (math.isfinite(cpu_scale) and cpu_scale > 0):
+            raise ConfigError(f"cpu_scale must be a finite number > 0, got {cpu_scale!r}")
+        self.spec, self.ndp, self.cpu_scale = spec, ndp if ndp is not None else NdpParams(), float(cpu_scale)
+        self.gpu: ComputeProfile = self.profile.gpu
+        self.cpu: ComputeProfile = self.profile.cpu
+        # 2. Per-expert constants: weight bytes and FLOPs per token (3 matrices, 2 FLOPs per MAC)
+        self.nbytes = spec.expert_bytes("full")
+        self.shared_nbytes = spec.shared_bytes("full")
+        self.flops_tok = 6 * spec.hidden * spec.moe_inter
+        self.shared_flops_tok = 6 * spec.hidden * spec.shared_inter
+        self.act_bytes_tok = 2 * spec.hidden * spec.dtype_bytes  # in and out, per token
+
+    # Compute (vectorised over token counts) -------------------------------------------------------------------
+    def gpu_calc(self, tokens: np.ndarray, shared: bool = False) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)
+        return _calc(self.gpu, t * (self.shared_flops_tok if shared else self.flops_tok), t, 1.0)
+
+    def cpu_calc(self, tokens: np.ndarray) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)
+        return _calc(self.cpu, t * self.flops_tok, t, self.cpu_scale)
+
+    def ndp_calc(self, tokens: np.ndarray) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)
+        share = self.ndp.host_bw / self.ndp.n_dimms
+        return t * self.flops_tok / self.ndp.ndp_flops + t * self.act_bytes_tok / share
+
+    # Weight movement ------------------------------------------------------------------------------------------
+    def pcie_s(self, nbytes: int | None = None) -> float:
+        assert self.profile.pcie is not None
+        n = self.nbytes if nbytes is None else nbytes
+        return self.profile.pcie.latency_s + n / self.profile.pcie.bandwidth if n > 0 else 0.0
+
+    def dram_s(self, layout: Layout, nbytes: int | None = None) -> float:
+        return dram_read_s(self.nbytes if nbytes is None else nbytes, layout, self.ndp.host_bw, self.ndp.n_dimms)
+
+    def internal_s(self) -> float:
+        return self.nbytes / self.ndp.ndp_bw
+
+    def link_s(self) -> float:
+        """One expert over one DIMM-Link (a relayout or a migration)."""
+        return self.nbytes / self.ndp.link_bw
+
+    def path_times(self, tokens: float) -> PathTimes:
+        """Eq. 1-4 of one routed expert at a (predicted) load, for the background planner."""
+        n = np.asarray([max(float(tokens), 1.0)])
+        g, c, nd = float(self.gpu_calc(n)[0]), float(self.cpu_calc(n)[0]), float(self.ndp_calc(n)[0])
+        p, ds, dl = self.pcie_s(), self.dram_s(Layout.STRIPED), self.dram_s(Layout.LOCALISED)
+        return PathTimes(g, max(g, p, ds), max(g, p, dl), max(c, ds), max(c, dl), max(nd, self.internal_s()))
+
+
+def price_call(
+    machine: NdpMachine,
+    layer: int,
+    counts: Mapping[int, int],
+    resident: Collection[ExpertKey],
+    layouts: Mapping[ExpertKey, Layout],
+    homes: Mapping[ExpertKey, int],
+    shared_tokens: int = 0,
+) -> list[TriExpert]:
+    """One layer call as TriExperts: routed experts (id -> tokens > 0, ids ascending; missing layout = striped)
+    then, when shared_tokens > 0, the spec's shared experts (ids -1, -2, ...: resident, GPU only)."""
+    # 1. Check the call
+    spec = machine.spec
+    ids = sorted(int(e) for e, n in counts.items() if n > 0)
+    bad = [e for e in ids if not 0 <= e < spec.num_experts]
+    if bad:
+        raise ConfigError(f"price_call: expert {bad[0]} of layer {layer} outside [0, {spec.num_experts})")
+    # 2. Vectorised compute parts
+    tok = np.asarray([int(counts[e]) for e in ids], dtype=np.float64)  # [n]
+    g, c, nd = machine.gpu_calc(tok), machine.cpu_calc(tok), machine.ndp_calc(tok)
+    pcie, internal = machine.pcie_s(), machine.internal_s()
+    d_str, d_loc = machine.dram_s(Layout.STRIPED), machine.dram_s(Layout.LOCALISED)
+    # 3. One TriExpert per routed expert
+    out: list[TriExpert] = []
+    for j, e in enumerate(ids):
+        key = ExpertKey(layer, e)
+        lay = layouts.get(key, Layout.STRIPED)
+        home = int(homes[key]) if lay == Layout.LOCALISED else -1
+        out.append(TriExpert(
+            key=key, tokens=int(tok[j]), resident=key in resident, layout=lay, dimm=home,
+            gpu_calc_s=float(g[j]), cpu_calc_s=float(c[j]), ndp_calc_s=float(nd[j]), pcie_s=pcie,
+            dram_s=d_str if lay == Layout.STRIPED else d_loc, internal_s=internal,
+        ))  # fmt: skip
+    # 4. Shared experts: resident in HBM, computed on the GPU only
+    if shared_tokens > 0 and spec.num_shared:
+        gs = float(machine.gpu_calc(np.asarray([shared_tokens]), shared=True)[0])
+        for j in range(spec.num_shared):
+            out.append(TriExpert(
+                key=ExpertKey(layer, -(j + 1)), tokens=int(shared_tokens), resident=True, layout=Layout.STRIPED,
+                dimm=-1, gpu_calc_s=gs, cpu_calc_s=GPU_ONLY, ndp_calc_s=GPU_ONLY, pcie_s=0.0, dram_s=0.0,
+                internal_s=0.0,
+            ))  # fmt: skip
+    return out
+
+
+__all__ = ["DEFAULT_PROFILE", "GPU_ONLY", "NdpMachine", "NdpParams", "load_ndp", "ndp_from_dict", "price_call"]

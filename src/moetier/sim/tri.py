@@ -1,0 +1,300 @@
+"""Decode simulation on the three-domain TriMoE machine (GPU + AMX CPU + DIMM-NDP), paper 4-5.
+
+`simulate_tri(spec, calls, config)` replays MoE layer calls (traces.Call, in order) through one system,
+named in `SYSTEMS`:
+- "klotski": GPU only. Resident (HBM) experts are hits; every other routed expert streams over PCIe while
+  the GPU computes (pipelined across experts: GPU time = max(sum of compute, sum over misses of
+  max(T_PCIe, T_DRAM))); hot experts prefetched in the background.
+- "ktransformers-plus": GPU + AMX CPU. Resident experts and predicted-hot misses (on-demand load) on the
+  GPU, every other routed expert on the CPU; hot prefetch.
+- "monde": GPU + NDP. Each expert to the cheaper of weight migration (GPU, eq. 1-2) and activation
+  migration (NDP on its home DIMM, eq. 4): the greedy start of schedule_trimoe over {GPU, NDP}; hot prefetch.
+- "gpu-ndp": the ablation's first point: TriMoE's pipeline restricted to {GPU, NDP} (honours the flags).
+- "trimoe": all three domains, greedy start + bottleneck-aware refinement (config.refinement), hot
+  prefetch + relayout and cold rebalancing over the DIMM-Link (config.relayout).
+Systems with NDP start from an offline layout ("localising cold experts onto single DIMMs", 4.3): the experts
+cold in the first call of each layer are localised, spread over DIMMs by longest-processing-time first; the
+others are striped. Systems without NDP keep every expert striped. All start with the same HBM set: per layer
+the floor(hbm_ratio * E) most loaded experts of its first call (the offline trace analysis stand-in).
+
+Per call: (1) price it (sim/ndp.py, eq. 1-4, shared experts on the GPU); (2) assign domains, makespan
+(eq. 5-7) = the call's MoE time; (3) score and update the EMA predictor (eq. 8); (4) plan background actions
+(policies/predictor.plan_actions) hidden by the layer's attention/dense time (the window), the DIMM-Link
+priced at its aggregate bandwidth (NdpParams.n_links parallel links); (5) apply them: prefetches enter HBM
+(evicting the least-predicted non-hot resident when the layer's HBM share is full), relayouts change layout
+and home DIMM, migrations change the home DIMM. A decode step = sum of its calls' MoE time + every decoder
+layer's attention/dense time (batched: non-expert weights read once, KV cache of `context` tokens per
+sequence read from HBM, an ESTIMATE) + the LM head; throughput = batch / step time.
+
+Invariants (tests/sim/test_tri.py): every routed expert of a call is assigned exactly once; a system only
+uses its domains; HBM residency per layer never exceeds its share; link time per call never exceeds its
+window; the run is a pure function of (spec, calls, config).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from moetier.errors import ConfigError
+from moetier.policies.costmodel import CostModel
+from moetier.policies.hwprofile import load_profile
+from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
+from moetier.policies.schedule_trimoe import ALL_DOMAINS, DomainTotals, TriExpert, domain_totals, schedule_trimoe
+from moetier.sim.ndp import NdpMachine, load_ndp, price_call
+from moetier.specs import ModelSpec
+from moetier.types import Domain, ExpertKey, Layout
+
+NEVER = 1e30  # a finite action cost that never fits a window (actions a system does not have)
+_G, _C, _N = Domain.ACCEL, Domain.HOST, Domain.NDP
+
+
+@dataclass(frozen=True)
+class System:
+    """What a named system may do: its compute domains, how it assigns, which background actions it has."""
+
+    domains: frozenset[Domain]
+    assign: str  # "klotski" | "ktrans" | "schedule"
+    ndp_layout: bool  # offline layout localises cold experts
+    refine: bool  # may run the bottleneck-aware refinement (with config.refinement)
+    relayout: bool  # may relayout / rebalance over the DIMM-Link (with config.relayout)
+
+
+SYSTEMS: dict[str, System] = {
+    "klotski": System(frozenset({_G}), "klotski", False, False, False),
+    "ktransformers-plus": System(frozenset({_G, _C}), "ktrans", False, False, False),
+    "monde": System(frozenset({_G, _N}), "schedule", True, False, False),
+    "gpu-ndp": System(frozenset({_G, _N}), "schedule", True, True, True),
+    "trimoe": System(ALL_DOMAINS, "schedule", True, True, True),
+}
+
+
+@dataclass(frozen=True)
+class TriSimConfig:
+    scheduler: str = "trimoe"
+    n_dimms: int = 16
+    cpu_scale: float = 1.0  # CPU TFLOPS relative to the profile's AMX (paper 5.4.2)
+    hbm_ratio: float = 0.1  # fraction of each layer's routed experts HBM holds
+    batch_size: int = 512  # for synthetic_calls; the simulation uses the calls' own token counts
+    steps: int = 8
+    seed: int = 0
+    refinement: bool = True
+    relayout: bool = True
+    context: int = 1024  # KV length per sequence for the attention time
+    profile: str = "h100-8470"
+    max_iters: int = 512
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SYSTEMS:
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(SYSTEMS)}")
+        for name in ("n_dimms", "batch_size", "steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"TriSimConfig: {name} must be an int >= 1, got {v!r}")
+        if not (math.isfinite(self.cpu_scale) and self.cpu_scale > 0):
+            raise ConfigError(f"TriSimConfig: cpu_scale must be > 0, got {self.cpu_scale!r}")
+        if not 0.0 <= self.hbm_ratio <= 1.0:
+            raise ConfigError(f"TriSimConfig: hbm_ratio must be in [0, 1], got {self.hbm_ratio!r}")
+        if self.context < 0 or self.max_iters < 0:
+            raise ConfigError("TriSimConfig: context and max_iters must be >= 0")
+
+
+@dataclass(frozen=True)
+class TriSimResult:
+    scheduler: str
+    model: str
+    steps: int
+    calls: int
+    batch: float  # mean tokens per call
+    moe_s: float  # sum of the calls' makespans
+    greedy_moe_s: float  # the same with the greedy start's makespans (schedule systems; else = moe_s)
+    dense_s: float  # attention/dense/head time of all steps
+    step_s: float  # mean decode step time
+    throughput_tok_s: float
+    busy: Mapping[str, float]  # domain busy time / MoE time: gpu, cpu, ndp (mean DIMM compute), dimm (incl. eq. 6)
+    flop_util: Mapping[str, float]  # FLOPs done / (peak x MoE time): gpu, cpu, ndp
+    experts: Mapping[str, int]  # routed (call, expert) pairs computed per domain
+    routed: int  # routed (call, expert) pairs in the calls
+    predictor: Mapping[str, float]
+    migration: Mapping[str, float]
+    moves: int  # refinement moves
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def schedule_call(
+    system: System, experts: Sequence[TriExpert], n_dimms: int, hot: frozenset[int], max_iters: int
+) -> tuple[dict[ExpertKey, Domain], DomainTotals, DomainTotals, int]:
+    """Domains of one priced call under `system`: (domains, totals, greedy-start totals, refinement moves).
+    `hot`: expert ids the predictor calls hot (ktransformers-plus loads those on demand); max_iters 0 = greedy."""
+    if system.assign == "schedule":
+        s = schedule_trimoe(experts, n_dimms, domains=system.domains, max_iters=max_iters)
+        return dict(s.domains), s.totals, s.greedy, s.moves
+    if system.assign == "ktrans":
+        doms = [_G if (e.resident or e.key.expert < 0 or e.key.expert in hot) else _C for e in experts]
+        t = domain_totals(experts, doms, n_dimms)
+        return {e.key: d for e, d in zip(experts, doms, strict=True)}, t, t, 0
+    doms = [_G] * len(experts)  # klotski: all on the GPU, transfers pipelined under compute
+    t = domain_totals(experts, doms, n_dimms)
+    calc = sum(e.gpu_calc_s for e in experts)
+    stream = sum(max(e.pcie_s, e.dram_s) for e in experts if not e.resident)
+    gpu = max(calc, stream)
+    t = replace(t, gpu_s=gpu, makespan=max(gpu, t.cpu_s, max(t.dimm_s, default=0.0)))
+    return {e.key: _G for e in experts}, t, t, 0
+
+
+def _dense_s(cm: CostModel, spec: ModelSpec, batch: int, context: int, moe: bool) -> float:
+    """One decoder layer's non-expert work for a batch: weights once, each sequence's KV cache from HBM."""
+    gpu = cm.profile.gpu
+    assert gpu is not None
+    kv = batch * context * spec.kv_bytes_per_token() / (gpu.dense_bw or gpu.mem_bw)
+    return cm.dense_s("gpu", batch, 0, moe) + kv
+
+
+def _initial(
+    m: NdpMachine, loads: np.ndarray, cap: int, ndp_layout: bool, layer: int,
+    layouts: dict[ExpertKey, Layout], homes: dict[ExpertKey, int],
+) -> set[int]:  # fmt: skip
+    """Offline placement of one layer from its first call's loads [E]; returns its HBM set (expert ids)."""
+    order = np.lexsort((np.arange(loads.shape[0]), -loads))  # by load desc, ties to the lower id
+    resident = {int(e) for e in order[:cap]}
+    if ndp_layout:
+        cls = FractionRule().classify(loads)
+        ndp = np.maximum(m.ndp_calc(loads), m.internal_s())  # [E]
+        acc = np.zeros(m.ndp.n_dimms)
+        for e in order:  # longest processing time first onto the least loaded DIMM
+            if cls[e] == Heat.COLD and int(e) not in resident:
+                d = int(np.argmin(acc))
+                acc[d] += ndp[e]
+                layouts[ExpertKey(layer, int(e))], homes[ExpertKey(layer, int(e))] = Layout.LOCALISED, d
+    return resident
+
+
+def _states(
+    m: NdpMachine, layer: int, pred: np.ndarray, cls: np.ndarray, resident: set[int],
+    layouts: Mapping[ExpertKey, Layout], homes: Mapping[ExpertKey, int], relayout: bool,
+) -> list[ExpertState]:  # fmt: skip
+    """Planner inputs for the non-resident experts of one layer (resident ones take no action)."""
+    link = m.link_s() / m.ndp.n_links if relayout else NEVER
+    pcie = m.pcie_s()
+    out = []
+    for e in range(pred.shape[0]):
+        if e in resident or (not relayout and cls[e] != Heat.HOT):
+            continue
+        key = ExpertKey(layer, e)
+        lay = layouts.get(key, Layout.STRIPED)
+        out.append(ExpertState(key, Heat(int(cls[e])), False, lay, homes.get(key, -1) if lay == Layout.LOCALISED
+                               else -1, m.path_times(float(pred[e])), pcie, link, link))  # fmt: skip
+    return out
+
+
+def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> TriSimResult:
+    """Replay `calls` (traces.Call: step, layer, ids [T, k]) through config.scheduler; see the module docstring."""
+    # 1. Machine, cost model, checks
+    cfg, system = config, SYSTEMS[config.scheduler]
+    profile = load_profile(cfg.profile)
+    m = NdpMachine(spec, profile, replace(load_ndp(cfg.profile), n_dimms=cfg.n_dimms), cfg.cpu_scale)
+    cm = CostModel(profile, spec)
+    if not calls:
+        raise ConfigError("simulate_tri: no layer calls to replay")
+    E, layers = spec.num_experts, set(spec.moe_layers)
+    for c in calls:
+        ids = np.asarray(c.ids)
+        if c.layer not in layers:
+            raise ConfigError(f"simulate_tri: call of layer {c.layer}, not an MoE layer of {spec.name!r}")
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.min() < 0 or ids.max() >= E:
+            raise ConfigError(f"simulate_tri: layer {c.layer} step {c.step}: ids must be [T > 0, k] in [0, {E})")
+    refine = cfg.max_iters if (system.refine and cfg.refinement) else 0
+    relayout = system.relayout and cfg.relayout
+    cap = int(cfg.hbm_ratio * E)
+    pred = LoadPredictor(sorted(layers), E)
+    # 2. State: HBM set per layer, layouts and homes (offline placement at a layer's first call)
+    resident: dict[int, set[int]] = {}
+    layouts: dict[ExpertKey, Layout] = {}
+    homes: dict[ExpertKey, int] = {}
+    moe = greedy_moe = win_total = 0.0
+    busy = dict.fromkeys(("gpu", "cpu", "ndp", "dimm"), 0.0)
+    flops = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)
+    n_exp = dict.fromkeys(("gpu", "cpu", "ndp"), 0)
+    mig: dict[str, float] = {"prefetch": 0, "relayout": 0, "migrate": 0, "pcie_s": 0.0, "dimm_link_s": 0.0}
+    routed = moves = 0
+    name = {_G: "gpu", _C: "cpu", _N: "ndp"}
+    for c in calls:
+        ids = np.asarray(c.ids)
+        T, layer = int(ids.shape[0]), int(c.layer)
+        loads = np.bincount(ids.ravel(), minlength=E).astype(np.float64)  # [E]
+        if layer not in resident:
+            resident[layer] = _initial(m, loads, cap, system.ndp_layout, layer, layouts, homes)
+        res = resident[layer]
+        # 3. Price and assign
+        counts = {int(e): int(loads[e]) for e in np.flatnonzero(loads)}
+        experts = price_call(m, layer, counts, {ExpertKey(layer, e) for e in res}, layouts, homes, shared_tokens=T)
+        hot = frozenset(int(e) for e in np.flatnonzero(pred.classes(layer) == Heat.HOT))  # none before a first call
+        doms, tot, gtot, mv = schedule_call(system, experts, cfg.n_dimms, hot, refine)
+        moe, greedy_moe = moe + tot.makespan, greedy_moe + gtot.makespan
+        moves, routed = moves + mv, routed + len(counts)
+        busy["gpu"] += tot.gpu_s
+        busy["cpu"] += tot.cpu_s
+        busy["dimm"] += float(np.mean(tot.dimm_s))
+        busy["ndp"] += float(np.mean(np.subtract(tot.dimm_s, tot.contention_s)))
+        for e in experts:
+            d = name[doms[e.key]]
+            flops[d] += e.tokens * (m.shared_flops_tok if e.key.expert < 0 else m.flops_tok)
+            n_exp[d] += e.key.expert >= 0
+        # 4. Predictor, then background actions hidden by this layer's attention/dense window
+        pred.update(layer, loads)
+        window = _dense_s(cm, spec, T, cfg.context, True)
+        win_total += window
+        p, cls = pred.predict(layer), pred.classes(layer)
+        states = _states(m, layer, p, cls, res, layouts, homes, relayout)
+        evictable = sorted((e for e in res if cls[e] != Heat.HOT), key=lambda e: (p[e], e))
+        plan = plan_actions(states, cfg.n_dimms, window, dimm_base_s=tot.contention_s or None,
+                            hbm_free_slots=max(0, cap - len(res)) + len(evictable))  # fmt: skip
+        # 5. Apply them
+        for a in plan.actions:
+            mig[a.kind.value] += 1
+            if a.kind is ActionKind.PREFETCH:
+                if len(res) >= cap:
+                    res.discard(evictable.pop(0))
+                res.add(a.key.expert)
+            elif a.kind is ActionKind.RELAYOUT and a.layout is Layout.STRIPED:
+                layouts[a.key] = Layout.STRIPED
+                homes.pop(a.key, None)
+            else:
+                assert a.dst_dimm is not None
+                layouts[a.key], homes[a.key] = Layout.LOCALISED, a.dst_dimm
+        mig["pcie_s"] += plan.pcie_s
+        mig["dimm_link_s"] += plan.dimm_link_s
+    # 6. Step time: MoE + every decoder layer's dense work + head, per distinct step
+    steps = len({c.step for c in calls})
+    batch = sum(int(np.asarray(c.ids).shape[0]) for c in calls) / len(calls)
+    b = max(1, round(batch))
+    dense_layer = [_dense_s(cm, spec, b, cfg.context, i in layers) for i in range(spec.num_layers)]
+    dense = steps * (sum(dense_layer) + cm.head_s("gpu", b))
+    step_s = (moe + dense) / steps
+    peak = {"gpu": m.gpu.peak_flops, "cpu": m.cpu.peak_flops * cfg.cpu_scale,
+            "ndp": m.ndp.ndp_flops * cfg.n_dimms}  # fmt: skip
+    link_s = mig["pcie_s"] + mig["dimm_link_s"]
+    mig.update(pcie_bytes=mig["prefetch"] * m.nbytes, dimm_link_bytes=(mig["relayout"] + mig["migrate"]) * m.nbytes,
+               window_s=win_total, link_frac=link_s / max(moe + dense, 1e-30))  # fmt: skip
+    return TriSimResult(
+        scheduler=cfg.scheduler, model=spec.name, steps=steps, calls=len(calls), batch=batch, moe_s=moe,
+        greedy_moe_s=greedy_moe, dense_s=dense, step_s=step_s, throughput_tok_s=b / step_s,
+        busy={k: v / moe for k, v in busy.items()}, flop_util={k: flops[k] / (peak[k] * moe) for k in flops},
+        experts=n_exp, routed=routed, predictor=pred.stats.as_dict(), migration=mig, moves=moves,
+    )  # fmt: skip
+
+
+def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Any]:
+    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps."""
+    from moetier import synthetic
+    from moetier.traces import iter_calls
+
+    p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
+    return iter_calls(synthetic.generate(p, config.steps, with_scores=False))
+
+
+__all__ = ["SYSTEMS", "System", "TriSimConfig", "TriSimResult", "schedule_call", "simulate_tri", "synthetic_calls"]

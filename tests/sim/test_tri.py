@@ -1,0 +1,156 @@
+"""Tests of the three-domain machine (sim/ndp.py) and its decode simulation (sim/tri.py): hand-checked
+prices on a tiny model, conservation, domains per baseline, ablation flags, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moetier.errors import ConfigError
+from moetier.policies.hwprofile import load_profile
+from moetier.policies.schedule_trimoe import TriExpert
+from moetier.sim.ndp import GPU_ONLY, NdpMachine, NdpParams, load_ndp, ndp_from_dict, price_call
+from moetier.sim.tri import SYSTEMS, TriSimConfig, schedule_call, simulate_tri
+from moetier.specs import ModelSpec
+from moetier.traces import Call
+from moetier.types import Domain, ExpertKey, Layout
+
+H, I = 64, 32  # noqa: E741
+W = 3 * H * I * 2  # bytes of one bf16 expert
+SPEC = ModelSpec(name="tiny-tri", source="test", num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2,
+                 num_shared=1, hidden=H, moe_inter=I, shared_inter=I, dense_inter=0, num_heads=2,
+                 num_kv_heads=2, head_dim=32, vocab=100)  # fmt: skip
+
+
+def _calls(steps: int = 6, T: int = 16, seed: int = 0) -> list[Call]:
+    """Skewed routing: expert 0 hot, 1-2 warm, the rest cold."""
+    rng = np.random.default_rng(seed)
+    p = np.array([0.4, 0.2, 0.2, 0.05, 0.05, 0.04, 0.03, 0.03])
+    out = []
+    for s in range(steps):
+        for layer in (0, 1):
+            ids = np.stack([rng.choice(8, size=2, replace=False, p=p) for _ in range(T)])  # [T, 2]
+            out.append(Call(s, layer, ids, np.ones_like(ids, dtype=np.float32), None))
+    return out
+
+
+def test_ndp_defaults_are_table_1() -> None:
+    n = load_ndp("h100-8470")
+    assert (n.n_dimms, n.ndp_flops, n.ndp_bw, n.link_bw, n.host_bw) == (16, 256e9, 153.6e9, 25e9, 307.2e9)
+    assert n.n_links == 8 and NdpParams(n_dimms=4, links=3).n_links == 3
+    assert ndp_from_dict({"n_dimms": 8, "notes": "x"}).n_dimms == 8
+    with pytest.raises(ConfigError, match="unknown keys"):
+        ndp_from_dict({"dimms": 8})
+    with pytest.raises(ConfigError, match="n_dimms"):
+        NdpParams(n_dimms=0)
+    with pytest.raises(ConfigError, match="unknown hardware profile"):
+        load_ndp("no-such-profile")
+
+
+def test_prices_by_hand() -> None:
+    m = NdpMachine(SPEC, load_profile("h100-8470"), NdpParams(), cpu_scale=0.5)
+    # GPU: 6*H*I*n FLOPs at 819.6 TFLOPS x 10% (flat below 64 tokens) + 10 us overhead
+    assert m.gpu_calc(np.array([3]))[0] == pytest.approx(6 * H * I * 3 / (819.6e12 * 0.1) + 1e-5)
+    # CPU at half the AMX peak; 32 tokens -> 11% of peak, + 20 us
+    assert m.cpu_calc(np.array([32]))[0] == pytest.approx(6 * H * I * 32 / (90.1e12 * 0.5 * 0.11) + 2e-5)
+    # NDP: GEMV at 256 GFLOPS + activations in and out at one DIMM's share of 307.2 GB/s
+    assert m.ndp_calc(np.array([2]))[0] == pytest.approx(6 * H * I * 2 / 256e9 + 2 * 2 * H * 2 / (307.2e9 / 16))
+    assert m.internal_s() == pytest.approx(W / 153.6e9)
+    assert m.dram_s(Layout.STRIPED) == pytest.approx(W / 307.2e9)
+    assert m.dram_s(Layout.LOCALISED) == pytest.approx(W * 16 / 307.2e9)
+    assert m.pcie_s() == pytest.approx(1e-5 + W / 64e9)
+    assert m.link_s() == pytest.approx(W / 25e9)
+    assert m.gpu_calc(np.array([0]))[0] == 0.0
+
+
+def test_price_call_parts() -> None:
+    m = NdpMachine(SPEC)
+    k0, k3 = ExpertKey(1, 0), ExpertKey(1, 3)
+    out = price_call(m, 1, {3: 2, 0: 5, 4: 0}, {k0}, {k3: Layout.LOCALISED}, {k3: 7}, shared_tokens=7)
+    assert [tuple(e.key) for e in out] == [(1, 0), (1, 3), (1, -1)]
+    e0, e3, sh = out
+    assert e0.resident and e0.layout == Layout.STRIPED and e0.dimm == -1 and e0.tokens == 5
+    assert not e3.resident and e3.dimm == 7 and e3.dram_s == pytest.approx(m.dram_s(Layout.LOCALISED))
+    assert sh.resident and sh.tokens == 7 and sh.cpu_calc_s == GPU_ONLY
+    with pytest.raises(ConfigError, match="outside"):
+        price_call(m, 1, {8: 1}, set(), {}, {})
+
+
+def _te(e: int, resident: bool, calc: float, pcie: float, dram: float, dimm: int = -1) -> TriExpert:
+    lay = Layout.LOCALISED if dimm >= 0 else Layout.STRIPED
+    return TriExpert(ExpertKey(0, e), 1, resident, lay, dimm, calc, 1.0, 0.5, pcie, dram, 0.1)
+
+
+def test_klotski_pipelines_transfers_under_compute() -> None:
+    ex = [_te(0, True, 3.0, 1.0, 0.5), _te(1, False, 1.0, 2.0, 0.5), _te(2, False, 0.5, 1.5, 2.5, dimm=1)]
+    doms, t, g, moves = schedule_call(SYSTEMS["klotski"], ex, 2, frozenset(), 0)
+    assert set(doms.values()) == {Domain.ACCEL} and moves == 0 and t == g
+    # compute 3 + 1 + 0.5 = 4.5; streams max(2, .5) + max(1.5, 2.5) = 4.5; DIMM 1: .5 striped + 2.5 local = 3
+    assert t.gpu_s == pytest.approx(4.5) and t.dimm_s == pytest.approx((0.5, 3.0)) and t.makespan == pytest.approx(4.5)
+
+
+def test_ktransformers_puts_misses_on_cpu_but_hot_on_gpu() -> None:
+    ex = [_te(0, True, 3.0, 1.0, 0.5), _te(1, False, 1.0, 2.0, 0.5), _te(2, False, 0.5, 1.5, 0.5)]
+    doms, t, _, _ = schedule_call(SYSTEMS["ktransformers-plus"], ex, 2, frozenset({2}), 0)
+    assert [doms[e.key] for e in ex] == [Domain.ACCEL, Domain.HOST, Domain.ACCEL]
+    assert t.gpu_s == pytest.approx(3.0 + 1.5) and t.cpu_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEMS))
+def test_conservation_and_domains(name: str) -> None:
+    calls = _calls()
+    r = simulate_tri(SPEC, calls, TriSimConfig(scheduler=name, n_dimms=4, hbm_ratio=0.25, context=64))
+    routed = sum(len(np.unique(c.ids)) for c in calls)
+    assert r.routed == routed == sum(r.experts.values())  # every routed expert computed once per call
+    allowed = {"gpu"} | ({"cpu"} if Domain.HOST in SYSTEMS[name].domains else set()) | (
+        {"ndp"} if Domain.NDP in SYSTEMS[name].domains else set())  # fmt: skip
+    assert all(r.experts[d] == 0 for d in set(r.experts) - allowed)
+    assert r.steps == 6 and r.calls == 12 and r.moe_s > 0 and r.throughput_tok_s > 0
+    assert r.moe_s <= r.greedy_moe_s * (1 + 1e-9)
+    assert r.migration["pcie_s"] <= r.migration["window_s"] + 1e-12
+    assert r.migration["dimm_link_s"] <= r.migration["window_s"] + 1e-12
+    if not SYSTEMS[name].relayout:
+        assert r.migration["relayout"] == r.migration["migrate"] == 0
+    assert 0 <= r.predictor["accuracy"] <= 1 and r.predictor["calls"] == 10
+
+
+def test_ablation_flags() -> None:
+    calls = _calls(steps=4, T=64)
+    base = TriSimConfig(n_dimms=4, hbm_ratio=0.125, context=64)
+    full = simulate_tri(SPEC, calls, base)
+    no_ref = simulate_tri(SPEC, calls, TriSimConfig(n_dimms=4, hbm_ratio=0.125, context=64, refinement=False))
+    no_rel = simulate_tri(SPEC, calls, TriSimConfig(n_dimms=4, hbm_ratio=0.125, context=64, relayout=False))
+    assert no_ref.moves == 0 and no_ref.moe_s == pytest.approx(no_ref.greedy_moe_s)
+    assert no_rel.migration["relayout"] == no_rel.migration["migrate"] == 0
+    assert full.experts["cpu"] > 0  # +CPU: the trimoe system uses the AMX CPU
+    gn = simulate_tri(SPEC, calls, TriSimConfig(scheduler="gpu-ndp", n_dimms=4, hbm_ratio=0.125, context=64))
+    assert gn.experts["cpu"] == 0 and gn.experts["ndp"] > 0
+    # pure function of its inputs
+    again = simulate_tri(SPEC, calls, base)
+    assert again.moe_s == full.moe_s and again.migration == full.migration
+
+
+def test_cpu_scale_and_dimms_change_prices() -> None:
+    calls = _calls(steps=2, T=64)
+    slow = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_scale=0.125, context=64))
+    fast = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_scale=2.0, context=64))
+    assert slow.moe_s > fast.moe_s
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ConfigError, match=r"klotski.*trimoe"):
+        TriSimConfig(scheduler="nope")
+    with pytest.raises(ConfigError, match="hbm_ratio"):
+        TriSimConfig(hbm_ratio=1.5)
+    with pytest.raises(ConfigError, match="n_dimms"):
+        TriSimConfig(n_dimms=0)
+    with pytest.raises(ConfigError, match="no layer calls"):
+        simulate_tri(SPEC, [], TriSimConfig())
+    ids = np.array([[0, 9]])
+    with pytest.raises(ConfigError, match="ids must be"):
+        simulate_tri(SPEC, [Call(0, 0, ids, ids.astype(np.float32), None)], TriSimConfig())
+    ids = np.array([[0, 1]])
+    with pytest.raises(ConfigError, match="not an MoE layer"):
+        simulate_tri(SPEC, [Call(0, 5, ids, ids.astype(np.float32), None)], TriSimConfig())
+    with pytest.raises(ConfigError, match="cpu_scale"):
+        NdpMachine(SPEC, cpu_scale=0.0)

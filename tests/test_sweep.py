@@ -181,3 +181,48 @@ def test_ray_local_instance(tmp_path: Path) -> None:
         assert [r["scheduler"] for r in rows] == ["hybrimoe", "gpu-lru"] and all(r["tbt_s"] > 0 for r in rows)
     finally:
         ray.shutdown()
+
+
+# The "tri" point (sweep_tri.py): the three-domain TriMoE machine --------------------------------------------------
+TRI = {"model": "deepseek-v2-lite", "batch_size": 16, "steps": 1}
+
+
+@pytest.mark.parametrize(
+    ("grid", "match"),
+    [
+        ({"cache_ratios": [0.25]}, "cannot use cache_ratio: .*hbm_ratio"),
+        ({"cpu_tflops": [10.0]}, "cannot use cpu_tflops: .*cpu_tflops_scale"),
+        ({"prefetch": [True]}, "cannot use prefetch"),
+        ({"precisions": ["int4"]}, "cannot use precision"),
+        ({"schedulers": ["hybrimoe"]}, "unknown scheduler 'hybrimoe'"),
+        ({"ndp_counts": [0]}, "n_dimms must be an int >= 1"),
+        ({"hbm_ratios": [1.5]}, r"hbm_ratio must be in \[0, 1\]"),
+        ({"cpu_tflops_scales": [0.0]}, "cpu_scale must be > 0"),
+        ({"refinements": [1]}, "expected a bool"),
+        ({"profiles": ["nope"]}, "unknown hardware profile 'nope'"),
+        ({"models": ["no-such-model"]}, "no-such-model"),
+    ],
+)  # fmt: skip
+def test_tri_point_refuses_what_it_cannot_use(grid: dict[str, Any], match: str) -> None:
+    params = {k: v for k, v in TRI.items() if k != "model" or "models" not in grid}
+    with pytest.raises(ConfigError, match=match):
+        parse_grid({"point": "tri", "params": params, "grid": grid}, "g.toml")
+
+
+def test_tri_point_sweep_columns(tmp_path: Path) -> None:
+    g = parse_grid({"point": "tri", "params": TRI, "grid": {"schedulers": ["klotski", "trimoe"]},
+                    "metrics": ["moe_step_s"]})  # fmt: skip
+    assert g.full(g.given()[0])["ndp_count"] == 16 and g.full(g.given()[0])["relayout"] is True
+    rep = run_sweep(g, tmp_path / "out", jobs=1)
+    assert (rep.points, rep.ran, rep.errors) == (2, 2, 0)
+    t = pq.read_table(rep.results)
+    from moetier.sweep_tri import COLUMNS
+
+    assert set(COLUMNS) <= set(t.column_names)
+    for col in ("moe_step_s", "throughput_tok_s", "busy_gpu", "predictor_accuracy", "migration_link_frac"):
+        assert t.schema.field(col).type == pa.float64(), col
+    klotski, trimoe = t.to_pylist()
+    assert klotski["scheduler"] == "klotski" and klotski["status"] == "ok" and trimoe["status"] == "ok"
+    assert klotski["busy_gpu"] == pytest.approx(1.0) and klotski["experts_cpu"] == klotski["experts_ndp"] == 0
+    assert trimoe["moe_step_s"] < klotski["moe_step_s"] and trimoe["throughput_tok_s"] > klotski["throughput_tok_s"]
+    assert 0.0 <= trimoe["predictor_accuracy"] <= 1.0

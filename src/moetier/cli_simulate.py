@@ -20,14 +20,16 @@ from rich.table import Table
 
 from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
+from moetier.cli_simulate_tri import CpuScaleOpt, HbmOpt, NdpCountOpt, NoRefineOpt, NoRelayoutOpt
 from moetier.errors import ConfigError, TraceError
 
 _SIM = "Simulation"
 SpecOpt = Annotated[str | None, typer.Option("--spec", rich_help_panel=_SIM,
                     help="Model spec: a name in specs/, a spec .json, or a checkpoint folder "
                          "(default: the trace's).")]  # fmt: skip
-ProfileOpt = Annotated[str, typer.Option("--profile", rich_help_panel=_SIM,
-                       help="Hardware profile: a name in profiles/ or a profile .json.")]  # fmt: skip
+ProfileOpt = Annotated[str | None, typer.Option("--profile", rich_help_panel=_SIM,
+                       help="Hardware profile: a name in profiles/ or a profile .json (required by the two-domain "
+                            "schedulers; three-domain default h100-8470).")]  # fmt: skip
 TraceOpt = Annotated[Path | None, typer.Option("--trace", rich_help_panel=_SIM, help="Routing trace (.parquet).")]
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", rich_help_panel=_SIM,
                          help="Generate a synthetic trace from the spec's preset (moetier.synthetic).")]  # fmt: skip
@@ -39,7 +41,9 @@ BatchOpt = Annotated[int | None, typer.Option("--batch-size", min=1, rich_help_p
 PromptOpt = Annotated[int | None, typer.Option("--prompt-len", min=0, rich_help_panel=_SIM,
                       help="Prompt tokens per sequence (synthetic default 32; trace: its step-0 rows).")]  # fmt: skip
 SchedOpt = Annotated[str, typer.Option("--scheduler", rich_help_panel=_SIM,
-                     help="hybrimoe, ktransformers, llamacpp, gpu-lru, fiddler.")]  # fmt: skip
+                     help="Two-domain (moetier.sim): hybrimoe, ktransformers, llamacpp, gpu-lru, fiddler; "
+                          "three-domain (moetier.sim.tri, cli_simulate_tri.py): trimoe, klotski, "
+                          "ktransformers-plus, monde, gpu-ndp.")]  # fmt: skip
 PolicyOpt = Annotated[str | None, typer.Option("--cache-policy", rich_help_panel=_SIM,
                       help="lru, lfu, mrs (default: the scheduler's).")]  # fmt: skip
 RatioOpt = Annotated[float, typer.Option("--cache-ratio", rich_help_panel=_SIM,
@@ -149,7 +153,8 @@ def result_table(d: dict[str, Any], source: str) -> Table:
 
 
 def simulate_cmd(
-    profile: ProfileOpt,
+    ctx: typer.Context,
+    profile: ProfileOpt = None,
     spec: SpecOpt = None,
     trace: TraceOpt = None,
     synthetic: SyntheticOpt = False,
@@ -170,11 +175,29 @@ def simulate_cmd(
     timeline: TimelineOpt = None,
     timeline_steps: WinOpt = "1:2",
     timeline_layers: WinOpt = "0:4",
+    ndp_count: NdpCountOpt = 16,
+    cpu_tflops_scale: CpuScaleOpt = 1.0,
+    hbm_ratio: HbmOpt = 0.1,
+    no_refinement: NoRefineOpt = False,
+    no_relayout: NoRelayoutOpt = False,
     json_out: JsonOut = False,
 ) -> None:
     """Simulate a trace on a machine profile: TTFT, TBT, utilisation, hit rate, link bytes."""
     report, err = consoles(json_out)
     with user_errors():
+        from moetier import cli_simulate_tri as tri
+
+        tri.check_flags(ctx, tri.is_tri(scheduler))
+        if tri.is_tri(scheduler):  # the three-domain machine (moetier.sim.tri)
+            payload, source = tri.run_tri(
+                scheduler=scheduler, profile=profile, spec=spec, trace=trace, synthetic=synthetic, steps=steps,
+                seed=seed, batch_size=batch_size, ndp_count=ndp_count, cpu_tflops_scale=cpu_tflops_scale,
+                hbm_ratio=hbm_ratio, no_refinement=no_refinement, no_relayout=no_relayout,
+            )  # fmt: skip
+            report.print(tri.tri_table(payload, source))
+            if json_out:
+                emit_json(payload)
+            return
         from moetier.policies.costmodel import load_profile
         from moetier.sim import SimConfig, simulate
 
@@ -192,6 +215,8 @@ def simulate_cmd(
         from moetier.policies.schedulers import make_scheduler
 
         make_scheduler(scheduler)
+        if profile is None:
+            raise ConfigError(f"--profile is required with the two-domain scheduler {scheduler!r}")
         hw = load_profile(profile)
         # 2. the trace, 3. the run
         if stats != "trimoe" and not synthetic:

@@ -56,7 +56,7 @@ class Point:
 
 
 POINTS: dict[str, Point] = {}
-POINT_MODULES = ("moetier.sweep_simulate",)  # modules that register the shipped points (a new point: add it here)
+POINT_MODULES = ("moetier.sweep_simulate", "moetier.sweep_tri")  # modules registering the shipped points (add new)
 
 
 def register_point(name: str, point: Point) -> None:

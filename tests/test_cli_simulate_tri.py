@@ -1,0 +1,104 @@
+"""`moetier simulate --scheduler trimoe|klotski|ktransformers-plus|monde|gpu-ndp` (cli_simulate_tri.py): the
+three-domain branch's JSON line for each system, its flags, and one-line errors for the other simulator's flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from moetier.cli_simulate import register
+
+app = typer.Typer()
+
+
+@app.callback()
+def _root() -> None:
+    """Test app."""
+
+
+register(app)
+runner = CliRunner()
+BASE = ["simulate", "--spec", "deepseek-v2-lite", "--synthetic", "--steps", "1", "--batch-size", "16"]
+SYSTEMS = ("trimoe", "klotski", "ktransformers-plus", "monde", "gpu-ndp")
+DOMAINS = {"trimoe": {"gpu", "cpu", "ndp"}, "klotski": {"gpu"}, "ktransformers-plus": {"gpu", "cpu"},
+           "monde": {"gpu", "ndp"}, "gpu-ndp": {"gpu", "ndp"}}  # fmt: skip
+
+
+def _json(args: list[str]) -> dict[str, object]:
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1
+    out: dict[str, object] = json.loads(lines[0])
+    return out
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_json_line_for_each_system(system: str) -> None:
+    d = _json([*BASE, "--scheduler", system])
+    for key in ("moe_s", "moe_step_s", "step_s", "throughput_tok_s", "greedy_moe_s", "dense_s", "busy", "flop_util",
+                "experts", "predictor", "migration", "moves", "routed", "ndp_count", "profile", "source"):  # fmt: skip
+        assert key in d, key
+    assert d["scheduler"] == system and d["model"] == "deepseek-v2-lite" and d["steps"] == 1 and d["batch"] == 16
+    assert d["profile"] == "h100-8470" and d["ndp_count"] == 16 and d["relayout"] is True
+    busy, experts, pred, mig = d["busy"], d["experts"], d["predictor"], d["migration"]
+    assert isinstance(busy, dict) and isinstance(experts, dict) and isinstance(pred, dict) and isinstance(mig, dict)
+    assert set(busy) == {"gpu", "cpu", "ndp", "dimm"} and 0.0 <= pred["accuracy"] <= 1.0
+    assert {k for k, v in experts.items() if v > 0} <= DOMAINS[system]  # a system only uses its domains
+    assert {"prefetch", "relayout", "migrate", "link_frac"} <= set(mig)
+    assert isinstance(d["moe_s"], float) and d["moe_step_s"] == pytest.approx(d["moe_s"])  # one step
+
+
+def test_table_and_tri_flags() -> None:
+    res = runner.invoke(app, [*BASE, "--scheduler", "trimoe"])
+    assert res.exit_code == 0, res.output
+    assert "MoE time per step" in res.stdout and "predictor accuracy" in res.stdout
+    d = _json([*BASE, "--scheduler", "gpu-ndp", "--ndp-count", "8", "--cpu-tflops-scale", "2", "--hbm-ratio", "0.2",
+               "--no-refinement", "--no-relayout"])  # fmt: skip
+    assert (d["ndp_count"], d["cpu_tflops_scale"], d["hbm_ratio"]) == (8, 2.0, 0.2)
+    assert d["refinement"] is False and d["relayout"] is False and d["moves"] == 0
+    mig = d["migration"]
+    assert isinstance(mig, dict) and mig["relayout"] == mig["migrate"] == 0
+
+
+def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    two = ["simulate", "--spec", "deepseek-v2-lite", "--profile", "a6000-5220r", "--synthetic", "--steps", "1"]
+    cases = [
+        ([*BASE, "--scheduler", "trimoe", "--cache-ratio", "0.25", "--precision", "int4"],
+         "--cache-ratio, --precision cannot be used with the three-domain"),
+        ([*BASE, "--scheduler", "klotski", "--timeline", str(tmp_path / "t.png")], "--timeline cannot be used"),
+        ([*two, "--scheduler", "hybrimoe", "--ndp-count", "4", "--no-relayout"],
+         "--ndp-count, --no-relayout cannot be used with the two-domain"),
+        ([*two, "--scheduler", "gpu-lru", "--hbm-ratio", "0.1"], "--hbm-ratio cannot be used"),
+        (["simulate", "--spec", "deepseek-v2-lite", "--synthetic", "--scheduler", "hybrimoe"], "--profile is required"),
+        ([*BASE, "--scheduler", "trimoe", "--hbm-ratio", "1.5"], "hbm_ratio must be in [0, 1]"),
+        ([*BASE, "--scheduler", "monde", "--cpu-tflops-scale", "0"], "cpu_scale must be > 0"),
+        ([*BASE, "--scheduler", "trimoe", "--profile", "nope"], "unknown hardware profile"),
+        (["simulate", "--spec", "deepseek-v2-lite", "--scheduler", "trimoe"], "exactly one of"),
+        (["simulate", "--synthetic", "--scheduler", "trimoe"], "--synthetic needs --spec"),
+        (["simulate", "--scheduler", "trimoe", "--trace", str(tmp_path / "missing.parquet")], "no such file"),
+    ]  # fmt: skip
+    for args, msg in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        err = res.stderr.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, res.stderr)
+
+
+def test_trace_replays_its_decode_steps(tmp_path: Path) -> None:
+    from moetier import synthetic
+    from moetier.specs import load_spec
+
+    spec = load_spec("deepseek-v2-lite")
+    path = tmp_path / "t.parquet"
+    synthetic.save(synthetic.generate(synthetic.preset(spec, batch_size=8, seed=1), 3, prompt_len=4), path)
+    d = _json(["simulate", "--scheduler", "trimoe", "--trace", str(path), "--steps", "2"])
+    assert d["steps"] == 2 and d["batch"] == 8  # the prefill chunk (step 0) is not replayed
+    res = runner.invoke(app, ["simulate", "--scheduler", "trimoe", "--trace", str(path), "--batch-size", "4"])
+    assert res.exit_code == 2 and "--batch-size applies to --synthetic only" in res.stderr
+    res = runner.invoke(app, ["simulate", "--scheduler", "trimoe", "--trace", str(path), "--steps", "9"])
+    assert res.exit_code == 2 and "holds 3 decode steps" in res.stderr

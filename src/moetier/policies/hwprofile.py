@@ -152,7 +152,8 @@ class HardwareProfile:
 
 
 # Profile files -------------------------------------------------------------------------------------------------
-def _section(d: Any, cls: type, where: str) -> Any:
+def section_from_dict(d: Any, cls: type, where: str) -> Any:
+    """One JSON object as dataclass `cls`: unknown keys (other than source/notes) and bad fields are a ConfigError."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected an object, got {d!r}")
     allowed = {f.name for f in fields(cls)}
@@ -176,10 +177,10 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> HardwareP
         raise ConfigError(f"{where}: missing keys {missing}")
     return HardwareProfile(
         name=str(d["name"]), source=str(d.get("source", "")),
-        cpu=_section(d["cpu"], ComputeProfile, f"{where}: cpu"),
-        gpu=None if d.get("gpu") is None else _section(d["gpu"], ComputeProfile, f"{where}: gpu"),
-        pcie=None if d.get("pcie") is None else _section(d["pcie"], LinkProfile, f"{where}: pcie"),
-        disk=_section(d["disk"], LinkProfile, f"{where}: disk"),
+        cpu=section_from_dict(d["cpu"], ComputeProfile, f"{where}: cpu"),
+        gpu=None if d.get("gpu") is None else section_from_dict(d["gpu"], ComputeProfile, f"{where}: gpu"),
+        pcie=None if d.get("pcie") is None else section_from_dict(d["pcie"], LinkProfile, f"{where}: pcie"),
+        disk=section_from_dict(d["disk"], LinkProfile, f"{where}: disk"),
         cpu_threads=int(d["cpu_threads"]), host_mem_bytes=int(d["host_mem_bytes"]),
         gpu_mem_bytes=None if d.get("gpu_mem_bytes") is None else int(d["gpu_mem_bytes"]),
     )  # fmt: skip
@@ -189,17 +190,22 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json")) if PROFILES_DIR.is_dir() else []
 
 
-def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A shipped profile by name (profiles/NAME.json) or a path to a profile .json."""
+def read_profile_json(name_or_path: str | Path) -> tuple[Path, Any]:
+    """(path, parsed JSON) of a shipped profile by name (profiles/NAME.json) or of a profile .json path."""
     s = str(name_or_path)
     named = PROFILES_DIR / f"{s}.json"
     path = named if ("/" not in s and not s.endswith(".json") and named.is_file()) else Path(s)
     if not path.is_file():
         raise ConfigError(f"unknown hardware profile {s!r}; known: {', '.join(profile_names())} (or a .json path)")
     try:
-        d = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read profile {path}: {e}") from None
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A shipped profile by name (profiles/NAME.json) or a path to a profile .json."""
+    path, d = read_profile_json(name_or_path)
     if not isinstance(d, dict):
         raise ConfigError(f"profile {path}: expected a JSON object")
     return profile_from_dict(d, str(path))

@@ -26,17 +26,22 @@ Invariants: every time is finite and >= 0; more tokens never cost less; a stripe
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moetier.errors import ConfigError
-from moetier.policies.hwprofile import PROFILES_DIR, ComputeProfile, HardwareProfile, load_profile
+from moetier.policies.hwprofile import (
+    ComputeProfile,
+    HardwareProfile,
+    load_profile,
+    read_profile_json,
+    section_from_dict,
+)
 from moetier.policies.predictor import PathTimes
 from moetier.policies.schedule_trimoe import TriExpert, dram_read_s
 from moetier.specs import ModelSpec
@@ -76,26 +81,13 @@ def ndp_from_dict(d: Mapping[str, Any] | None, where: str = "ndp") -> NdpParams:
     """NdpParams from a profile's "ndp" section (None -> defaults); unknown keys are a ConfigError."""
     if d is None:
         return NdpParams()
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"{where}: expected an object, got {d!r}")
-    allowed = {f.name for f in fields(NdpParams)}
-    extra = set(d) - allowed - {"source", "notes"}
-    if extra:
-        raise ConfigError(f"{where}: unknown keys {sorted(extra)}; allowed: {sorted(allowed)}")
-    return NdpParams(**{k: v for k, v in d.items() if k in allowed})
+    params: NdpParams = section_from_dict(d, NdpParams, where)
+    return params
 
 
 def load_ndp(name_or_path: str | Path = DEFAULT_PROFILE) -> NdpParams:
     """The "ndp" section of a shipped profile (by name) or a profile .json path; Table 1 defaults without one."""
-    s = str(name_or_path)
-    named = PROFILES_DIR / f"{s}.json"
-    path = named if named.is_file() else Path(s)
-    if not path.is_file():
-        raise ConfigError(f"unknown hardware profile {s!r} (no {named.name} in profiles/, no such file)")
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read profile {path}: {e}") from None
+    path, d = read_profile_json(name_or_path)
     return ndp_from_dict(d.get("ndp") if isinstance(d, dict) else None, f"{path}: ndp")
 
 

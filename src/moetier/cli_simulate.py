@@ -91,6 +91,19 @@ def _accuracy(text: str | None) -> tuple[float, ...] | None:
         raise ConfigError(f"--prefetch-accuracy must be comma-separated numbers, got {text!r}") from None
 
 
+def source_spec(spec_name: str | None, trace: Path | None, synthetic: bool) -> Any:
+    """Checks that exactly one of --trace and --synthetic is given; the --spec a synthetic trace needs, else None."""
+    from moetier.specs import load_spec
+
+    if (trace is None) == (not synthetic):
+        raise ConfigError("give exactly one of --trace TRACE and --synthetic")
+    if not synthetic:
+        return None
+    if spec_name is None:
+        raise ConfigError("--synthetic needs --spec")
+    return load_spec(spec_name)
+
+
 def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: int | None, seed: int,
            batch: int | None, prompt: int | None, stats: str = "trimoe",
            warmup: int = 0) -> tuple[Any, list[Any], str]:  # fmt: skip
@@ -98,14 +111,11 @@ def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: in
     from moetier import traces
     from moetier.specs import load_spec, spec_from_trace_metadata
 
-    if (trace is None) == (not synthetic):
-        raise ConfigError("give exactly one of --trace TRACE and --synthetic")
-    if synthetic:
+    synthetic_spec = source_spec(spec_name, trace, synthetic)
+    if synthetic_spec is not None:
         from moetier.synthetic import generate, preset
 
-        if spec_name is None:
-            raise ConfigError("--synthetic needs --spec")
-        spec = load_spec(spec_name)
+        spec = synthetic_spec
         n = (steps or 64) + warmup
         params = preset(spec, batch_size=batch or 1, seed=seed, stats=stats)
         t = generate(params, n, prompt_len=32 if prompt is None else prompt)

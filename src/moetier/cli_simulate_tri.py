@@ -65,20 +65,14 @@ def check_flags(ctx: typer.Context, tri: bool) -> None:
 def _tri_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: Any,
                steps: int | None, batch: int | None) -> tuple[Any, list[Any], str]:  # fmt: skip
     """(spec, decode calls, source): synthetic (sim.tri.synthetic_calls) or a trace's first `steps` decode steps."""
+    from moetier.cli_simulate import _calls, source_spec
     from moetier.sim.tri import synthetic_calls
-    from moetier.specs import load_spec
 
-    if (trace is None) == (not synthetic):
-        raise ConfigError("give exactly one of --trace TRACE and --synthetic")
-    if synthetic:
-        if spec_name is None:
-            raise ConfigError("--synthetic needs --spec")
-        spec = load_spec(spec_name)
+    spec = source_spec(spec_name, trace, synthetic)
+    if spec is not None:
         return spec, synthetic_calls(spec, cfg), f"synthetic {spec.name} preset (trimoe statistics), seed {cfg.seed}"
     if batch is not None:
         raise ConfigError("--batch-size applies to --synthetic only (a trace's calls keep their own tokens)")
-    from moetier.cli_simulate import _calls
-
     spec, calls, source = _calls(spec_name, trace, False, None, 0, None, None)
     decode = [c for c in calls if c.step > 0]  # step 0 is the prefill chunk
     kept = sorted({c.step for c in decode})[: steps or None]

@@ -33,6 +33,7 @@ import moetier  # noqa: E402
 from benchmarks._models import qwen3_bench_model  # noqa: E402
 from moetier.config import Budgets, EngineConfig, RuntimeConfig  # noqa: E402
 from moetier.policies.costmodel import load_profile  # noqa: E402
+from moetier.runtime.loader import describe  # noqa: E402
 from moetier.sim import SimConfig, simulate  # noqa: E402
 from moetier.specs import load_spec  # noqa: E402
 from moetier.traces import iter_calls, load  # noqa: E402
@@ -42,9 +43,7 @@ BUNDLED = ROOT / "models" / "tiny-shakespeare-moe"
 
 def engine_run(path: Path, tokens: int, trace: Path) -> dict[str, Any]:
     """One fresh engine at a 25% host budget: decode ms/token, hit rate, host slots; records `trace`."""
-    with moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="bf16"))) as probe:
-        total = probe.info.total_expert_bytes
-    budget = total // 4
+    budget = describe(path).total_expert_bytes // 4  # the checkpoint's header, without loading the model
     cfg = EngineConfig(budgets=Budgets(host_expert_bytes=budget), runtime=RuntimeConfig(device="cpu", dtype="bf16"))
     with moetier.load(path, cfg) as engine:
         prompt = list(range(5, 5 + 32))  # token ids: the benchmark model ships no tokenizer

@@ -14,8 +14,10 @@ the future: the replayer gives it the whole access sequence up front (`cache_bel
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
+
+from numpy.typing import ArrayLike
 
 
 class CachePolicy(Protocol):
@@ -25,10 +27,10 @@ class CachePolicy(Protocol):
 
     def on_evict(self, key: Hashable) -> None: ...
 
-    def on_route(self, layer: int, scores: Sequence[float]) -> None:
-        """Router scores of one layer call: probability per expert [E], summed over the call's
-        tokens (so a prefill chunk weighs more than one decode token). Called before the call's
-        accesses."""
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
+        """Router scores of one layer call: probability per expert [E] (a list or a numpy vector),
+        summed over the call's tokens (so a prefill chunk weighs more than one decode token). Called
+        before the call's accesses."""
         ...
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:

@@ -23,6 +23,8 @@ import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 
+from numpy.typing import ArrayLike
+
 from moetier.errors import ConfigError
 from moetier.policies.cache_base import heap_victim
 
@@ -78,7 +80,7 @@ class BeladyPolicy:
     def on_evict(self, key: Hashable) -> None:
         self._next.pop(key, None)
 
-    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
         pass  # knows the future; needs no scores
 
     def _current(self, entry: tuple[int, int, Hashable]) -> bool:

@@ -19,7 +19,9 @@ is a lazy heap: O(log n) amortised per access and per eviction.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
+
+from numpy.typing import ArrayLike
 
 from moetier.policies.cache_base import heap_victim
 
@@ -60,7 +62,7 @@ class LFUPolicy:
     def on_evict(self, key: Hashable) -> None:
         self._resident.discard(key)  # its count stays
 
-    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
         pass  # frequency only
 
     def _current(self, entry: tuple[int, int, int, Hashable]) -> bool:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
+
+from numpy.typing import ArrayLike
 
 
 class LRUPolicy:
@@ -20,7 +22,7 @@ class LRUPolicy:
     def on_evict(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
-    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
         pass  # recency only
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:

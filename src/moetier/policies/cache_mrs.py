@@ -60,10 +60,11 @@ resident experts (numpy), one argmin per eviction.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
 from typing import Any, cast
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from moetier.errors import ConfigError
 from moetier.types import ExpertKey
@@ -128,7 +129,7 @@ class MRSPolicy:
         return float(self._score[row, expert])
 
     # -- protocol -----------------------------------------------------------------
-    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
         s = np.asarray(scores, dtype=np.float64)  # [E]
         if s.ndim != 1 or s.size == 0:
             raise ValueError(f"layer {layer}: router scores must be a non-empty vector [E], got shape {s.shape}")

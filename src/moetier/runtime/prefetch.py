@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from moetier.config import EngineConfig, PrefetchConfig
@@ -104,11 +105,11 @@ def make_pricing(loaded: LoadedModel, config: EngineConfig, precision: str, hybr
                    "pcie" if gpu else "disk")  # fmt: skip
 
 
-def router_probs(logits: torch.Tensor, scoring: str) -> list[float]:
-    """logits [T, E] -> router probabilities summed over tokens, as E floats."""
+def router_probs(logits: torch.Tensor, scoring: str) -> np.ndarray:
+    """logits [T, E] -> router probabilities summed over tokens, float64 [E] (what the policies compute in)."""
     x = logits.float()
     probs = torch.sigmoid(x) if scoring == "sigmoid" else torch.softmax(x, dim=-1)  # [T, E]
-    return list(probs.sum(0).tolist())
+    return probs.sum(0).cpu().double().numpy()
 
 
 class Prefetcher:

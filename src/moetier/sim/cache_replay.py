@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -173,7 +173,7 @@ def replay(
     dec_acc = dec_hit = evictions = 0
     for call, keys in zip(calls, call_keys, strict=True):
         layer = int(call.layer)
-        pol.on_route(layer, cast(Sequence[float], _call_scores(call, num_experts)))
+        pol.on_route(layer, _call_scores(call, num_experts))
         in_call = set(keys)
         n_hit = 0
         for key in [k for k in keys if k in resident] + [k for k in keys if k not in resident]:  # hits first

@@ -196,7 +196,7 @@ class _Replay:
         self._last_start = start
         # 1. route: scores to the policy, then the accesses
         counts = self.counts[idx]
-        cache.policy.on_route(layer, self.scores[idx].tolist())
+        cache.policy.on_route(layer, self.scores[idx])
         keys = [ExpertKey(layer, e) for e in counts]
         pred = self.predicted.pop(idx, None)
         if pred is not None:

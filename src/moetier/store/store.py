@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
+from numpy.typing import ArrayLike
 
 from moetier.errors import BudgetError
 from moetier.policies import LFUPolicy, LRUPolicy, make_cache_policy
@@ -137,7 +138,7 @@ class ExpertStore:
         """Whether the policies use router scores (all but the recency/frequency ones)."""
         return not isinstance(self.compute.policy, (LRUPolicy, LFUPolicy))
 
-    def on_route(self, layer: int, scores: Sequence[float]) -> None:
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
         """Router probabilities [E] of one layer call, summed over its tokens, before its accesses."""
         with self._lock:
             self.compute.policy.on_route(layer, scores)

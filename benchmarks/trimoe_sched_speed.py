@@ -89,6 +89,7 @@ def instance(rng: random.Random, stale: float) -> tuple[list[TriExpert], list[st
                 pcie_s=pcie.latency_s + W / pcie.bandwidth,
                 dram_s=dram_read_s(W, layout, HOST_BW, N_DIMMS),
                 internal_s=W / NDP_BW,
+                busy_s=(W / N_DIMMS if layout == Layout.STRIPED else W) / NDP_BW,  # sim/ndp.py "array" reading
             )
         )
     return out, cls

@@ -102,3 +102,14 @@ def test_trace_replays_its_decode_steps(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "--batch-size applies to --synthetic only" in res.stderr
     res = runner.invoke(app, ["simulate", "--scheduler", "trimoe", "--trace", str(path), "--steps", "9"])
     assert res.exit_code == 2 and "holds 3 decode steps" in res.stderr
+
+
+def test_drift_and_contention_flags() -> None:
+    base = _json([*BASE, "--scheduler", "trimoe"])
+    moved = _json([*BASE, "--scheduler", "trimoe", "--drift", "20", "--contention", "channel"])
+    assert base["drift"] is None and base["contention"] == "array"
+    assert moved["drift"] == 20.0 and moved["contention"] == "channel" and moved["moe_s"] != base["moe_s"]
+    bad = runner.invoke(app, [*BASE, "--scheduler", "trimoe", "--contention", "bus"])
+    assert bad.exit_code == 2 and "contention must be one of array, channel" in bad.output
+    two = runner.invoke(app, [*BASE, "--scheduler", "hybrimoe", "--profile", "a6000", "--drift", "1"])
+    assert two.exit_code == 2 and "--drift cannot be used with the two-domain" in two.output

@@ -1,6 +1,6 @@
 """The `moetier` command line: generate, eval, quantize, calibrate, info; and, registered from
 their own modules, profile (cli_profile.py), replay (cli_replay.py), synth (cli_synth.py) and
-simulate (cli_simulate.py).
+simulate (cli_simulate.py), report (cli_report.py; generate/eval --run-dir record its input).
 
 Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
 config dataclasses in moetier.config and the commands call the Python API
@@ -68,6 +68,9 @@ from moetier.cli_options import (
 )
 from moetier.cli_profile import register as register_profile
 from moetier.cli_replay import register as register_replay
+from moetier.cli_report import RunDirOpt, RunRecorder, run_trace
+from moetier.cli_report import register as register_report
+from moetier.cli_serve import register as register_serve
 from moetier.cli_simulate import register as register_simulate
 from moetier.cli_sweep import register as register_sweep
 from moetier.cli_synth import register as register_synth
@@ -134,6 +137,7 @@ def generate(
     prefetch_max: PrefetchMax = 4,
     scheduler: Scheduler = None,
     profile: Profile = None,
+    run_dir: RunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
@@ -146,11 +150,13 @@ def generate(
             host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
             prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
         )
-        with engine_session(model, config, trace, trace_scores, err) as engine:
+        with engine_session(model, config, run_trace(run_dir, trace), trace_scores, err) as engine:
             run_warmup(engine, warmup, err)
+            rec = RunRecorder.for_generate(run_dir, engine, model, max_new_tokens)
             stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
             try:
-                result = engine.generate(prompt, max_new_tokens, sampling, on_token=stream, stop_at_eos=not ignore_eos)
+                result = engine.generate(prompt, max_new_tokens, sampling, on_token=rec.on_token(stream),
+                                         stop_at_eos=not ignore_eos)  # fmt: skip
             finally:
                 stream.finish()  # ends the line, also before an error message
         payload = {
@@ -158,6 +164,7 @@ def generate(
             "prompt_tokens": result.prompt_tokens, "new_tokens": len(result.token_ids),
             "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s, **result.stats,
         }  # fmt: skip
+        rec.finish(payload)
         report.print(generation_report(payload))
         if json_out:
             emit_json(payload)
@@ -196,6 +203,7 @@ def eval_(
     prefetch_max: PrefetchMax = 4,
     scheduler: Scheduler = None,
     profile: Profile = None,
+    run_dir: RunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
     """Perplexity of a text file over non-overlapping windows."""
@@ -208,15 +216,15 @@ def eval_(
             prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
         )
         body = read_text(text)
-        with engine_session(model, config, trace, trace_scores, err) as engine:
+        with engine_session(model, config, run_trace(run_dir, trace), trace_scores, err) as engine:
             run_warmup(engine, warmup, err)
+            rec = RunRecorder.for_eval(run_dir, engine, model)
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()
             with progress_bar(err, transient=True) as progress:
                 task = progress.add_task(f"scoring {len(ids)} tokens", total=None)
-                result = engine.perplexity(
-                    ids, window=window, on_window=lambda done, total: progress.update(task, completed=done, total=total)
-                )
+                result = engine.perplexity(ids, window=window, on_window=rec.on_window(
+                    lambda done, total: progress.update(task, completed=done, total=total)))  # fmt: skip
             elapsed = time.perf_counter() - t0
         payload = {
             "model": str(model), "text_file": str(text), "ppl": result.ppl, "nll": result.nll,
@@ -224,6 +232,7 @@ def eval_(
             "eval_tok_s": result.tokens / elapsed if elapsed > 0 else 0.0,
             **result.stats,
         }  # fmt: skip
+        rec.finish(payload)
         if not json_out:
             report.print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens", highlight=False)
         report.print(eval_report(payload))
@@ -372,6 +381,8 @@ def _root(
 
 for _register in (register_profile, register_replay, register_synth, register_simulate, register_sweep):
     _register(app)
+register_report(app)
+register_serve(app)
 
 
 def main() -> None:

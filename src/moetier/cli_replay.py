@@ -1,8 +1,9 @@
 """`moetier replay`: hit rates of cache policies on a recorded or synthetic routing trace.
 
 Registered on the main app by cli.py (`cli_replay.register(app)`). Thin: it parses the flags,
-calls moetier.sim.cache_replay and prints a rich table (per layer, overall, decode only; one
-hit-rate column per policy) or, with --json, one JSON line.
+calls moetier.sim.cache_replay (one policy after another, a progress bar on stderr) and prints a
+rich table (per layer, overall, decode only; one hit-rate column per policy) or, with --json, one
+JSON line.
 
 Invariants (as cli.py): bad input (a missing or non-trace file, a ratio outside (0, 1], an
 unknown policy, --alpha/--top-p without mrs) is one line `error: ...` on stderr and exit 2;
@@ -17,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
+from moetier.cli_io import consoles, emit_json, progress_bar, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
 from moetier.errors import ConfigError, TraceError
 
@@ -83,14 +84,17 @@ def replay_cmd(
         if not calls:
             raise TraceError(f"{trace}: the trace holds no layer calls")
         meta = loaded.metadata
-        # 3. replay each policy
-        results = [
-            replay(
-                calls, name, cache_ratio, num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]),
-                layers=trace_layers(loaded), **(knobs if name == "mrs" else {}),
-            ).as_dict()
-            for name in policies
-        ]  # fmt: skip
+        # 3. replay each policy, under a progress bar (stderr)
+        results = []
+        with progress_bar(err, transient=True) as progress:
+            task = progress.add_task(f"replaying {len(calls)} calls", total=len(policies))
+            for name in policies:
+                progress.update(task, description=f"replaying {len(calls)} calls: {name}")
+                results.append(replay(
+                    calls, name, cache_ratio, num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]),
+                    layers=trace_layers(loaded), **(knobs if name == "mrs" else {}),
+                ).as_dict())  # fmt: skip
+                progress.advance(task)
         # 4. report
         if results[0]["scores"] == "weights":
             err.print("note: the trace has no router scores; MRS ranks by the top-k gate weights", highlight=False)

@@ -3,7 +3,8 @@ machine (moetier.sim) and report TTFT, TBT, throughput, MoE layer time, hit rate
 domain, bytes per link and prefetch statistics; optionally draw the timeline of a window.
 
 Registered on the main app by cli.py (`cli_simulate.register(app)`). Thin: flags -> SimConfig,
-trace -> calls, simulate -> a rich table or, with --json, one JSON line.
+trace -> calls, simulate -> a rich table or, with --json, one JSON line; `--run-dir DIR` also writes
+DIR/result.json and DIR/timeline.jsonl for `moetier report` (report/record.py).
 
 Invariants (as cli.py): bad input (unknown spec, profile, scheduler or policy; both or neither of
 --trace and --synthetic; a trace of another model; a ratio outside [0, 1]; more steps than the
@@ -20,8 +21,17 @@ from rich.table import Table
 
 from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
-from moetier.cli_simulate_tri import CpuScaleOpt, HbmOpt, NdpCountOpt, NoRefineOpt, NoRelayoutOpt
+from moetier.cli_simulate_tri import (
+    ContentionOpt,
+    CpuScaleOpt,
+    DriftOpt,
+    HbmOpt,
+    NdpCountOpt,
+    NoRefineOpt,
+    NoRelayoutOpt,
+)
 from moetier.errors import ConfigError, TraceError
+from moetier.report.record import SimRunDirOpt, write_simulation
 
 _SIM = "Simulation"
 SpecOpt = Annotated[str | None, typer.Option("--spec", rich_help_panel=_SIM,
@@ -190,6 +200,9 @@ def simulate_cmd(
     hbm_ratio: HbmOpt = 0.1,
     no_refinement: NoRefineOpt = False,
     no_relayout: NoRelayoutOpt = False,
+    drift: DriftOpt = None,
+    contention: ContentionOpt = None,
+    run_dir: SimRunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
     """Simulate a trace on a machine profile: TTFT, TBT, utilisation, hit rate, link bytes."""
@@ -202,9 +215,11 @@ def simulate_cmd(
             payload, source = tri.run_tri(
                 scheduler=scheduler, profile=profile, spec=spec, trace=trace, synthetic=synthetic, steps=steps,
                 seed=seed, batch_size=batch_size, ndp_count=ndp_count, cpu_tflops_scale=cpu_tflops_scale,
-                hbm_ratio=hbm_ratio, no_refinement=no_refinement, no_relayout=no_relayout,
+                hbm_ratio=hbm_ratio, no_refinement=no_refinement, no_relayout=no_relayout, drift=drift,
+                contention=contention,
             )  # fmt: skip
             report.print(tri.tri_table(payload, source))
+            write_simulation(run_dir, payload, source, trace)
             if json_out:
                 emit_json(payload)
             return
@@ -241,6 +256,7 @@ def simulate_cmd(
             payload["timeline"] = str(timeline)
             err.print(f"timeline written to {timeline}", highlight=False)
         report.print(result_table(payload, source))
+        write_simulation(run_dir, payload, source, trace, result.timeline)
         if json_out:
             emit_json({**payload, "source": source})
 

@@ -33,10 +33,14 @@ NoRefineOpt = Annotated[bool, typer.Option("--no-refinement", rich_help_panel=_T
                         help="Skip the bottleneck-aware refinement (greedy start only; trimoe, gpu-ndp).")]  # fmt: skip
 NoRelayoutOpt = Annotated[bool, typer.Option("--no-relayout", rich_help_panel=_TRI,
                           help="No relayout / cold rebalancing over the DIMM-Link (trimoe, gpu-ndp).")]  # fmt: skip
+DriftOpt = Annotated[float | None, typer.Option("--drift", min=0.0, rich_help_panel=_TRI,
+                     help="Synthetic trace: popularity rank swaps per layer per step (preset: 0.02).")]  # fmt: skip
+ContentionOpt = Annotated[str | None, typer.Option("--contention", rich_help_panel=_TRI,
+                          help="Eq. 6 contention reading: array (default) or channel (docs/trimoe.md).")]  # fmt: skip
 
 # Parameters (simulate_cmd's names) that only one simulator uses; --spec, --trace, --synthetic, --steps,
 # --seed, --batch-size, --profile and --json are shared.
-TRI_ONLY = ("ndp_count", "cpu_tflops_scale", "hbm_ratio", "no_refinement", "no_relayout")
+TRI_ONLY = ("ndp_count", "cpu_tflops_scale", "hbm_ratio", "no_refinement", "no_relayout", "drift", "contention")
 TWO_ONLY = (
     "prompt_len", "cache_policy", "cache_ratio", "prefetch", "prefetch_depth", "prefetch_accuracy", "precision",
     "stats", "warmup_steps", "prefill_admit", "timeline", "timeline_steps", "timeline_layers",
@@ -112,7 +116,8 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
 def run_tri(
     *, scheduler: str, profile: str | None, spec: str | None, trace: Path | None, synthetic: bool,
     steps: int | None, seed: int, batch_size: int | None, ndp_count: int, cpu_tflops_scale: float,
-    hbm_ratio: float, no_refinement: bool, no_relayout: bool,
+    hbm_ratio: float, no_refinement: bool, no_relayout: bool, drift: float | None = None,
+    contention: str | None = None,
 ) -> tuple[dict[str, Any], str]:  # fmt: skip
     """Flags -> (the JSON payload, the source line) of one three-domain simulation."""
     from moetier.sim.ndp import load_ndp
@@ -122,15 +127,19 @@ def run_tri(
     cfg = TriSimConfig(
         scheduler=scheduler, n_dimms=ndp_count, cpu_scale=cpu_tflops_scale, hbm_ratio=hbm_ratio,
         batch_size=batch_size or base.batch_size, steps=steps or base.steps, seed=seed,
-        refinement=not no_refinement, relayout=not no_relayout, profile=profile or base.profile,
+        refinement=not no_refinement, relayout=not no_relayout, profile=profile or base.profile, drift=drift,
+        contention=contention,
     )  # fmt: skip
+    if drift is not None and not synthetic:
+        raise ConfigError("--drift applies to --synthetic traces only")
     load_ndp(cfg.profile)  # an unknown profile fails before any trace work
     model, calls, source = _tri_calls(spec, trace, synthetic, cfg, steps, batch_size)
     result = simulate_tri(model, calls, cfg)
     payload = asdict(result)
     payload.update(moe_step_s=result.moe_s / result.steps, profile=cfg.profile, ndp_count=cfg.n_dimms,
                    cpu_tflops_scale=cfg.cpu_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
-                   relayout=cfg.relayout, seed=cfg.seed, source=source)  # fmt: skip
+                   relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift,
+                   contention=cfg.contention or "array")  # fmt: skip
     return payload, source
 
 

@@ -5,17 +5,20 @@ GRID.toml::
 
     point = "simulate"          # a name in POINTS (default "simulate")
     metrics = ["tbt_s"]         # result columns plotted (default: the point's first column)
+    figures = "trimoe"          # optional: a study's own figures (sweep_figures.FIGURES), drawn after the plots
     [params]                    # fixed values, one per parameter
     profile = "a6000-5220r"
     [grid]                      # lists; the sweep is their cartesian product, first key outermost
     models = ["deepseek-v2-lite", "qwen2-57b-a14b"]
     cache_ratios = [0.25, 0.5]
 
-A key names a parameter of the point, or its plural (models -> model, batch_sizes -> batch_size,
-cache_policies -> cache_policy). The output folder holds `points.jsonl` (one JSON record per finished
-point, appended and flushed as it finishes, keyed by a stable hash of the point name and the parameters
-the grid gives it), `results.parquet` (one row per point: its parameters, status, error, seconds, then
-the result columns; sweep_results.py) and the plots (sweep_plot.py). Points run through sweep_exec.py.
+`[[grid]]` tables instead of one `[grid]` give several products (each may have `name = "..."`); the sweep
+runs their union, once per distinct point. A key names a parameter of the point, or its plural
+(models -> model, batch_sizes -> batch_size, cache_policies -> cache_policy). The output folder holds
+`points.jsonl` (one JSON record per finished point, appended and flushed as it finishes, keyed by a stable
+hash of the point name and the parameters the grid gives it), `results.parquet` (one row per point: its
+parameters, status, error, seconds, then the result columns; sweep_results.py) and the plots
+(sweep_plot.py). Points run through sweep_exec.py.
 
 Invariants: no torch here (points import what they need inside); a grid is checked whole (keys, value
 types, each point's own check) before any point runs, and an unknown key is one ConfigError naming it;
@@ -76,24 +79,53 @@ def get_point(name: str) -> Point:
 
 
 # Grid files ----------------------------------------------------------------------------------------------------
+Axes = tuple[tuple[str, tuple[Scalar, ...]], ...]  # parameter -> values, file order (first outermost)
+
+
 @dataclass(frozen=True)
-class Grid:
-    point: str
-    axes: tuple[tuple[str, tuple[Scalar, ...]], ...]  # parameter -> values, file order (first outermost)
-    fixed: tuple[tuple[str, Scalar], ...]  # [params]
-    metrics: tuple[str, ...]
-    source: str = ""
+class Block:
+    """One cartesian product of a grid file: `[grid]`, or one `[[grid]]` table (with an optional name)."""
+
+    name: str
+    axes: Axes
 
     @property
     def varying(self) -> tuple[str, ...]:
-        """Axes with more than one value, in file order."""
+        return tuple(name for name, values in self.axes if len(values) > 1)
+
+    def given(self, fixed: Mapping[str, Any]) -> list[dict[str, Any]]:
+        names = [name for name, _ in self.axes]
+        combos = itertools.product(*(values for _, values in self.axes))
+        return [{**fixed, **dict(zip(names, combo, strict=True))} for combo in combos]
+
+
+@dataclass(frozen=True)
+class Grid:
+    point: str
+    blocks: tuple[Block, ...]  # one per [grid] / [[grid]] table, file order
+    fixed: tuple[tuple[str, Scalar], ...]  # [params]
+    metrics: tuple[str, ...]
+    source: str = ""
+    figures: str = ""  # a name in sweep_figures.FIGURES drawn after the generic plots ("" = none)
+
+    @property
+    def axes(self) -> Axes:
+        """Every block's axes merged: parameter -> its values over all blocks (first seen order)."""
+        merged: dict[str, list[Scalar]] = {}
+        for b in self.blocks:
+            for name, values in b.axes:
+                merged.setdefault(name, []).extend(v for v in values if v not in merged.get(name, []))
+        return tuple((n, _homogeneous(v)) for n, v in merged.items())
+
+    @property
+    def varying(self) -> tuple[str, ...]:
+        """Axes with more than one value (over all blocks), in file order."""
         return tuple(name for name, values in self.axes if len(values) > 1)
 
     def given(self) -> list[dict[str, Any]]:
-        """Every point's given parameters ([params] + one value per axis), in grid order."""
-        names = [name for name, _ in self.axes]
-        combos = itertools.product(*(values for _, values in self.axes))
-        return [{**dict(self.fixed), **dict(zip(names, combo, strict=True))} for combo in combos]
+        """Every point's given parameters ([params] + one value per axis of its block), blocks in file order
+        (a point in two blocks appears twice; callers dedupe by point_key)."""
+        return [g for b in self.blocks for g in b.given(dict(self.fixed))]
 
     def full(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The point function's argument: its defaults overlaid with the given parameters."""
@@ -138,53 +170,92 @@ def _homogeneous(values: list[Scalar]) -> tuple[Scalar, ...]:
     return tuple(values)
 
 
+def _axes(raw: Mapping[str, Any], where_table: str, source: str, name: str, pt: Point, known: list[str],
+          seen: Mapping[str, str]) -> Axes:  # fmt: skip
+    """The axes of one [grid] table; ConfigError naming the key on any problem."""
+    axes: list[tuple[str, tuple[Scalar, ...]]] = []
+    mine: dict[str, str] = {}
+    for key, value in raw.items():
+        param = _param_name(key, known)
+        assert param is not None
+        if param in pt.refused:
+            raise ConfigError(
+                f"{source}: [{where_table}] {key}: point {name!r} cannot use {param}: {pt.refused[param]}"
+            )
+        if param in seen or param in mine:
+            raise ConfigError(f"{source}: {param} is given twice ({seen.get(param) or mine[param]} and "
+                              f"[{where_table}] {key})")  # fmt: skip
+        mine[param] = f"[{where_table}] {key}"
+        where, default = f"{source}: [{where_table}] {key}", pt.params[param]
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{where}: expected a non-empty list of values, got {value!r}")
+        if len(set(map(repr, value))) != len(value):
+            raise ConfigError(f"{where}: repeated values in {value!r}")
+        axes.append((param, _homogeneous([_scalar(v, where, default) for v in value])))
+    return tuple(axes)
+
+
 def parse_grid(data: Mapping[str, Any], source: str = "grid") -> Grid:
-    """A Grid from a parsed GRID.toml; ConfigError naming the file and key on any problem."""
-    extra = sorted(set(data) - {"point", "metrics", "params", "grid"})
+    """A Grid from a parsed GRID.toml; ConfigError naming the file and key on any problem. `[grid]` is one
+    table, or `[[grid]]` several (each a cartesian product, optionally `name = "..."`; the sweep runs their union)."""
+    # 1. Top level
+    extra = sorted(set(data) - {"point", "metrics", "params", "grid", "figures"})
     if extra:
-        raise ConfigError(f"{source}: unknown top-level keys {extra}; allowed: point, metrics, [params], [grid]")
+        raise ConfigError(f"{source}: unknown top-level keys {extra}; allowed: point, metrics, figures, [params], "
+                          f"[grid] or [[grid]]")  # fmt: skip
     name = data.get("point", "simulate")
     if not isinstance(name, str):
         raise ConfigError(f"{source}: point must be a string, got {name!r}")
     pt = get_point(name)
     fixed_raw, grid_raw = data.get("params", {}), data.get("grid", {})
-    if not isinstance(fixed_raw, dict) or not isinstance(grid_raw, dict):
-        raise ConfigError(f"{source}: [params] and [grid] must be tables")
+    tables = grid_raw if isinstance(grid_raw, list) else [grid_raw]
+    if not isinstance(fixed_raw, dict) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{source}: [params] must be a table and [grid] a table or a non-empty [[grid]] list")
+    # 2. Keys: every one names a parameter (or its plural)
     known = [*pt.params, *pt.refused]
-    unknown = sorted(k for k in [*fixed_raw, *grid_raw] if _param_name(k, known) is None)
+    keys = [*fixed_raw, *(k for t in tables for k in t if k != "name")]
+    unknown = sorted({k for k in keys if _param_name(k, known) is None})
     if unknown:
         raise ConfigError(f"{source}: point {name!r} has no parameter(s) {unknown}; it takes: "
                           f"{', '.join(sorted(pt.params))} (grid keys may be plural)")  # fmt: skip
+    # 3. [params], then each block's axes
     seen: dict[str, str] = {}
     fixed: list[tuple[str, Scalar]] = []
-    axes: list[tuple[str, tuple[Scalar, ...]]] = []
-    for table, raw in (("params", fixed_raw), ("grid", grid_raw)):
-        for key, value in raw.items():
-            param = _param_name(key, known)
-            assert param is not None
-            if param in pt.refused:
-                raise ConfigError(f"{source}: [{table}] {key}: point {name!r} cannot use {param}: {pt.refused[param]}")
-            if param in seen:
-                raise ConfigError(f"{source}: {param} is given twice ({seen[param]} and [{table}] {key})")
-            seen[param] = f"[{table}] {key}"
-            where, default = f"{source}: [{table}] {key}", pt.params[param]
-            if table == "params":
-                fixed.append((param, _scalar(value, where, default)))
-                continue
-            if not isinstance(value, list) or not value:
-                raise ConfigError(f"{where}: expected a non-empty list of values, got {value!r}")
-            if len(set(map(repr, value))) != len(value):
-                raise ConfigError(f"{where}: repeated values in {value!r}")
-            axes.append((param, _homogeneous([_scalar(v, where, default) for v in value])))
-    missing = sorted(p for p, d in pt.params.items() if d is REQUIRED and p not in seen)
+    for key, value in fixed_raw.items():
+        param = _param_name(key, known)
+        assert param is not None
+        if param in pt.refused:
+            raise ConfigError(f"{source}: [params] {key}: point {name!r} cannot use {param}: {pt.refused[param]}")
+        if param in seen:
+            raise ConfigError(f"{source}: {param} is given twice ({seen[param]} and [params] {key})")
+        seen[param] = f"[params] {key}"
+        fixed.append((param, _scalar(value, f"{source}: [params] {key}", pt.params[param])))
+    blocks: list[Block] = []
+    for i, t in enumerate(tables):
+        label = t.get("name", f"grid{i}" if len(tables) > 1 else "")
+        if not isinstance(label, str) or label in {b.name for b in blocks}:
+            raise ConfigError(f"{source}: [[grid]] name must be a unique string, got {label!r}")
+        where = "grid" if len(tables) == 1 else f"grid {label}"
+        blocks.append(Block(label, _axes({k: v for k, v in t.items() if k != "name"}, where, source, name, pt,
+                                         known, seen)))  # fmt: skip
+    missing = sorted({p for b in blocks for p, d in pt.params.items()
+                      if d is REQUIRED and p not in seen and p not in dict(b.axes)})  # fmt: skip
     if missing:
-        raise ConfigError(f"{source}: point {name!r} needs {missing} in [params] or [grid]")
+        raise ConfigError(f"{source}: point {name!r} needs {missing} in [params] or in every [grid]")
+    # 4. Metrics, figures, each point's own check
     metrics = data.get("metrics", list(pt.columns[:1]))
     if isinstance(metrics, str):
         metrics = [metrics]
     if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
         raise ConfigError(f"{source}: metrics must be a list of column names, got {metrics!r}")
-    grid = Grid(name, tuple(axes), tuple(fixed), tuple(metrics), source)
+    figures = data.get("figures", "")
+    if not isinstance(figures, str):
+        raise ConfigError(f"{source}: figures must be a string, got {figures!r}")
+    if figures:
+        from moetier.sweep_figures import get_figures
+
+        get_figures(figures)
+    grid = Grid(name, tuple(blocks), tuple(fixed), tuple(metrics), source, figures)
     check_metrics(grid, grid.metrics)
     if pt.check is not None:
         for given in grid.given():
@@ -302,6 +373,10 @@ def run_sweep(
         write_results(rows, grid, out / RESULTS)
 
     plots = tuple(p for m in plot_metrics for p in plot_results(rows, grid, m, out))
+    if grid.figures:
+        from moetier.sweep_figures import get_figures
+
+        plots += tuple(get_figures(grid.figures)(rows, out))
     if counts["lost"]:
         raise MoetierError(f"{counts['lost']} point(s) lost to a failed worker (not recorded); "
                            f"re-run the same command to retry them")  # fmt: skip
@@ -313,6 +388,6 @@ def run_sweep(
 
 
 __all__ = [
-    "POINTS", "POINT_MODULES", "REQUIRED", "Grid", "Point", "SweepReport", "get_point", "load_grid", "parse_grid",
-    "point_key", "register_point", "run_sweep",
+    "POINTS", "POINT_MODULES", "REQUIRED", "Block", "Grid", "Point", "SweepReport", "get_point", "load_grid",
+    "parse_grid", "point_key", "register_point", "run_sweep",
 ]  # fmt: skip

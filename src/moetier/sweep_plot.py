@@ -1,6 +1,7 @@
 """Plots of a sweep (sweep.py): for each model, one metric against the grid's first varying parameter
 other than model and scheduler, one line per scheduler; OUT/METRIC_MODEL.png (OUT/METRIC.png without a
-model parameter). Without such a parameter the plot is one bar per scheduler.
+model parameter). Without such a parameter the plot is one bar per scheduler. A grid of several [[grid]]
+blocks gets one set per block, named BLOCK_METRIC_MODEL.png.
 
 Invariants: matplotlib with the Agg backend only; only rows with status "ok" and a numeric metric are
 drawn; a metric is averaged over the other varying parameters (seeds, ...), and the title says which;
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from moetier.sweep import Grid
+from moetier.sweep import Grid, point_key
 
 SPLIT = ("model", "scheduler")  # one figure per model, one line per scheduler
 
@@ -33,8 +35,16 @@ def _values(grid: Grid, name: str) -> tuple[Any, ...]:
     return axes[name] if name in axes else ((fixed[name],) if name in fixed else (None,))
 
 
-def plot_results(rows: Sequence[dict[str, Any]], grid: Grid, metric: str, out: Path) -> list[Path]:
-    """Write the metric's plots for `rows` (sweep_results.result_rows) to `out`; returns the files."""
+def plot_results(rows: Sequence[dict[str, Any]], grid: Grid, metric: str, out: Path, prefix: str = "") -> list[Path]:
+    """Write the metric's plots for `rows` (sweep_results.result_rows) to `out`, file names starting with
+    `prefix`; returns the files. A grid of several blocks: one set of plots per block (prefix: its name)."""
+    if len(grid.blocks) > 1:
+        paths = []
+        for b in grid.blocks:
+            keys = {point_key(grid.point, g) for g in b.given(dict(grid.fixed))}
+            sub = [r for r in rows if r.get("point_key") in keys]
+            paths += plot_results(sub, replace(grid, blocks=(b,)), metric, out, f"{prefix}{_slug(b.name)}_")
+        return paths
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +87,8 @@ def plot_results(rows: Sequence[dict[str, Any]], grid: Grid, metric: str, out: P
         ax.set_title(title + (f" (mean over {', '.join(averaged)})" if averaged else ""), fontsize="medium")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out / (f"{_slug(metric)}_{_slug(str(model))}.png" if model is not None else f"{_slug(metric)}.png")
+        stem = f"{_slug(metric)}_{_slug(str(model))}" if model is not None else _slug(metric)
+        path = out / f"{prefix}{stem}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

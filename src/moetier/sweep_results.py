@@ -20,19 +20,25 @@ FIXED_COLUMNS = ("status", "error", "seconds")
 
 
 def result_rows(grid: Grid, records: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One dict per recorded point of `grid`, in grid order: point_key, parameters, status, error, seconds,
-    then result columns (a result column named like a parameter becomes NAME_result)."""
+    """One dict per recorded point of `grid`, in grid order: point_key, its block's name (grids with several
+    [[grid]] blocks; a point in two blocks is listed once, under the first), parameters, status, error,
+    seconds, then result columns (a result column named like a parameter becomes NAME_result)."""
     rows, seen = [], set()
-    for given in grid.given():
-        key = point_key(grid.point, given)
-        rec = records.get(key)
-        if rec is None or key in seen:
-            continue
-        seen.add(key)
-        row: dict[str, Any] = {"point_key": key, **given, **{c: rec.get(c) for c in FIXED_COLUMNS}}
-        for col, value in (rec.get("result") or {}).items():
-            row[f"{col}_result" if col in row else col] = value
-        rows.append(row)
+    names = [n for n, _ in grid.axes]
+    for block in grid.blocks:
+        for given in block.given(dict(grid.fixed)):
+            key = point_key(grid.point, given)
+            rec = records.get(key)
+            if rec is None or key in seen:
+                continue
+            seen.add(key)
+            full = grid.full(given)  # a parameter another block varies takes its value here (its default)
+            row: dict[str, Any] = {"point_key": key, **({"block": block.name} if len(grid.blocks) > 1 else {}),
+                                   **{n: full[n] for n in names}, **given,
+                                   **{c: rec.get(c) for c in FIXED_COLUMNS}}  # fmt: skip
+            for col, value in (rec.get("result") or {}).items():
+                row[f"{col}_result" if col in row else col] = value
+            rows.append(row)
     return rows
 
 
@@ -50,7 +56,8 @@ def write_results(rows: list[dict[str, Any]], grid: Grid, path: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    params = ["point_key", *(n for n, _ in grid.fixed), *(n for n, _ in grid.axes)]
+    params = ["point_key", *(["block"] if len(grid.blocks) > 1 else []), *(n for n, _ in grid.fixed),
+              *(n for n, _ in grid.axes)]
     names = list(dict.fromkeys([*params, *FIXED_COLUMNS, *(c for r in rows for c in r)]))
     typed = {"point_key": pa.string(), "status": pa.string(), "error": pa.string(), "seconds": pa.float64()}
     arrays = [pa.array([r.get(n) for r in rows], typed[n]) if n in typed else _column([r.get(n) for r in rows])

@@ -5,7 +5,9 @@ flat result columns.
 Parameters (grid keys may be plural): model (required), scheduler (trimoe, klotski, ktransformers-plus, monde,
 gpu-ndp), batch_size, steps, seed, ndp_count (NDP DIMMs), cpu_tflops_scale (AMX CPU TFLOPS relative to the
 profile's, paper 5.4.2), hbm_ratio (fraction of each layer's routed experts HBM holds), refinement, relayout,
-profile (default h100-8470, TriMoE's Table 1 machine) and context (KV tokens per sequence). The two-domain
+profile (default h100-8470, TriMoE's Table 1 machine), context (KV tokens per sequence), drift (popularity
+rank swaps per layer per step of the synthetic trace; default: the preset's) and contention (eq. 6 reading,
+"array" or "channel"; default: the profile's). The two-domain
 point's parameters are refused with the reason (cache_ratio: use hbm_ratio; cpu_tflops: use cpu_tflops_scale).
 
 Invariants: registered in sweep.POINTS as "tri" on import; a point is a pure function of its parameters (the
@@ -23,7 +25,7 @@ from moetier.sweep import REQUIRED, Point, register_point
 DEFAULTS: dict[str, Any] = {
     "model": REQUIRED, "scheduler": "trimoe", "batch_size": 512, "steps": 8, "seed": 0, "ndp_count": 16,
     "cpu_tflops_scale": 1.0, "hbm_ratio": 0.1, "refinement": True, "relayout": True, "profile": "h100-8470",
-    "context": 1024,
+    "context": 1024, "drift": None, "contention": None,
 }  # fmt: skip
 _TWO = "is a parameter of the two-domain simulate point; the three-domain machine does not use it"
 REFUSED = {
@@ -39,6 +41,7 @@ MIGRATION_TIMES = ("pcie_s", "dimm_link_s", "pcie_bytes", "dimm_link_bytes", "wi
 COLUMNS = (
     "moe_step_s", "step_s", "throughput_tok_s", "moe_s", "greedy_moe_s", "dense_s", "batch", "calls", "routed",
     "moves", *(f"busy_{d}" for d in (*DOMAINS, "dimm")), *(f"flop_util_{d}" for d in DOMAINS),
+    *(f"compute_{d}" for d in DOMAINS),
     *(f"experts_{d}" for d in DOMAINS), *(f"predictor_{k}" for k in PREDICTOR),
     *(f"migration_{k}" for k in (*MIGRATION_COUNTS, *MIGRATION_TIMES)),
 )  # fmt: skip
@@ -57,8 +60,15 @@ def _config(p: dict[str, Any]) -> Any:
     scale = p["cpu_tflops_scale"]
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise ConfigError(f"cpu_tflops_scale must be a number > 0, got {scale!r}")
+    drift = p["drift"]
+    if drift is not None and (isinstance(drift, bool) or not isinstance(drift, int | float)):
+        raise ConfigError(f"drift must be a number >= 0 (rank swaps per layer per step), got {drift!r}")
+    contention = p["contention"]
+    if contention is not None and not isinstance(contention, str):
+        raise ConfigError(f"contention must be a string (array or channel), got {contention!r}")
     return TriSimConfig(
-        scheduler=str(p["scheduler"]), n_dimms=p["ndp_count"], cpu_scale=float(scale), hbm_ratio=p["hbm_ratio"],
+        drift=None if drift is None else float(drift), contention=contention, scheduler=str(p["scheduler"]),
+        n_dimms=p["ndp_count"], cpu_scale=float(scale), hbm_ratio=p["hbm_ratio"],
         batch_size=p["batch_size"], steps=p["steps"], seed=p["seed"], refinement=p["refinement"],
         relayout=p["relayout"], context=p["context"], profile=str(p["profile"]),
     )  # fmt: skip
@@ -89,6 +99,7 @@ def tri_point(p: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
     out.update({f"busy_{d}": float(r.busy[d]) for d in (*DOMAINS, "dimm")})
     out.update({f"flop_util_{d}": float(r.flop_util[d]) for d in DOMAINS})
+    out.update({f"compute_{d}": float(r.compute[d]) for d in DOMAINS})
     out.update({f"experts_{d}": int(r.experts[d]) for d in DOMAINS})
     out.update({f"predictor_{k}": float(r.predictor[k]) for k in PREDICTOR})
     out.update({f"migration_{k}": int(r.migration[k]) for k in MIGRATION_COUNTS})

@@ -19,9 +19,10 @@ Totals (eq. 5-7), `domain_totals`:
 T_contention^d, our reading of eq. 6 ("the accumulated DRAM access latency caused by striped or localized
 weight reads from the host processors targeting DIMM d"): every expert that a host processor reads from
 DRAM (each expert on the CPU, and each non-resident expert on the GPU) keeps every DIMM it touches busy
-for its T_DRAM: a striped expert touches all D DIMMs (a 1/D stripe at the DIMM's 1/D share of B takes
-W / B = T_DRAM), a localised one only its home DIMM (W at B / D = T_DRAM). A resident GPU expert and an
-NDP expert add nothing (NDP reads go through the internal bandwidth, already in eq. 4).
+for its `busy_s` (a striped expert touches all D DIMMs, a localised one only its home DIMM). The caller
+prices busy_s (sim/ndp.py: the DRAM-array time of the bytes read from that DIMM, or, in its "channel"
+mode, the whole channel transfer); left None it is T_DRAM, the "channel" reading. A resident GPU expert and
+an NDP expert add nothing (NDP reads go through the internal bandwidth, already in eq. 4).
 
 Phase 1, greedy start (paper: "estimate the execution cost of any expert E_i on all possible paths and
 select the most suitable one"): each expert to its cheapest allowed, feasible domain by eq. 1-4 alone;
@@ -86,6 +87,7 @@ class TriExpert:
     pcie_s: float  # T_PCIe: its weights host -> GPU
     dram_s: float  # T_DRAM(W_i, M_i): host read of its weights under its layout (dram_read_s)
     internal_s: float  # T_Internal(W_i): its weights at its DIMM's internal bandwidth
+    busy_s: float | None = None  # eq. 6: how long a host read of it keeps each DIMM it touches busy; None: dram_s
 
     def __post_init__(self) -> None:
         k = tuple(self.key)
@@ -101,7 +103,9 @@ class TriExpert:
             raise ValueError(f"TriExpert {k}: a striped expert has no home DIMM (dimm must be -1), got {self.dimm}")
         if self.layout == Layout.LOCALISED and self.dimm < 0:
             raise ValueError(f"TriExpert {k}: a localised expert needs a home DIMM >= 0, got {self.dimm}")
-        for name in ("gpu_calc_s", "cpu_calc_s", "ndp_calc_s", "pcie_s", "dram_s", "internal_s"):
+        for name in ("gpu_calc_s", "cpu_calc_s", "ndp_calc_s", "pcie_s", "dram_s", "internal_s", "busy_s"):
+            if name == "busy_s" and self.busy_s is None:
+                continue
             if not _time(getattr(self, name)):
                 raise ValueError(f"TriExpert {k}: {name} must be finite and >= 0, got {getattr(self, name)!r}")
 
@@ -179,7 +183,7 @@ def _prices(experts: Sequence[TriExpert], n_dimms: int, use: tuple[bool, bool, b
         g.append((e.gpu_calc_s if e.resident else max(e.gpu_calc_s, e.pcie_s, d)) if use[0] else INF)
         c.append(max(e.cpu_calc_s, d) if use[1] else INF)
         nd.append(max(e.ndp_calc_s, e.internal_s) if use[2] and e.dimm >= 0 else INF)
-        rd.append(d)
+        rd.append(d if e.busy_s is None else e.busy_s)
         home.append(e.dimm)
         res.append(e.resident)
     return g, c, nd, rd, home, res

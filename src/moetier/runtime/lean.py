@@ -115,32 +115,27 @@ class LeanDecoder:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """ids [1, T] appended at the cache position -> logits [T, V] (all) or [1, V] (last)."""
+        out = self.run(ids, self.pos, self.k_cache, self.v_cache, all_logits)
+        self.pos += ids.shape[1]
+        return out
+
+    def run(
+        self, ids: torch.Tensor, p0: int, k_cache: torch.Tensor, v_cache: torch.Tensor, all_logits: bool = False
+    ) -> torch.Tensor:
+        """ids [1, T] written at position p0 of the given cache ([L, nkv, max_len, hd] each; the decoder's
+        own or a batch slot's, runtime/batch.py) -> logits [T, V] (all) or [1, V] (last)."""
         T = ids.shape[1]
-        p0 = self.pos
         if p0 + T > self.max_len:
-            raise ConfigError(
-                f"sequence of {p0 + T} tokens exceeds the KV cache of {self.max_len} (raise max_seq_len)"
-            )
-        nh, nkv, hd = self.nh, self.nkv, self.hd
+            raise ConfigError(f"sequence of {p0 + T} tokens exceeds the KV cache of {self.max_len} (raise max_seq_len)")
+        nh, hd = self.nh, self.hd
         cos, sin = self.cos[p0 : p0 + T, None], self.sin[p0 : p0 + T, None]  # [T, 1, hd]
         mask = None
         if T > 1 and p0 > 0:  # chunk after a prefix: causal within the chunk, all of the prefix
             mask = torch.ones(T, p0 + T, dtype=torch.bool, device=self.device).tril(p0)
         x = F.embedding(ids[0], self.embed)  # [T, H]
         for i, L in enumerate(self.layers):
-            h = self._norm(x, L.in_norm)
-            qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            if L.q_norm is not None and L.k_norm is not None and not self.per_head_norm:
-                q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)  # OLMoE: whole projection
-            if self.clip is not None:  # OLMoE: clamp after the norm, v too
-                q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-            q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
-            if L.q_norm is not None and L.k_norm is not None and self.per_head_norm:
-                q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
-            q = q * cos + _rotate_half(q) * sin  # [T, nh, hd]
-            k = k * cos + _rotate_half(k) * sin  # [T, nkv, hd]
-            kc, vc = self.k_cache[i], self.v_cache[i]  # [nkv, max_len, hd]
+            q, k, v = self.qkv(L, self._norm(x, L.in_norm), cos, sin)  # [T, nh, hd], [T, nkv, hd] x2
+            kc, vc = k_cache[i], v_cache[i]  # [nkv, max_len, hd]
             kc[:, p0 : p0 + T] = k.transpose(0, 1)
             vc[:, p0 : p0 + T] = v.transpose(0, 1)
             att = F.scaled_dot_product_attention(
@@ -149,15 +144,40 @@ class LeanDecoder:
                 vc[None, :, : p0 + T],
                 attn_mask=mask,
                 is_causal=T > 1 and p0 == 0,
-                enable_gqa=nh != nkv,
+                enable_gqa=nh != self.nkv,
             )  # [1, nh, T, hd]
-            x = x + F.linear(att[0].transpose(0, 1).reshape(T, nh * hd), L.wo, L.bo)
-            h = self._norm(x, L.post_norm)
-            y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
-            x = x + (y[0] if isinstance(y, tuple) else y)[0]
-        self.pos = p0 + T
-        x = self._norm(x if all_logits else x[-1:], self.final_norm)
-        return F.linear(x, self.lm_head)  # [T or 1, V]
+            x = self.finish_layer(L, x, att[0].transpose(0, 1).reshape(T, nh * hd))
+        return self.head(x if all_logits else x[-1:])
+
+    def qkv(
+        self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed rows h [T, H], rotary cos/sin [T, 1, hd] -> q [T, nh, hd], k and v [T, nkv, hd]."""
+        T, nh, nkv, hd = h.shape[0], self.nh, self.nkv, self.hd
+        qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        if L.q_norm is not None and L.k_norm is not None and not self.per_head_norm:
+            q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)  # OLMoE: whole projection
+        if self.clip is not None:  # OLMoE: clamp after the norm, v too
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+        if L.q_norm is not None and L.k_norm is not None and self.per_head_norm:
+            q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
+        q = q * cos + _rotate_half(q) * sin  # [T, nh, hd]
+        k = k * cos + _rotate_half(k) * sin  # [T, nkv, hd]
+        return q, k, v
+
+    def finish_layer(self, L: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual x [T, H] + output projection of att [T, nh * hd], then the MLP/MoE on all T rows at
+        once ([1, T, H]: rows are independent, so T may be T tokens of one sequence or one of T sequences)."""
+        x = x + F.linear(att, L.wo, L.bo)
+        h = self._norm(x, L.post_norm)
+        y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
+        return x + (y[0] if isinstance(y, tuple) else y)[0]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: x [T, H] -> logits [T, V]."""
+        return F.linear(self._norm(x, self.final_norm), self.lm_head)
 
 
 def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:

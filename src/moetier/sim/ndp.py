@@ -17,6 +17,17 @@ to and from the DIMM (2 * n * H * dtype bytes at one DIMM's share of host bandwi
 "activation migration"). Weight reads: T_PCIe = latency + W / pcie_bw, T_DRAM = schedule_trimoe.dram_read_s,
 T_Internal = W / ndp_bw; DIMM-Link moves of one expert (relayout or migration): W / link_bw.
 
+Eq. 6 contention, `busy_s` (how long a host read of an expert keeps each DIMM it touches busy), has two
+readings, picked by NdpParams.contention:
+- "array" (default): the DIMM's DRAM arrays are the shared resource. They deliver ndp_bw (4 ranks in
+  parallel); a host read of b bytes from the DIMM takes b / ndp_bw of that capacity, the rest of the
+  transfer is the channel's time, already in T_DRAM (eq. 2-3). Striped: W / D / ndp_bw on every DIMM;
+  localised: W / ndp_bw on its home.
+- "channel": the DIMM serves nothing else for the whole channel transfer: busy_s = T_DRAM (W / B on
+  every DIMM for a striped expert, W * D / B on its home for a localised one). Under it a host read
+  always keeps a DIMM busier than the NDP would (W * D / B > W / ndp_bw), so no move off NDP can
+  lower a DIMM's time; docs/trimoe.md measures both.
+
 `price_call` turns one layer call (expert -> tokens), the HBM residency, layouts and home DIMMs into
 schedule_trimoe.TriExpert costs (eq. 1-4); shared experts (ids -1, -2, ...) are resident and GPU-only
 (their CPU cost is `GPU_ONLY`, a finite stand-in for "never").
@@ -47,6 +58,7 @@ from moetier.policies.schedule_trimoe import TriExpert, dram_read_s
 from moetier.specs import ModelSpec
 from moetier.types import ExpertKey, Layout
 
+CONTENTION = ("array", "channel")
 GPU_ONLY = 1e30  # a finite "never" for paths a shared expert may not take
 DEFAULT_PROFILE = "h100-8470"
 
@@ -61,8 +73,11 @@ class NdpParams:
     link_bw: float = 25e9  # DIMM-Link, bytes/s per link
     links: int = 0  # concurrent DIMM-Link transfers; 0 -> n_dimms // 2 (ESTIMATE)
     host_bw: float = 307.2e9  # 8 channels DDR5-4800
+    contention: str = "array"  # eq. 6 reading: "array" or "channel" (module docstring)
 
     def __post_init__(self) -> None:
+        if self.contention not in CONTENTION:
+            raise ConfigError(f"NdpParams: contention must be one of {', '.join(CONTENTION)}, got {self.contention!r}")
         if isinstance(self.n_dimms, bool) or not isinstance(self.n_dimms, int) or self.n_dimms < 1:
             raise ConfigError(f"NdpParams: n_dimms must be an int >= 1, got {self.n_dimms!r}")
         if isinstance(self.links, bool) or not isinstance(self.links, int) or self.links < 0:
@@ -148,6 +163,13 @@ class NdpMachine:
     def dram_s(self, layout: Layout, nbytes: int | None = None) -> float:
         return dram_read_s(self.nbytes if nbytes is None else nbytes, layout, self.ndp.host_bw, self.ndp.n_dimms)
 
+    def busy_s(self, layout: Layout) -> float:
+        """Eq. 6: how long a host read of one expert keeps each DIMM it touches busy (module docstring)."""
+        if self.ndp.contention == "channel":
+            return self.dram_s(layout)
+        per_dimm = self.nbytes / self.ndp.n_dimms if layout == Layout.STRIPED else self.nbytes
+        return per_dimm / self.ndp.ndp_bw
+
     def internal_s(self) -> float:
         return self.nbytes / self.ndp.ndp_bw
 
@@ -185,6 +207,7 @@ def price_call(
     g, c, nd = machine.gpu_calc(tok), machine.cpu_calc(tok), machine.ndp_calc(tok)
     pcie, internal = machine.pcie_s(), machine.internal_s()
     d_str, d_loc = machine.dram_s(Layout.STRIPED), machine.dram_s(Layout.LOCALISED)
+    b_str, b_loc = machine.busy_s(Layout.STRIPED), machine.busy_s(Layout.LOCALISED)
     # 3. One TriExpert per routed expert
     out: list[TriExpert] = []
     for j, e in enumerate(ids):
@@ -195,6 +218,7 @@ def price_call(
             key=key, tokens=int(tok[j]), resident=key in resident, layout=lay, dimm=home,
             gpu_calc_s=float(g[j]), cpu_calc_s=float(c[j]), ndp_calc_s=float(nd[j]), pcie_s=pcie,
             dram_s=d_str if lay == Layout.STRIPED else d_loc, internal_s=internal,
+            busy_s=b_str if lay == Layout.STRIPED else b_loc,
         ))  # fmt: skip
     # 4. Shared experts: resident in HBM, computed on the GPU only
     if shared_tokens > 0 and spec.num_shared:
@@ -203,9 +227,11 @@ def price_call(
             out.append(TriExpert(
                 key=ExpertKey(layer, -(j + 1)), tokens=int(shared_tokens), resident=True, layout=Layout.STRIPED,
                 dimm=-1, gpu_calc_s=gs, cpu_calc_s=GPU_ONLY, ndp_calc_s=GPU_ONLY, pcie_s=0.0, dram_s=0.0,
-                internal_s=0.0,
+                internal_s=0.0, busy_s=0.0,
             ))  # fmt: skip
     return out
 
 
-__all__ = ["DEFAULT_PROFILE", "GPU_ONLY", "NdpMachine", "NdpParams", "load_ndp", "ndp_from_dict", "price_call"]
+__all__ = [
+    "CONTENTION", "DEFAULT_PROFILE", "GPU_ONLY", "NdpMachine", "NdpParams", "load_ndp", "ndp_from_dict", "price_call",
+]  # fmt: skip

@@ -45,7 +45,7 @@ from moetier.policies.costmodel import CostModel
 from moetier.policies.hwprofile import load_profile
 from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
 from moetier.policies.schedule_trimoe import ALL_DOMAINS, DomainTotals, TriExpert, domain_totals, schedule_trimoe
-from moetier.sim.ndp import NdpMachine, load_ndp, price_call
+from moetier.sim.ndp import CONTENTION, NdpMachine, load_ndp, price_call
 from moetier.specs import ModelSpec
 from moetier.types import Domain, ExpertKey, Layout
 
@@ -87,8 +87,16 @@ class TriSimConfig:
     context: int = 1024  # KV length per sequence for the attention time
     profile: str = "h100-8470"
     max_iters: int = 512
+    drift: float | None = None  # synthetic_calls: popularity rank swaps per layer per step (None: the preset's)
+    contention: str | None = None  # eq. 6 reading, "array" or "channel" (None: the profile's NDP section)
 
     def __post_init__(self) -> None:
+        if self.drift is not None and (isinstance(self.drift, bool) or not isinstance(self.drift, int | float)
+                                       or not math.isfinite(self.drift) or self.drift < 0):  # fmt: skip
+            raise ConfigError(f"TriSimConfig: drift must be a number >= 0, got {self.drift!r}")
+        if self.contention is not None and self.contention not in CONTENTION:
+            raise ConfigError(f"TriSimConfig: contention must be one of {', '.join(CONTENTION)}, "
+                              f"got {self.contention!r}")  # fmt: skip
         if self.scheduler not in SYSTEMS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(SYSTEMS)}")
         for name in ("n_dimms", "batch_size", "steps"):
@@ -117,6 +125,7 @@ class TriSimResult:
     throughput_tok_s: float
     busy: Mapping[str, float]  # domain busy time / MoE time: gpu, cpu, ndp (mean DIMM compute), dimm (incl. eq. 6)
     flop_util: Mapping[str, float]  # FLOPs done / (peak x MoE time): gpu, cpu, ndp
+    compute: Mapping[str, float]  # time computing (f_calc, not waiting on PCIe/DRAM) / MoE time; ndp: mean DIMM
     experts: Mapping[str, int]  # routed (call, expert) pairs computed per domain
     routed: int  # routed (call, expert) pairs in the calls
     predictor: Mapping[str, float]
@@ -196,7 +205,9 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     # 1. Machine, cost model, checks
     cfg, system = config, SYSTEMS[config.scheduler]
     profile = load_profile(cfg.profile)
-    m = NdpMachine(spec, profile, replace(load_ndp(cfg.profile), n_dimms=cfg.n_dimms), cfg.cpu_scale)
+    ndp = replace(load_ndp(cfg.profile), n_dimms=cfg.n_dimms)
+    m = NdpMachine(spec, profile, ndp if cfg.contention is None else replace(ndp, contention=cfg.contention),
+                   cfg.cpu_scale)  # fmt: skip
     cm = CostModel(profile, spec)
     if not calls:
         raise ConfigError("simulate_tri: no layer calls to replay")
@@ -218,6 +229,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     moe = greedy_moe = win_total = 0.0
     busy = dict.fromkeys(("gpu", "cpu", "ndp", "dimm"), 0.0)
     flops = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)
+    calc = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)  # compute time (eq. 1-4's f_calc parts; NDP: per DIMM)
     n_exp = dict.fromkeys(("gpu", "cpu", "ndp"), 0)
     mig: dict[str, float] = {"prefetch": 0, "relayout": 0, "migrate": 0, "pcie_s": 0.0, "dimm_link_s": 0.0}
     routed = moves = 0
@@ -243,6 +255,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         for e in experts:
             d = name[doms[e.key]]
             flops[d] += e.tokens * (m.shared_flops_tok if e.key.expert < 0 else m.flops_tok)
+            calc[d] += {"gpu": e.gpu_calc_s, "cpu": e.cpu_calc_s, "ndp": e.ndp_calc_s / cfg.n_dimms}[d]
             n_exp[d] += e.key.expert >= 0
         # 4. Predictor, then background actions hidden by this layer's attention/dense window
         pred.update(layer, loads)
@@ -284,16 +297,20 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         scheduler=cfg.scheduler, model=spec.name, steps=steps, calls=len(calls), batch=batch, moe_s=moe,
         greedy_moe_s=greedy_moe, dense_s=dense, step_s=step_s, throughput_tok_s=b / step_s,
         busy={k: v / moe for k, v in busy.items()}, flop_util={k: flops[k] / (peak[k] * moe) for k in flops},
+        compute={k: v / moe for k, v in calc.items()},
         experts=n_exp, routed=routed, predictor=pred.stats.as_dict(), migration=mig, moves=moves,
     )  # fmt: skip
 
 
 def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Any]:
-    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps."""
+    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps,
+    with config.drift rank swaps per layer per step when given."""
     from moetier import synthetic
     from moetier.traces import iter_calls
 
     p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
+    if config.drift is not None:
+        p = replace(p, drift=float(config.drift))
     return iter_calls(synthetic.generate(p, config.steps, with_scores=False))
 
 

@@ -1,0 +1,156 @@
+"""`moetier serve`: the OpenAI-compatible HTTP server (moetier.serve) on uvicorn.
+
+Registered on the main app by cli.py (`cli_serve.register(app)`). Thin: it takes the same engine
+flags as `moetier generate` (cli_options.py, mapped by `engine_config`), loads the engine through
+cli_engine.engine_session, builds the app with moetier.serve.create_app and runs uvicorn, which
+logs to stderr. Ctrl-C stops uvicorn gracefully (requests in flight end, the worker stops), then
+the engine is closed (writing --trace if asked) and the command exits 0.
+
+Invariants (as cli.py): bad flags or a bad checkpoint are one line `error: ...` on stderr and exit
+2 before anything listens; a port already in use is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Annotated
+
+import typer
+
+from moetier.cli_engine import engine_session, run_warmup
+from moetier.cli_io import consoles, register_command, user_errors
+from moetier.cli_options import (
+    CachePolicy,
+    Device,
+    Dtype,
+    GpuMem,
+    Groups,
+    HiPrecision,
+    HostMem,
+    LoPrecision,
+    MaxSeqLen,
+    Model,
+    NoLean,
+    Period,
+    PrecisionMode,
+    Prefetch,
+    PrefetchDepth,
+    PrefetchMax,
+    Profile,
+    QuantDir,
+    Scheduler,
+    Sparsity,
+    SparsityBlock,
+    SparsityTable,
+    SparsityTipping,
+    SyncSwitches,
+    TraceFile,
+    TraceScores,
+    Warmup,
+    WarmupTokens,
+    engine_config,
+    precision_config,
+    prefetch_config,
+    scheduler_config,
+    sparsity_config,
+)
+from moetier.errors import ConfigError
+
+_SERVER = "Server"
+Host = Annotated[str, typer.Option(rich_help_panel=_SERVER, help="Address to listen on.")]
+Port = Annotated[int, typer.Option(min=0, max=65535, rich_help_panel=_SERVER, help="TCP port to listen on.")]
+MaxBatch = Annotated[
+    int, typer.Option(min=1, rich_help_panel=_SERVER, help="Most requests decoded together in one batch.")
+]
+MaxQueue = Annotated[
+    int,
+    typer.Option(min=0, rich_help_panel=_SERVER,
+                 help="Most requests waiting for a batch slot; past it the server answers 429."),
+]  # fmt: skip
+ModelName = Annotated[
+    str | None,
+    typer.Option("--model-name", rich_help_panel=_SERVER,
+                 help="Model id clients send; default: the checkpoint folder's name."),
+]  # fmt: skip
+LogLevel = Annotated[str, typer.Option(rich_help_panel=_SERVER, help="uvicorn log level (info, warning, debug).")]
+
+
+def _check_port(host: str, port: int) -> None:
+    """ConfigError now, instead of a uvicorn traceback later, when host:port cannot be bound."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def serve_cmd(
+    model: Model,
+    host: Host = "127.0.0.1",
+    port: Port = 8000,
+    max_batch: MaxBatch = 8,
+    max_queue: MaxQueue = 64,
+    model_name: ModelName = None,
+    log_level: LogLevel = "info",
+    host_expert_mem: HostMem = None,
+    gpu_expert_mem: GpuMem = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    cache_policy: CachePolicy = "lru",
+    max_seq_len: MaxSeqLen = 0,
+    no_lean: NoLean = False,
+    trace: TraceFile = None,
+    trace_scores: TraceScores = False,
+    precision: PrecisionMode = "full",
+    hi: HiPrecision = "full",
+    lo: LoPrecision = "int4",
+    group: Groups = None,
+    quant_dir: QuantDir = None,
+    warmup: Warmup = None,
+    warmup_tokens: WarmupTokens = 256,
+    period: Period = 128,
+    sync_switches: SyncSwitches = False,
+    sparsity: Sparsity = 0.0,
+    sparsity_table: SparsityTable = None,
+    sparsity_block: SparsityBlock = 1,
+    sparsity_tipping: SparsityTipping = None,
+    prefetch: Prefetch = False,
+    prefetch_depth: PrefetchDepth = 1,
+    prefetch_max: PrefetchMax = 4,
+    scheduler: Scheduler = None,
+    profile: Profile = None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    _, err = consoles(True)
+    with user_errors():
+        # 1. flags -> config, and the port, before the (slow) load
+        pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
+        scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
+        config = engine_config(
+            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
+            prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
+        )  # fmt: skip
+        _check_port(host, port)
+        # 2. load, build the app, serve until Ctrl-C
+        with engine_session(model, config, trace, trace_scores, err) as engine:
+            run_warmup(engine, warmup, err)
+            import uvicorn
+
+            from moetier.serve import create_app
+
+            app = create_app(engine, model_name=model_name, max_batch=max_batch, max_queue=max_queue)
+            err.print(f"serving {app.state.model_name!r} on http://{host}:{port}/v1", highlight=False)
+            with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled gracefully
+                uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        err.print("server stopped", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `moetier serve` to `app` (once)."""
+    register_command(app, "serve", serve_cmd)
+
+
+__all__ = ["register", "serve_cmd"]

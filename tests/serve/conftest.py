@@ -1,0 +1,105 @@
+"""Fixtures of the server tests: the bundled engine (loaded once), and real uvicorn servers on
+loopback (a free port, in a thread, started and stopped by the fixture) around create_app.
+
+`SlowRunner` is a BatchRunner for tests that need a request to stay in flight: it never stops at
+EOS (stop_ids empty) and each step waits `delay` seconds and, while `gate` is clear, blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import uvicorn
+
+from moetier.config import EngineConfig, RuntimeConfig
+from moetier.runtime.batch import BatchRunner, SeqRequest, StepEvent
+from moetier.runtime.engine import Engine, load
+from moetier.serve import create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "tiny-shakespeare-moe"
+NAME = "tiny-shakespeare-moe"
+
+
+class SlowRunner(BatchRunner):
+    def __init__(self, engine: Engine, max_batch: int = 8, delay: float = 0.0) -> None:
+        super().__init__(engine, max_batch=max_batch)
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def add(self, req: SeqRequest) -> int:
+        return super().add(dataclasses.replace(req, stop_ids=frozenset()))
+
+    def step(self) -> list[StepEvent]:
+        self.gate.wait(30)
+        time.sleep(self.delay)
+        return super().step()
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    # fp32: batched decoding equals decoding alone (in bf16 the row count of a matmul changes rounding)
+    eng = load(MODEL, EngineConfig(runtime=RuntimeConfig(dtype="fp32")))
+    yield eng
+    eng.close()
+
+
+@contextmanager
+def serve(app: object) -> Iterator[str]:
+    """Run `app` with uvicorn on a free loopback port in a thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture
+def make_server(engine: Engine) -> Iterator[Callable[..., tuple[str, object]]]:
+    """make_server(max_batch=8, max_queue=64, runner=None) -> (base URL, app); stopped after the test."""
+    stack: list[object] = []
+
+    def start(max_batch: int = 8, max_queue: int = 64, runner: BatchRunner | None = None) -> tuple[str, object]:
+        app = create_app(engine, model_name=NAME, max_batch=max_batch, max_queue=max_queue, runner=runner)
+        ctx = serve(app)
+        url = ctx.__enter__()
+        stack.append(ctx)
+        return url, app
+
+    yield start
+    for ctx in reversed(stack):
+        ctx.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()

@@ -52,9 +52,11 @@ def _report(inp: Path, out: Path) -> tuple[dict[str, Any], str]:
 @pytest.fixture(scope="module")
 def dyn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("runs") / "dyn"
+    quant = tmp_path_factory.mktemp("quant")  # a fresh clone has no quantized tier next to the bundled model
+    _ok(["quantize", str(MODEL), "--precisions", "int4,int2", "--out", str(quant)])
     _ok(["generate", str(MODEL), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--precision", "dynamic",
-         "--hi", "int4", "--lo", "int2", "--host-expert-mem", "5MiB", "--period", "2", "--run-dir", str(run),
-         "--trace-scores", "--json"])  # fmt: skip
+         "--hi", "int4", "--lo", "int2", "--quant-dir", str(quant), "--host-expert-mem", "5MiB", "--period", "2",
+         "--run-dir", str(run), "--trace-scores", "--json"])  # fmt: skip
     return run
 
 

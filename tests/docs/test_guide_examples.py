@@ -40,8 +40,12 @@ def page_failures(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
     wanted.sort(key=cost, reverse=True)
 
+    # work folders made here, in one thread: pytest's first mktemp of a session creates its base folder, and
+    # two threads racing to do that each make one (then one thread's folder is "not relative" to the base)
+    workdirs = {name: make_workdir(tmp_path_factory.mktemp(Path(name).stem)) for name in wanted}
+
     def one(name: str) -> list[str]:
-        return run_page(GUIDE / name, make_workdir(tmp_path_factory.mktemp(Path(name).stem)))
+        return run_page(GUIDE / name, workdirs[name])
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(wanted, pool.map(one, wanted), strict=True))

@@ -170,23 +170,27 @@ def _homogeneous(values: list[Scalar]) -> tuple[Scalar, ...]:
     return tuple(values)
 
 
-def _axes(raw: Mapping[str, Any], where_table: str, source: str, name: str, pt: Point, known: list[str],
+def _claim(key: str, table: str, source: str, name: str, pt: Point, known: list[str], seen: dict[str, str]) -> str:
+    """The parameter `key` names in [table], recorded in `seen`; ConfigError when the point refuses it or it
+    is already given ([params] and every key of the same [grid] table share `seen`)."""
+    param = _param_name(key, known)
+    assert param is not None  # unknown keys were refused before
+    if param in pt.refused:
+        raise ConfigError(f"{source}: [{table}] {key}: point {name!r} cannot use {param}: {pt.refused[param]}")
+    if param in seen:
+        raise ConfigError(f"{source}: {param} is given twice ({seen[param]} and [{table}] {key})")
+    seen[param] = f"[{table}] {key}"
+    return param
+
+
+def _axes(raw: Mapping[str, Any], table: str, source: str, name: str, pt: Point, known: list[str],
           seen: Mapping[str, str]) -> Axes:  # fmt: skip
-    """The axes of one [grid] table; ConfigError naming the key on any problem."""
+    """The axes of one [grid] table (`seen`: the [params] keys); ConfigError naming the key on any problem."""
     axes: list[tuple[str, tuple[Scalar, ...]]] = []
-    mine: dict[str, str] = {}
+    mine = dict(seen)  # another block may give the same parameters again
     for key, value in raw.items():
-        param = _param_name(key, known)
-        assert param is not None
-        if param in pt.refused:
-            raise ConfigError(
-                f"{source}: [{where_table}] {key}: point {name!r} cannot use {param}: {pt.refused[param]}"
-            )
-        if param in seen or param in mine:
-            raise ConfigError(f"{source}: {param} is given twice ({seen.get(param) or mine[param]} and "
-                              f"[{where_table}] {key})")  # fmt: skip
-        mine[param] = f"[{where_table}] {key}"
-        where, default = f"{source}: [{where_table}] {key}", pt.params[param]
+        param = _claim(key, table, source, name, pt, known, mine)
+        where, default = f"{source}: [{table}] {key}", pt.params[param]
         if not isinstance(value, list) or not value:
             raise ConfigError(f"{where}: expected a non-empty list of values, got {value!r}")
         if len(set(map(repr, value))) != len(value):
@@ -222,13 +226,7 @@ def parse_grid(data: Mapping[str, Any], source: str = "grid") -> Grid:
     seen: dict[str, str] = {}
     fixed: list[tuple[str, Scalar]] = []
     for key, value in fixed_raw.items():
-        param = _param_name(key, known)
-        assert param is not None
-        if param in pt.refused:
-            raise ConfigError(f"{source}: [params] {key}: point {name!r} cannot use {param}: {pt.refused[param]}")
-        if param in seen:
-            raise ConfigError(f"{source}: {param} is given twice ({seen[param]} and [params] {key})")
-        seen[param] = f"[params] {key}"
+        param = _claim(key, "params", source, name, pt, known, seen)
         fixed.append((param, _scalar(value, f"{source}: [params] {key}", pt.params[param])))
     blocks: list[Block] = []
     for i, t in enumerate(tables):

@@ -60,14 +60,8 @@ def _config(p: dict[str, Any]) -> Any:
     scale = p["cpu_tflops_scale"]
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise ConfigError(f"cpu_tflops_scale must be a number > 0, got {scale!r}")
-    drift = p["drift"]
-    if drift is not None and (isinstance(drift, bool) or not isinstance(drift, int | float)):
-        raise ConfigError(f"drift must be a number >= 0 (rank swaps per layer per step), got {drift!r}")
-    contention = p["contention"]
-    if contention is not None and not isinstance(contention, str):
-        raise ConfigError(f"contention must be a string (array or channel), got {contention!r}")
-    return TriSimConfig(
-        drift=None if drift is None else float(drift), contention=contention, scheduler=str(p["scheduler"]),
+    return TriSimConfig(  # checks drift and contention itself
+        drift=p["drift"], contention=p["contention"], scheduler=str(p["scheduler"]),
         n_dimms=p["ndp_count"], cpu_scale=float(scale), hbm_ratio=p["hbm_ratio"],
         batch_size=p["batch_size"], steps=p["steps"], seed=p["seed"], refinement=p["refinement"],
         relayout=p["relayout"], context=p["context"], profile=str(p["profile"]),

@@ -255,7 +255,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         for e in experts:
             d = name[doms[e.key]]
             flops[d] += e.tokens * (m.shared_flops_tok if e.key.expert < 0 else m.flops_tok)
-            calc[d] += {"gpu": e.gpu_calc_s, "cpu": e.cpu_calc_s, "ndp": e.ndp_calc_s / cfg.n_dimms}[d]
+            calc[d] += e.gpu_calc_s if d == "gpu" else e.cpu_calc_s if d == "cpu" else e.ndp_calc_s / cfg.n_dimms
             n_exp[d] += e.key.expert >= 0
         # 4. Predictor, then background actions hidden by this layer's attention/dense window
         pred.update(layer, loads)

@@ -145,10 +145,10 @@ class Worker:
         if job.finished:
             return
         job.finished = True
+        if isinstance(item, StepEvent) and item.finish_reason:  # counted before anyone can see the end
+            self.metrics.count(f"finished_{item.finish_reason}")
         self._in_flight -= 1
         job.deliver(item)
-        if isinstance(item, StepEvent) and item.finish_reason:
-            self.metrics.count(f"finished_{item.finish_reason}")
 
     def _stats(self) -> dict[str, Any]:
         return {"engine": self.engine.stats(), "runner": self.runner.stats(), "time": time.time()}
@@ -196,6 +196,8 @@ class Worker:
     def _deliver(self, events: list[StepEvent]) -> None:
         tokens = sum(ev.token is not None for ev in events)
         with self._cond:
+            # counts first: a handler woken by an event below must already see them
+            self._running = self.runner.running
             for ev in events:
                 job = self._jobs.get(ev.seq_id)
                 if job is None:
@@ -205,7 +207,6 @@ class Worker:
                     self._end(job, ev)
                 else:
                     job.deliver(ev)
-            self._running = self.runner.running
         if tokens:
             self.metrics.add_tokens(tokens)
 

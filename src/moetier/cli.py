@@ -5,7 +5,8 @@ simulate (cli_simulate.py), report (cli_report.py; generate/eval --run-dir recor
 Thin by design (DESIGN.md): flags (declared in cli_options.py) map onto the frozen
 config dataclasses in moetier.config and the commands call the Python API
 (`moetier.load`, `Engine`, `quantize_model`); console output, errors and progress bars
-are cli_io.py's, tables cli_format.py's, loading and closing the engine cli_engine.py's.
+are cli_io.py's, tables cli_format.py's, the engine flags (one
+EngineFlags, shared with serve), loading and closing the engine cli_engine.py's.
 Invariants:
 - every MoetierError, and any OSError on a file named by a flag, becomes one line
   `error: <message>` on stderr and exit code 2, never a traceback; bad flag values
@@ -26,45 +27,21 @@ from typing import Annotated
 import typer
 
 from moetier import __version__
-from moetier.cli_engine import engine_session, run_warmup
+from moetier.cli_engine import DEFAULT_FLAGS, EngineFlags, engine_flags, engine_session
 from moetier.cli_format import calibration_table, eval_report, generation_report, info_table, quant_table
 from moetier.cli_io import TokenStream, consoles, emit_json, progress_bar, read_text, user_errors
 from moetier.cli_options import (
-    CachePolicy,
     Device,
     Dtype,
     GpuMem,
     Groups,
-    HiPrecision,
     HostMem,
     JsonOut,
-    LoPrecision,
     MaxSeqLen,
     Model,
-    NoLean,
-    Period,
-    PrecisionMode,
-    Prefetch,
-    PrefetchDepth,
-    PrefetchMax,
-    Profile,
     QuantDir,
-    Scheduler,
-    Sparsity,
-    SparsityBlock,
-    SparsityTable,
-    SparsityTipping,
-    SyncSwitches,
-    TraceFile,
-    TraceScores,
-    Warmup,
-    WarmupTokens,
     engine_config,
     parse_groups,
-    precision_config,
-    prefetch_config,
-    scheduler_config,
-    sparsity_config,
 )
 from moetier.cli_profile import register as register_profile
 from moetier.cli_replay import register as register_replay
@@ -102,41 +79,16 @@ app = typer.Typer(
 
 # -- commands ---------------------------------------------------------------------
 @app.command()
+@engine_flags
 def generate(
     model: Model,
     prompt: Annotated[str, typer.Option(help="Prompt text (tokenized without special tokens).")],
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (fewer if EOS comes first).")] = 64,
-    host_expert_mem: HostMem = None,
-    gpu_expert_mem: GpuMem = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    cache_policy: CachePolicy = "lru",
-    max_seq_len: MaxSeqLen = 0,
-    no_lean: NoLean = False,
-    trace: TraceFile = None,
-    trace_scores: TraceScores = False,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1]; used when temperature > 0.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Seed of the sampler, for reproducible sampling.")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at EOS.")] = False,
-    precision: PrecisionMode = "full",
-    hi: HiPrecision = "full",
-    lo: LoPrecision = "int4",
-    group: Groups = None,
-    quant_dir: QuantDir = None,
-    warmup: Warmup = None,
-    warmup_tokens: WarmupTokens = 256,
-    period: Period = 128,
-    sync_switches: SyncSwitches = False,
-    sparsity: Sparsity = 0.0,
-    sparsity_table: SparsityTable = None,
-    sparsity_block: SparsityBlock = 1,
-    sparsity_tipping: SparsityTipping = None,
-    prefetch: Prefetch = False,
-    prefetch_depth: PrefetchDepth = 1,
-    prefetch_max: PrefetchMax = 4,
-    scheduler: Scheduler = None,
-    profile: Profile = None,
+    flags: EngineFlags = DEFAULT_FLAGS,
     run_dir: RunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -144,14 +96,8 @@ def generate(
     report, err = consoles(json_out)
     with user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-        pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
-        scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
-        config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
-            prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
-        )
-        with engine_session(model, config, run_trace(run_dir, trace), trace_scores, err) as engine:
-            run_warmup(engine, warmup, err)
+        config = flags.config()
+        with flags.session(model, config, err, run_trace(run_dir, flags.trace)) as engine:
             rec = RunRecorder.for_generate(run_dir, engine, model, max_new_tokens)
             stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
             try:
@@ -171,53 +117,22 @@ def generate(
 
 
 @app.command(name="eval")
+@engine_flags
 def eval_(
     model: Model,
     text: Annotated[Path, typer.Option(help="UTF-8 text file to score.")],
     max_tokens: Annotated[int | None, typer.Option(min=2, help="Score only the first N tokens.")] = None,
     window: Annotated[int, typer.Option(min=0, help="Tokens per window; 0 = the context length, capped at 1024.")] = 0,
-    host_expert_mem: HostMem = None,
-    gpu_expert_mem: GpuMem = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    cache_policy: CachePolicy = "lru",
-    max_seq_len: MaxSeqLen = 0,
-    no_lean: NoLean = False,
-    trace: TraceFile = None,
-    trace_scores: TraceScores = False,
-    precision: PrecisionMode = "full",
-    hi: HiPrecision = "full",
-    lo: LoPrecision = "int4",
-    group: Groups = None,
-    quant_dir: QuantDir = None,
-    warmup: Warmup = None,
-    warmup_tokens: WarmupTokens = 256,
-    period: Period = 128,
-    sync_switches: SyncSwitches = False,
-    sparsity: Sparsity = 0.0,
-    sparsity_table: SparsityTable = None,
-    sparsity_block: SparsityBlock = 1,
-    sparsity_tipping: SparsityTipping = None,
-    prefetch: Prefetch = False,
-    prefetch_depth: PrefetchDepth = 1,
-    prefetch_max: PrefetchMax = 4,
-    scheduler: Scheduler = None,
-    profile: Profile = None,
+    flags: EngineFlags = DEFAULT_FLAGS,
     run_dir: RunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
     """Perplexity of a text file over non-overlapping windows."""
     report, err = consoles(json_out)
     with user_errors():
-        pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
-        scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
-        config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
-            prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
-        )
+        config = flags.config()
         body = read_text(text)
-        with engine_session(model, config, run_trace(run_dir, trace), trace_scores, err) as engine:
-            run_warmup(engine, warmup, err)
+        with flags.session(model, config, err, run_trace(run_dir, flags.trace)) as engine:
             rec = RunRecorder.for_eval(run_dir, engine, model)
             ids = engine.encode(body)[:max_tokens]
             t0 = time.perf_counter()

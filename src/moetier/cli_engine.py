@@ -1,22 +1,65 @@
-"""The engine's life in a command of cli.py (generate, eval, calibrate): load it with a status line on
-stderr, start the routing trace if asked, warm up dynamic precision on a text, and always close.
+"""The engine's life in a command of cli.py (generate, eval, serve): its flags, declared once, load it
+with a status line on stderr, start the routing trace if asked, warm up dynamic precision on a text, and
+always close.
+
+`EngineFlags` is a frozen dataclass whose fields carry the typer option types of cli_options.py; the
+`engine_flags` decorator replaces a command's `flags: EngineFlags` parameter by one option per field and
+calls the command with one EngineFlags built from them, so generate, eval and serve share one list.
 
 Invariants: the engine (torch, transformers) is imported only when a command loads one, so
 `moetier --help` stays fast; `engine_session` closes the engine on every exit, which also writes
 the trace; `--trace-scores` without `--trace` and `--warmup` without `--precision dynamic` are
-ConfigErrors (one-line errors through cli_io.user_errors).
+ConfigErrors (one-line errors through cli_io.user_errors), raised by `EngineFlags.config` /
+`session` inside the command, never by the decorator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 from rich.console import Console
 
 from moetier.cli_io import read_text
+from moetier.cli_options import (
+    CachePolicy,
+    Device,
+    Dtype,
+    GpuMem,
+    Groups,
+    HiPrecision,
+    HostMem,
+    LoPrecision,
+    MaxSeqLen,
+    NoLean,
+    Period,
+    PrecisionMode,
+    Prefetch,
+    PrefetchDepth,
+    PrefetchMax,
+    Profile,
+    QuantDir,
+    Scheduler,
+    Sparsity,
+    SparsityBlock,
+    SparsityTable,
+    SparsityTipping,
+    SyncSwitches,
+    TraceFile,
+    TraceScores,
+    Warmup,
+    WarmupTokens,
+    engine_config,
+    precision_config,
+    prefetch_config,
+    scheduler_config,
+    sparsity_config,
+)
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 
@@ -56,4 +99,90 @@ def engine_session(
         err.print(f"trace written to {trace}", markup=False, highlight=False)
 
 
-__all__ = ["engine_session", "run_warmup"]
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine options of generate, eval and serve; each field is one CLI flag (its type says which)."""
+
+    host_expert_mem: HostMem = None
+    gpu_expert_mem: GpuMem = None
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    cache_policy: CachePolicy = "lru"
+    max_seq_len: MaxSeqLen = 0
+    no_lean: NoLean = False
+    trace: TraceFile = None
+    trace_scores: TraceScores = False
+    precision: PrecisionMode = "full"
+    hi: HiPrecision = "full"
+    lo: LoPrecision = "int4"
+    group: Groups = None
+    quant_dir: QuantDir = None
+    warmup: Warmup = None
+    warmup_tokens: WarmupTokens = 256
+    period: Period = 128
+    sync_switches: SyncSwitches = False
+    sparsity: Sparsity = 0.0
+    sparsity_table: SparsityTable = None
+    sparsity_block: SparsityBlock = 1
+    sparsity_tipping: SparsityTipping = None
+    prefetch: Prefetch = False
+    prefetch_depth: PrefetchDepth = 1
+    prefetch_max: PrefetchMax = 4
+    scheduler: Scheduler = None
+    profile: Profile = None
+
+    def config(self) -> EngineConfig:
+        """The EngineConfig these flags ask for; ConfigError names a bad value or combination."""
+        return engine_config(
+            self.host_expert_mem, self.gpu_expert_mem, self.device, self.dtype, self.cache_policy,
+            self.max_seq_len, self.no_lean,
+            precision_config(self.precision, self.hi, self.lo, self.group, self.quant_dir, self.warmup_tokens,
+                             self.period, self.sync_switches),
+            sparsity_config(self.sparsity, self.sparsity_table, self.sparsity_block, self.sparsity_tipping),
+            prefetch_config(self.prefetch, self.prefetch_depth, self.prefetch_max),
+            scheduler_config(self.scheduler, self.profile),
+        )  # fmt: skip
+
+    @contextmanager
+    def session(self, model: Path, config: EngineConfig, err: Console, trace: Path | None) -> Iterator[Engine]:
+        """engine_session with `trace` (the command's choice: --trace, or its run folder's) and --warmup run."""
+        with engine_session(model, config, trace, self.trace_scores, err) as engine:
+            run_warmup(engine, self.warmup, err)
+            yield engine
+
+
+DEFAULT_FLAGS = EngineFlags()  # the default of a command's `flags` parameter (every flag left out)
+
+
+def engine_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Decorator: `command(..., flags: EngineFlags, ...)` becomes a typer command with the engine flags
+    in place of `flags`; typer's parsed values reach it as one EngineFlags."""
+    # 1. the command's own parameters, annotations resolved (cli modules use postponed annotations)
+    sig = inspect.signature(command, eval_str=True)
+    if "flags" not in sig.parameters:
+        raise TypeError(f"{command.__name__} has no `flags: EngineFlags` parameter")
+    names = [f.name for f in fields(EngineFlags)]
+    if clash := sorted(set(names) & set(sig.parameters)):
+        raise TypeError(f"{command.__name__} declares engine flags itself: {', '.join(clash)}")
+    # 2. one parameter per EngineFlags field where `flags` was
+    hints = get_type_hints(EngineFlags, include_extras=True)
+    params: list[inspect.Parameter] = []
+    for p in sig.parameters.values():
+        if p.name != "flags":
+            params.append(p)
+            continue
+        params += [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default,
+                                     annotation=hints[f.name]) for f in fields(EngineFlags)]  # fmt: skip
+
+    # 3. the wrapper typer calls: the engine values become one EngineFlags
+    @functools.wraps(command)
+    def run(**kwargs: Any) -> None:
+        flags = EngineFlags(**{name: kwargs.pop(name) for name in names})
+        command(**kwargs, flags=flags)
+
+    run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params} | {"return": sig.return_annotation}
+    return run
+
+
+__all__ = ["DEFAULT_FLAGS", "EngineFlags", "engine_flags", "engine_session", "run_warmup"]

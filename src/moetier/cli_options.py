@@ -1,6 +1,7 @@
 """Command-line flags: the typed options of `moetier` and their mapping onto the config dataclasses.
 
-Declarations only (typer `Annotated` option types shared by the commands of cli.py) and
+Declarations only (typer `Annotated` option types shared by the commands of cli.py; the engine ones
+are gathered into cli_engine.EngineFlags) and
 the pure functions that turn flag values into EngineConfig / PrecisionConfig. Bad values
 raise typer.BadParameter or ConfigError, which cli.py reports in one line with exit 2.
 """

@@ -1,8 +1,8 @@
 """`moetier serve`: the OpenAI-compatible HTTP server (moetier.serve) on uvicorn.
 
 Registered on the main app by cli.py (`cli_serve.register(app)`). Thin: it takes the same engine
-flags as `moetier generate` (cli_options.py, mapped by `engine_config`), loads the engine through
-cli_engine.engine_session, builds the app with moetier.serve.create_app and runs uvicorn, which
+flags as `moetier generate` (cli_engine.EngineFlags, mapped by `engine_config`), loads the engine
+through EngineFlags.session, builds the app with moetier.serve.create_app and runs uvicorn, which
 logs to stderr. Ctrl-C stops uvicorn gracefully (requests in flight end, the worker stops), then
 the engine is closed (writing --trace if asked) and the command exits 0.
 
@@ -18,43 +18,9 @@ from typing import Annotated
 
 import typer
 
-from moetier.cli_engine import engine_session, run_warmup
+from moetier.cli_engine import DEFAULT_FLAGS, EngineFlags, engine_flags
 from moetier.cli_io import consoles, register_command, user_errors
-from moetier.cli_options import (
-    CachePolicy,
-    Device,
-    Dtype,
-    GpuMem,
-    Groups,
-    HiPrecision,
-    HostMem,
-    LoPrecision,
-    MaxSeqLen,
-    Model,
-    NoLean,
-    Period,
-    PrecisionMode,
-    Prefetch,
-    PrefetchDepth,
-    PrefetchMax,
-    Profile,
-    QuantDir,
-    Scheduler,
-    Sparsity,
-    SparsityBlock,
-    SparsityTable,
-    SparsityTipping,
-    SyncSwitches,
-    TraceFile,
-    TraceScores,
-    Warmup,
-    WarmupTokens,
-    engine_config,
-    precision_config,
-    prefetch_config,
-    scheduler_config,
-    sparsity_config,
-)
+from moetier.cli_options import Model
 from moetier.errors import ConfigError
 
 _SERVER = "Server"
@@ -87,6 +53,7 @@ def _check_port(host: str, port: int) -> None:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+@engine_flags
 def serve_cmd(
     model: Model,
     host: Host = "127.0.0.1",
@@ -95,48 +62,16 @@ def serve_cmd(
     max_queue: MaxQueue = 64,
     model_name: ModelName = None,
     log_level: LogLevel = "info",
-    host_expert_mem: HostMem = None,
-    gpu_expert_mem: GpuMem = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    cache_policy: CachePolicy = "lru",
-    max_seq_len: MaxSeqLen = 0,
-    no_lean: NoLean = False,
-    trace: TraceFile = None,
-    trace_scores: TraceScores = False,
-    precision: PrecisionMode = "full",
-    hi: HiPrecision = "full",
-    lo: LoPrecision = "int4",
-    group: Groups = None,
-    quant_dir: QuantDir = None,
-    warmup: Warmup = None,
-    warmup_tokens: WarmupTokens = 256,
-    period: Period = 128,
-    sync_switches: SyncSwitches = False,
-    sparsity: Sparsity = 0.0,
-    sparsity_table: SparsityTable = None,
-    sparsity_block: SparsityBlock = 1,
-    sparsity_tipping: SparsityTipping = None,
-    prefetch: Prefetch = False,
-    prefetch_depth: PrefetchDepth = 1,
-    prefetch_max: PrefetchMax = 4,
-    scheduler: Scheduler = None,
-    profile: Profile = None,
+    flags: EngineFlags = DEFAULT_FLAGS,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     _, err = consoles(True)
     with user_errors():
         # 1. flags -> config, and the port, before the (slow) load
-        pcfg = precision_config(precision, hi, lo, group, quant_dir, warmup_tokens, period, sync_switches)
-        scfg = sparsity_config(sparsity, sparsity_table, sparsity_block, sparsity_tipping)
-        config = engine_config(
-            host_expert_mem, gpu_expert_mem, device, dtype, cache_policy, max_seq_len, no_lean, pcfg, scfg,
-            prefetch_config(prefetch, prefetch_depth, prefetch_max), scheduler_config(scheduler, profile),
-        )  # fmt: skip
+        config = flags.config()
         _check_port(host, port)
         # 2. load, build the app, serve until Ctrl-C
-        with engine_session(model, config, trace, trace_scores, err) as engine:
-            run_warmup(engine, warmup, err)
+        with flags.session(model, config, err, flags.trace) as engine:
             import uvicorn
 
             from moetier.serve import create_app

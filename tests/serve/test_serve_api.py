@@ -123,6 +123,7 @@ def test_models_health_metrics(make_server: Callable[..., Any]) -> None:
     for name in ("moetier_bytes_moved_total{link=\"disk_host\"}", "moetier_sparsity_achieved", "moetier_queue_depth",
                  "moetier_requests_running", "moetier_batch_mean_size"):  # fmt: skip
         assert name in metrics, name
+    assert metrics["moetier_kv_cache_bytes"] > 0  # the request's slot kept its (sized) cache
 
 
 def _parse_metrics(text: str) -> dict[str, float]:

@@ -50,6 +50,7 @@ from moetier.runtime.kernels import small_rows
 from moetier.runtime.lean import LeanDecoder
 
 Attention = Literal["loop", "padded"]
+KV_CHUNK = 256  # a slot's KV cache is sized in multiples of this many tokens
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,13 @@ class StepEvent:
 
 class SlotDecoder:
     """S independent sequences over a LeanDecoder's weights; slot s has its own KV cache
-    [L, nkv, max_len, hd] (k and v), allocated on the slot's first prefill and kept (each slot costs
-    what the LeanDecoder's own cache does; on CPU untouched pages of torch.empty cost no RSS)."""
+    [L, nkv, cap_s, hd] (k and v), sized on the slot's prefill to what its sequence may reach
+    (`reserve`, rounded up to KV_CHUNK tokens, at most max_len) and kept for the slot's next sequence,
+    grown (reallocated) only when a longer one comes. So S slots of short requests do not cost S
+    full-context caches (on CUDA torch.empty takes real memory).
+
+    Invariant: a slot's sequence never outgrows its cache: decode raises ConfigError naming the slot
+    before writing past it."""
 
     def __init__(self, lean: LeanDecoder, slots: int, attention: Attention = "loop") -> None:
         if slots < 1:
@@ -80,24 +86,45 @@ class SlotDecoder:
             raise ConfigError(f"attention must be 'loop' or 'padded', got {attention!r}")
         self.lean, self.slots, self.attention = lean, slots, attention
         self.max_len = lean.max_len
-        self.k: list[torch.Tensor | None] = [None] * slots  # per slot [L, nkv, max_len, hd]
+        self.k: list[torch.Tensor | None] = [None] * slots  # per slot [L, nkv, cap, hd]
         self.v: list[torch.Tensor | None] = [None] * slots
+        self.cap = [0] * slots  # tokens each slot's cache holds at most
         self.pos = [0] * slots  # tokens held by each slot's cache
 
-    def _cache(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
             raise ConfigError(f"slot {slot} out of range 0..{self.slots - 1}")
+
+    def _reserve(self, slot: int, tokens: int) -> None:
+        """Make slot's cache hold `tokens` (its old contents are dropped when it must grow)."""
+        if tokens > self.max_len:
+            raise ConfigError(f"sequence of {tokens} tokens exceeds the KV cache of {self.max_len}")
+        if self.cap[slot] >= tokens:
+            return
+        lean = self.lean
+        cap = min(self.max_len, -(-tokens // KV_CHUNK) * KV_CHUNK)
+        self.k[slot] = self.v[slot] = None  # the old cache goes back to the allocator first
+        shape = (len(lean.layers), lean.nkv, cap, lean.hd)
+        self.k[slot] = torch.empty(shape, dtype=lean.dtype, device=lean.device)
+        self.v[slot] = torch.empty(shape, dtype=lean.dtype, device=lean.device)
+        self.cap[slot] = cap
+
+    def _cache(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[slot], self.v[slot]
         if k is None or v is None:
-            lean = self.lean
-            shape = (len(lean.layers), lean.nkv, lean.max_len, lean.hd)
-            k = self.k[slot] = torch.empty(shape, dtype=lean.dtype, device=lean.device)
-            v = self.v[slot] = torch.empty(shape, dtype=lean.dtype, device=lean.device)
+            raise ConfigError(f"slot {slot} has no sequence; prefill it first")
         return k, v
 
+    def cache_bytes(self) -> int:
+        """Bytes held by the slots' KV caches (k and v)."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k if t is not None)
+
     @torch.inference_mode()
-    def prefill(self, slot: int, ids: list[int]) -> torch.Tensor:
-        """Reset `slot`, run the prompt into its cache -> logits [V] of the last position."""
+    def prefill(self, slot: int, ids: list[int], reserve: int | None = None) -> torch.Tensor:
+        """Reset `slot`, size its cache for `reserve` tokens (default: max_len; at least the prompt) and
+        run the prompt into it -> logits [V] of the last position."""
+        self._check(slot)
+        self._reserve(slot, max(len(ids), self.max_len if reserve is None else reserve))
         k, v = self._cache(slot)
         self.pos[slot] = 0
         out = self.lean.run(torch.tensor([ids], device=self.lean.device), 0, k, v)  # [1, V]
@@ -110,10 +137,14 @@ class SlotDecoder:
         # 1. checks and per-row positions
         if len(slots) != len(tokens) or not slots or len(set(slots)) != len(slots):
             raise ConfigError(f"decode takes distinct slots and one token each, got {slots} and {tokens}")
+        for s in slots:
+            self._check(s)
+            self._cache(s)  # prefilled?
+            if self.pos[s] + 1 > self.cap[s]:
+                raise ConfigError(f"slot {s}: sequence of {self.pos[s] + 1} tokens exceeds its KV cache of "
+                                  f"{self.cap[s]} (reserved at prefill; the model's limit is {self.max_len})")
         caches = [self._cache(s) for s in slots]
         pos = [self.pos[s] for s in slots]
-        if max(pos) + 1 > self.max_len:
-            raise ConfigError(f"sequence of {max(pos) + 1} tokens exceeds the KV cache of {self.max_len}")
         lean, B = self.lean, len(slots)
         nh, hd = lean.nh, lean.hd
         pos_t = torch.tensor(pos, device=lean.device)  # [B]
@@ -127,7 +158,7 @@ class SlotDecoder:
         for i, L in enumerate(lean.layers):
             q, k, v = lean.qkv(L, lean._norm(x, L.in_norm), cos, sin)  # [B, nh, hd], [B, nkv, hd] x2
             for b, (kc, vc) in enumerate(caches):
-                kc[i, :, pos[b]] = k[b]  # [nkv, hd] into [nkv, max_len, hd] at the row's position
+                kc[i, :, pos[b]] = k[b]  # [nkv, hd] into [nkv, cap, hd] at the row's position
                 vc[i, :, pos[b]] = v[b]
             if mask is None:
                 outs = [
@@ -142,8 +173,12 @@ class SlotDecoder:
                 att = torch.stack(outs)  # [B, nh * hd]
             else:
                 lmax = mask.shape[-1]
-                kp = torch.stack([kc[i, :, :lmax] for kc, _ in caches])  # [B, nkv, Lmax, hd]
-                vp = torch.stack([vc[i, :, :lmax] for _, vc in caches])
+                # zero padding, not the caches' unwritten rows: a masked NaN would still poison the sum
+                kp = q.new_zeros((B, lean.nkv, lmax, hd))  # [B, nkv, Lmax, hd]
+                vp = q.new_zeros((B, lean.nkv, lmax, hd))
+                for b, (kc, vc) in enumerate(caches):
+                    kp[b, :, : pos[b] + 1] = kc[i, :, : pos[b] + 1]
+                    vp[b, :, : pos[b] + 1] = vc[i, :, : pos[b] + 1]
                 att = F.scaled_dot_product_attention(
                     q[:, :, None], kp, vp, attn_mask=mask, enable_gqa=nh != lean.nkv
                 ).reshape(B, nh * hd)  # [B, nh, 1, hd] -> [B, nh * hd]
@@ -169,7 +204,8 @@ class BatchRunner:
 
     Beyond the server's interface: `serial=True` forces serial mode on a lean engine, `attention`
     picks the decode attention variant. stats(): steps, decode_steps, mean_batch (rows per decode
-    step), tokens_generated (first tokens included), prefill_tokens, mode, max_batch, running, pending.
+    step), tokens_generated (first tokens included), prefill_tokens, mode, max_batch, running, pending,
+    kv_cache_bytes (held by the slots' caches; 0 in serial mode).
     """
 
     def __init__(self, engine: Engine, max_batch: int = 8, serial: bool = False, attention: Attention = "loop") -> None:
@@ -280,13 +316,14 @@ class BatchRunner:
         return StepEvent(seq.seq_id, tok, seq.done is not None, seq.done)
 
     def _prefill(self, seq: _Seq) -> torch.Tensor:
-        """seq's prompt into its slot -> logits [V] of the last position."""
+        """seq's prompt into its slot -> logits [V] of the last position. The slot's cache is sized for the
+        prompt and every generated token but the last (which is never fed back)."""
         engine, ids = self.engine, seq.req.prompt_ids
         self._n["prefill_tokens"] += len(ids)
         engine._set_step(0)
         with small_rows(len(ids), engine.dtype, engine.device):
             if self._slots is not None:
-                out = self._slots.prefill(seq.slot, ids)
+                out = self._slots.prefill(seq.slot, ids, reserve=len(ids) + seq.req.max_new_tokens - 1)
             else:
                 engine.decoder.reset()
                 with torch.inference_mode():
@@ -324,4 +361,5 @@ class BatchRunner:
             "prefill_tokens": n["prefill_tokens"],
             "running": self.running,
             "pending": self.pending,
+            "kv_cache_bytes": self._slots.cache_bytes() if self._slots is not None else 0,
         }

@@ -95,6 +95,8 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
     _line(out, "batch_decode_steps_total", "counter", "Shared decode steps.", [({}, run.get("decode_steps", 0))])
     _line(out, "batch_mean_size", "gauge", "Mean sequences per decode step.", [({}, run.get("mean_batch", 0.0))])
     _line(out, "prefill_tokens_total", "counter", "Prompt tokens prefilled.", [({}, run.get("prefill_tokens", 0))])
+    _line(out, "kv_cache_bytes", "gauge", "Bytes held by the batch slots' KV caches (each sized to its requests).",
+          [({}, run.get("kv_cache_bytes", 0))])  # fmt: skip
     # 3. engine: experts per tier, bytes per link, precision mix, sparsity
     tiers = eng.get("tiers", {})
     _line(out, "expert_hits_total", "counter", "Expert accesses served by a tier's resident copy.",

@@ -14,6 +14,8 @@ Invariants:
 - every job ends with exactly one terminal item on its queue: a finished StepEvent ("stop",
   "length", "cancelled") or an exception (the runner failed, the server stopped);
 - a cancelled job frees its place (slot or queue entry) before the worker's next step.
+- counters first: the metrics and the running / in-flight counts a step changes are updated before
+  its events are delivered, so whoever an event wakes never reads the counts from before it.
 """
 
 from __future__ import annotations
@@ -195,8 +197,9 @@ class Worker:
 
     def _deliver(self, events: list[StepEvent]) -> None:
         tokens = sum(ev.token is not None for ev in events)
+        if tokens:  # counts first: a handler (or client) woken by an event below must already see them
+            self.metrics.add_tokens(tokens)
         with self._cond:
-            # counts first: a handler woken by an event below must already see them
             self._running = self.runner.running
             for ev in events:
                 job = self._jobs.get(ev.seq_id)
@@ -207,8 +210,6 @@ class Worker:
                     self._end(job, ev)
                 else:
                     job.deliver(ev)
-        if tokens:
-            self.metrics.add_tokens(tokens)
 
     def _fail_all(self, exc: BaseException) -> None:
         for seq_id in list(self._jobs):

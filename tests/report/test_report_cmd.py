@@ -56,8 +56,8 @@ def dyn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _ok(["quantize", str(MODEL), "--precisions", "int4,int2", "--out", str(quant)])
     _ok(["generate", str(MODEL), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--precision", "dynamic",
          "--hi", "int4", "--lo", "int2", "--quant-dir", str(quant), "--host-expert-mem", "5MiB", "--period", "2",
-         "--run-dir", str(run), "--trace-scores", "--json"])  # fmt: skip
-    return run
+         "--run-dir", str(run), "--trace-scores", "--sync-switches", "--json"])  # fmt: skip
+    return run  # --sync-switches: no switch may land between the last token's stats line and the result
 
 
 @pytest.fixture(scope="module")

@@ -84,11 +84,11 @@ def hit_curves(
     if not calls:
         return Skip("no routing trace: the trace holds no layer calls")
     meta = inp.trace.metadata
+    num_experts, top_k, layers = int(meta["num_experts"]), int(meta["top_k"]), trace_layers(inp.trace)
     out: dict[str, list[dict[str, float]]] = {}
     for policy in policies:
         for ratio in ratios:
-            res = replay(calls, policy, ratio, num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]),
-                         layers=trace_layers(inp.trace))  # fmt: skip
+            res = replay(calls, policy, ratio, num_experts=num_experts, top_k=top_k, layers=layers)
             out.setdefault(policy, []).append(
                 {"ratio": float(ratio), "hit_rate": res.hit_rate, "decode_hit_rate": res.decode_hit_rate}
             )

@@ -19,8 +19,6 @@ from moetier.errors import ConfigError, TraceError
 from moetier.report.record import RESULT, RUN, STATS, TIMELINE, TRACE
 from moetier.sim.machine import TimelineOp
 
-KINDS = ("run", "simulation", "trace")
-
 
 @dataclass(frozen=True)
 class ReportInput:
@@ -105,4 +103,4 @@ def default_out(inp: ReportInput) -> Path:
     return inp.path / "report" if inp.kind != "trace" else Path.cwd() / f"report-{inp.name}"
 
 
-__all__ = ["KINDS", "ReportInput", "default_out", "load_input"]
+__all__ = ["ReportInput", "default_out", "load_input"]

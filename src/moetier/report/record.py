@@ -129,7 +129,7 @@ class RunRecorder:
         """Write run.json (the final stats line too, if the last step was not sampled)."""
         if self.run_dir is None:
             return None
-        if self.command == "generate" and self.step % self.every:
+        if self.step % self.every:  # eval samples every window (every == 1): never left over
             self._write(self.step)
         cfg = self.config
         config = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else cfg

@@ -137,13 +137,13 @@ class SlotDecoder:
         # 1. checks and per-row positions
         if len(slots) != len(tokens) or not slots or len(set(slots)) != len(slots):
             raise ConfigError(f"decode takes distinct slots and one token each, got {slots} and {tokens}")
+        caches = []
         for s in slots:
             self._check(s)
-            self._cache(s)  # prefilled?
+            caches.append(self._cache(s))  # prefilled?
             if self.pos[s] + 1 > self.cap[s]:
                 raise ConfigError(f"slot {s}: sequence of {self.pos[s] + 1} tokens exceeds its KV cache of "
                                   f"{self.cap[s]} (reserved at prefill; the model's limit is {self.max_len})")
-        caches = [self._cache(s) for s in slots]
         pos = [self.pos[s] for s in slots]
         lean, B = self.lean, len(slots)
         nh, hd = lean.nh, lean.hd
@@ -284,15 +284,13 @@ class BatchRunner:
         self._cancelled = []
         self._n["steps"] += 1
         # 1. admit pending requests into free slots; each prefill emits its sequence's first token
-        fresh: set[int] = set()
+        batch = [s for s in self._running.values() if s.done is None]  # decoded in 2: not the fresh ones
         while self._pending and self._free:
             seq = self._pending.popleft()
             seq.slot = self._free.pop()
             self._running[seq.seq_id] = seq
-            fresh.add(seq.seq_id)
             events.append(self._emit(seq, self._prefill(seq)))
         # 2. one decode step for every running sequence that did not just get its first token
-        batch = [s for s in self._running.values() if s.seq_id not in fresh and s.done is None]
         if batch:
             logits = self._decode(batch)  # [B, V]
             self._n["decode_steps"] += 1

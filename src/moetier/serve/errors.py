@@ -20,8 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("moetier.serve")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 500: "server_error"}  # fmt: skip
+_TYPES = {404: "not_found_error", 429: "rate_limit_error"}  # others: invalid_request_error below 500, else server_error
 
 
 class APIError(Exception):

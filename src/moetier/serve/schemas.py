@@ -104,7 +104,7 @@ def check_supported(req: CompletionRequest | ChatRequest) -> None:
             raise _reject(name, f"only 0 is supported, got {value}")
     if req.logit_bias:
         raise _reject("logit_bias", "token biases are not supported")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    stops = stop_list(req.stop)
     if len(stops) > MAX_STOP:
         raise APIError(400, f"'stop' takes at most {MAX_STOP} sequences, got {len(stops)}", "stop")
     if any(s == "" for s in stops):

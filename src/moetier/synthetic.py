@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moetier.errors import ConfigError
 from moetier.synthetic_popularity import CALIB_VALUES as CALIB_VALUES  # re-exported
@@ -44,7 +43,7 @@ from moetier.synthetic_popularity import MAX_SELECT as MAX_SELECT  # re-exported
 from moetier.synthetic_popularity import base_logits, ordered_spread
 from moetier.synthetic_popularity import shares as shares  # re-exported
 from moetier.synthetic_stats import Routing
-from moetier.traces import SCHEMA, SCHEMA_VERSION, Trace
+from moetier.traces import SCHEMA, SCHEMA_VERSION, Trace, write_table
 
 
 @dataclass(frozen=True)
@@ -250,11 +249,7 @@ def _lists(values: np.ndarray, typ: pa.DataType) -> pa.Array:
 
 def save(trace: Trace, path: str | os.PathLike[str]) -> Path:
     """Write a trace (its metadata included) as Parquet; `moetier.traces.load` reads it back."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    table = trace.table.replace_schema_metadata({b"moetier": json.dumps(trace.metadata).encode()})
-    pq.write_table(table, out)
-    return out
+    return write_table(trace.table, trace.metadata, path)
 
 
 def fit(trace: Trace) -> SynthParams:

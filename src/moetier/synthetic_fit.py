@@ -30,7 +30,7 @@ import numpy as np
 
 from moetier.errors import TraceError
 from moetier.synthetic import SynthParams, routing
-from moetier.synthetic_stats import routing_of, sorted_profile, stats_of
+from moetier.synthetic_stats import routing_of, stats_and_profile
 from moetier.traces import Trace
 
 SPREADS = np.linspace(0.0, 2.0, 17)
@@ -81,9 +81,9 @@ def _shape(trace: Trace) -> tuple[dict[str, Any], dict[str, Any], np.ndarray]:
         "model": str(meta.get("model", "synthetic")), "hidden_size": int(meta.get("hidden_size") or 0),
         "moe_intermediate_size": int(meta.get("moe_intermediate_size") or 0),
     }  # fmt: skip
-    obs = stats_of(r)
+    obs, profile = stats_and_profile(r)
     obs["prompt_len"] = r.prefill.shape[0] // B
-    return shape, obs, sorted_profile(r)
+    return shape, obs, profile
 
 
 class _Sim:
@@ -97,9 +97,9 @@ class _Sim:
     def __call__(self, p: SynthParams) -> tuple[dict[str, float], np.ndarray]:
         stats, profiles = [], []
         for s in self.seeds:
-            r = routing(replace(p, seed=s), self.steps, self.prompt_len)
-            stats.append(stats_of(r))
-            profiles.append(sorted_profile(r))
+            st, prof = stats_and_profile(routing(replace(p, seed=s), self.steps, self.prompt_len))
+            stats.append(st)
+            profiles.append(prof)
         keys = ("reuse", "layer_pred", "drift_corr", "topk_mass")
         return {k: float(np.nanmean([st[k] for st in stats])) for k in keys}, np.mean(profiles, 0)
 

@@ -84,7 +84,11 @@ def _loads(r: Routing) -> np.ndarray:
 
 def sorted_profile(r: Routing) -> np.ndarray:
     """Per-layer expert shares sorted in descending order, averaged over layers: [E], sums to 1."""
-    loads = _loads(r)  # [L, E]
+    return _sorted_shares(_loads(r))
+
+
+def _sorted_shares(loads: np.ndarray) -> np.ndarray:
+    """`sorted_profile` from the per-layer loads [L, E]."""
     shares = loads / np.maximum(loads.sum(1, keepdims=True), 1.0)
     return np.asarray(-np.sort(-shares, axis=1).mean(0))
 
@@ -146,14 +150,19 @@ def class_shares(profile: np.ndarray, counts: tuple[int, int, int]) -> tuple[flo
 
 def stats_of(r: Routing) -> dict[str, Any]:
     """The statistics of the module docstring, as a flat dict of floats (and shape ints)."""
+    return stats_and_profile(r)[0]
+
+
+def stats_and_profile(r: Routing) -> tuple[dict[str, Any], np.ndarray]:
+    """(`stats_of(r)`, `sorted_profile(r)`), the expert loads counted once."""
     E = r.num_experts
     S, B, L, k = r.decode.shape
-    prof = sorted_profile(r)
+    loads = _loads(r)  # [L, E]
+    prof = _sorted_shares(loads)  # [E]
     n10, n70 = max(1, round(0.1 * E)), int(0.7 * E)
-    loads = _loads(r)
     q = loads / np.maximum(loads.sum(1, keepdims=True), 1.0) * k  # [L, E] per-token inclusion probabilities
     pred, pred_base = _layer_pred(r)
-    return {
+    stats = {
         "layers": L, "num_experts": E, "top_k": k, "batch": B, "decode_steps": S,
         "prefill_tokens": int(r.prefill.shape[0]),
         "top10_share": float(prof[:n10].sum()),
@@ -165,6 +174,7 @@ def stats_of(r: Routing) -> dict[str, Any]:
         "drift_corr": _drift_corr(r),
         "topk_mass": r.topk_mass,
     }  # fmt: skip
+    return stats, prof
 
 
 def trace_stats(trace: Trace) -> dict[str, Any]:

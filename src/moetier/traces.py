@@ -68,13 +68,18 @@ class TraceRecorder:
         c["scores"].extend(scores if (self.with_scores and scores is not None) else [None] * n)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        table = pa.table(self._cols, schema=SCHEMA)
         meta = {**self.metadata, "schema_version": SCHEMA_VERSION}
-        table = table.replace_schema_metadata({b"moetier": json.dumps(meta).encode()})
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, out)
-        return out
+        return write_table(pa.table(self._cols, schema=SCHEMA), meta, path)
+
+
+def write_table(table: pa.Table, metadata: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write `table` as Parquet with `metadata` as JSON under b"moetier" (what `load` reads), creating the
+    parent folder."""
+    table = table.replace_schema_metadata({b"moetier": json.dumps(metadata).encode()})
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out)
+    return out
 
 
 def load(path: str | os.PathLike[str]) -> Trace:

@@ -15,7 +15,8 @@ import moetier
 from moetier.config import EngineConfig, RuntimeConfig
 from moetier.policies.costmodel import ComputeProfile, CostModel, HardwareProfile, LinkProfile
 from moetier.policies.schedule_base import ExpertWork, Schedule
-from moetier.runtime.hybrid import DomainExec, HybridExecutor, HybridExperts, Task, group_tokens
+from moetier.runtime.hybrid import DomainExec, HybridExecutor, HybridExperts, Task
+from moetier.runtime.moe_block import group_tokens
 from moetier.runtime.prefetch import Pricing, engine_spec
 from moetier.types import Domain, ExpertKey
 

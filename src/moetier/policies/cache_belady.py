@@ -44,10 +44,6 @@ class BeladyPolicy:
         self._heap: list[tuple[int, int, Hashable]] = []  # (-next use, tick, key); stale entries allowed
         self._tick = 0
 
-    @classmethod
-    def from_future(cls, future: Sequence[Hashable]) -> BeladyPolicy:
-        return cls(future)
-
     def _consume(self, key: Hashable) -> int:
         """Consume the key's current position; return its next use."""
         queue = self._queue.get(key)

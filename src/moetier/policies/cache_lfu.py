@@ -31,7 +31,7 @@ class LFUPolicy:
         self._count: dict[Hashable, int] = {}  # whole-history accesses (survives eviction)
         self._last: dict[Hashable, int] = {}  # tick of the last insert/access
         self._resident: set[Hashable] = set()
-        self._heap: list[tuple[int, int, int, Hashable]] = []  # (count, last, tiebreak, key); stale entries allowed
+        self._heap: list[tuple[int, int, Hashable]] = []  # (count, last, key); stale entries allowed
         self._tick = 0
 
     def _touch(self, key: Hashable) -> None:
@@ -39,13 +39,13 @@ class LFUPolicy:
         self._count[key] = self._count.get(key, 0) + 1
         self._last[key] = self._tick
         if key in self._resident:
-            heapq.heappush(self._heap, (self._count[key], self._tick, self._tick, key))
+            heapq.heappush(self._heap, (self._count[key], self._tick, key))
             if len(self._heap) > 4 * len(self._resident) + 64:
                 self._rebuild()
 
     def _rebuild(self) -> None:
         """Drop stale entries: one entry per resident key."""
-        self._heap = [(self._count[k], self._last[k], self._last[k], k) for k in self._resident]
+        self._heap = [(self._count[k], self._last[k], k) for k in self._resident]
         heapq.heapify(self._heap)
 
     def count(self, key: Hashable) -> int:
@@ -65,9 +65,9 @@ class LFUPolicy:
     def on_route(self, layer: int, scores: ArrayLike) -> None:
         pass  # frequency only
 
-    def _current(self, entry: tuple[int, int, int, Hashable]) -> bool:
+    def _current(self, entry: tuple[int, int, Hashable]) -> bool:
         """False for a stale heap entry: its key was evicted, or touched since."""
-        count, last, _, key = entry
+        count, last, key = entry
         return key in self._resident and count == self._count[key] and last == self._last[key]
 
     def victim(self, candidates: Iterable[Hashable]) -> Hashable:

@@ -1,9 +1,11 @@
 """Impact-driven prefetching (HybriMoE IV-C): which experts of the next layers to move ahead of time.
 
 Prediction: the routers of the next layers (up to 3 ahead) applied to the current hidden state
-give predicted probabilities per token [T, E]; `predicted_counts` turns them into predicted
-tokens per expert (top-k per token), which the caller prices with the cost model into ExpertWork
-lists, cached flags as of now.
+give predicted tokens per expert (top-k per token), which the caller prices with the cost model
+into ExpertWork lists, cached flags as of now. The engine (runtime/prefetch.py) counts its routers'
+own top-k ids and the simulator degrades the trace's future routing (sim/predict.py);
+`predicted_counts` / `predicted_layers` do the same top-k count from score arrays [T, E], but
+neither the engine nor the simulator calls them.
 
 Choice (`choose_prefetch`): the gain of prefetching an uncached expert is how much caching it
 shortens its layer's simulated makespan under the scheduler in use; greedy by gain per second of

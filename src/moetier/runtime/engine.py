@@ -89,7 +89,7 @@ class Engine:
         if config.scheduler.name is not None and self.device.type == "cuda":
             from moetier.runtime.hybrid import wire_hybrid
 
-            self.hybrid = wire_hybrid(loaded, config)
+            self.hybrid = wire_hybrid(loaded, config, self.prefetcher.pricing if self.prefetcher else None)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None

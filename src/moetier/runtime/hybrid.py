@@ -43,6 +43,7 @@ from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.runtime.experts import ExpertFn
 from moetier.runtime.kernels import small_rows
+from moetier.runtime.moe_block import group_tokens
 from moetier.store.store import ExpertStore
 from moetier.types import Domain, ExpertKey, Tier
 
@@ -150,26 +151,6 @@ class HybridExecutor:
 _STATS_LOCK = threading.Lock()
 
 
-def group_tokens(
-    ids: torch.Tensor, weights: torch.Tensor, num_experts: int
-) -> tuple[dict[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """ids/weights [T, k] -> (expert -> tokens, expert -> (token indices [c], weights [c]))."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)  # [T*k]
-    order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    hit = counts.nonzero().flatten()  # [A]
-    active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
-    token_of = order // k  # [T*k]
-    w_sorted = weights.reshape(-1)[order]  # [T*k]
-    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    start = 0
-    for e, c in active.items():  # ascending expert id, as argsort grouped them
-        groups[e] = (token_of[start : start + c], w_sorted[start : start + c])
-        start += c
-    return active, groups
-
-
 class HybridExperts:
     """TieredMoE.hybrid: price -> schedule -> run both domains -> combine."""
 
@@ -207,8 +188,9 @@ def store_domains(store: ExpertStore, fn: ExpertFn, accel_device: torch.device) 
     return accel, host
 
 
-def wire_hybrid(loaded: LoadedModel, config: EngineConfig) -> HybridExperts:
-    """Attach one HybridExperts (one executor) to every TieredMoE block. UNVERIFIED on a GPU."""
+def wire_hybrid(loaded: LoadedModel, config: EngineConfig, pricing: Pricing | None = None) -> HybridExperts:
+    """Attach one HybridExperts (one executor) to every TieredMoE block. UNVERIFIED on a GPU.
+    `pricing`: the prefetcher's (the same make_pricing call: hybrid, as config.scheduler.name is set), else built."""
     from moetier.runtime.prefetch import make_pricing
 
     store = loaded.store
@@ -216,7 +198,8 @@ def wire_hybrid(loaded: LoadedModel, config: EngineConfig) -> HybridExperts:
         raise ConfigError("hybrid CPU-GPU execution needs a static precision (full, int8, int4, int2)")
     if loaded.sparsity is not None:
         raise ConfigError("hybrid CPU-GPU execution and --sparsity cannot be combined yet")
-    pricing = make_pricing(loaded, config, store.precision.value, hybrid=True)
+    if pricing is None:
+        pricing = make_pricing(loaded, config, store.precision.value, hybrid=True)
     accel, host = store_domains(store, loaded.blocks[0].expert_fn, loaded.device)
     hybrid = HybridExperts(pricing, HybridExecutor(accel, host), lambda: store.cached_keys())
     for block in loaded.blocks:

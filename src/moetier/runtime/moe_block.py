@@ -19,7 +19,7 @@ With intra-expert sparsity on, steps 2-5 of the routed experts are `sparse`'s
 (runtime/hybrid.py); shared experts stay dense.
 
 Decode (one token) takes a short path with no sort and no scatter; prefill groups
-tokens by expert with one argsort. Neither loops over all E experts or over tokens.
+tokens by expert with one argsort (`group_tokens`). Neither loops over all E experts or over tokens.
 """
 
 from __future__ import annotations
@@ -125,28 +125,40 @@ class TieredMoE(nn.Module):
             for e in sorted(ys):  # combine in expert order, whatever the residency
                 out.add_(ys[e], alpha=w_of[e])  # [1, H] += w * expert(x)
             return out
-        k = ids.shape[1]
-        flat = ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
-        ends = counts.cumsum(0)  # [E]
-        hit = counts.nonzero().flatten()  # [A] active experts only
-        active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
-        starts = {e: end - active[e] for e, end in zip(active, ends[hit].tolist(), strict=True)}
-        token_of = order // k  # [T*k] token index of each sorted slot
-        w_sorted = weights.reshape(-1)[order]  # [T*k]
+        active, groups = group_tokens(ids, weights, self.num_experts)
         plan = plan_layer(layer, active, store.index)
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for task in plan.tasks:
             e, c = task.key.expert, task.tokens
-            tok = token_of[starts[e] : starts[e] + c]  # [c]
+            tok, w = groups[e]  # [c], [c]
             views = store.acquire(task.key)
             try:
                 with small_rows(c, x.dtype, x.device):  # an expert with 1-2 of the call's tokens: native GEMV
                     y = fn(x[tok], views)  # [c, H]
-                outs[e] = (tok, (y * w_sorted[starts[e] : starts[e] + c, None]).to(out.dtype))
+                outs[e] = (tok, (y * w[:, None]).to(out.dtype))
             finally:
                 store.release(task.key)
         for e in sorted(outs):  # combine in expert order, whatever the residency (as the reference does)
             out.index_add_(0, *outs[e])
         return out
+
+
+def group_tokens(
+    ids: torch.Tensor, weights: torch.Tensor, num_experts: int
+) -> tuple[dict[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """ids/weights [T, k] -> (expert -> tokens, expert -> (token indices [c], weights [c])), both in ascending
+    expert id, active experts only: the prefill grouping of TieredMoE and of runtime/hybrid.py."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    hit = counts.nonzero().flatten()  # [A]
+    active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
+    token_of = order // k  # [T*k]
+    w_sorted = weights.reshape(-1)[order]  # [T*k]
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    start = 0
+    for e, c in active.items():  # ascending expert id, as argsort grouped them
+        groups[e] = (token_of[start : start + c], w_sorted[start : start + c])
+        start += c
+    return active, groups

@@ -33,7 +33,14 @@ import torch
 
 from moetier.config import EngineConfig, PrefetchConfig
 from moetier.errors import ConfigError
-from moetier.policies.costmodel import PROFILES_DIR, ComputeProfile, CostModel, HardwareProfile, LinkProfile
+from moetier.policies.costmodel import (
+    PROFILES_DIR,
+    ComputeProfile,
+    CostModel,
+    HardwareProfile,
+    LinkProfile,
+    token_counts,
+)
 from moetier.policies.costmodel import load_profile as _load_profile
 from moetier.policies.prefetch import PrefetchStats, choose_prefetch
 from moetier.policies.schedule_base import Scheduler
@@ -125,8 +132,8 @@ class Prefetcher:
     def __call__(self, block: TieredMoE, x: torch.Tensor, ids: torch.Tensor) -> None:
         """After `block` routed x [T, H] to ids [T, k]: score, predict, price, choose, issue."""
         layer = block.layer
-        actual_ids = ids.reshape(-1).tolist()  # [T*k]
-        actual = {ExpertKey(layer, int(e)) for e in actual_ids}
+        here_counts = token_counts(ids.tolist())  # expert -> tokens of this call
+        actual = {ExpertKey(layer, e) for e in here_counts}
         # 1. score earlier predictions for this layer
         made = self._pending.pop(layer, None)
         if made:
@@ -142,15 +149,12 @@ class Prefetcher:
         with torch.inference_mode():
             for d, nxt in enumerate(ahead, start=1):
                 _, _, pred = getattr(nxt, nxt.router_name)(x)  # [T, k] top-k of layer l+d's router
-                c: dict[int, int] = {}
-                for e in pred.reshape(-1).tolist():
-                    c[int(e)] = c.get(int(e), 0) + 1
-                counts[nxt.layer] = c
+                c = counts[nxt.layer] = token_counts(pred.tolist())
                 self._pending.setdefault(nxt.layer, {})[d] = {ExpertKey(nxt.layer, e) for e in c}
         # 3. price with the current residency (in-flight counts as cached) and choose
         p = self.pricing
         cached = self.store.cached_keys()
-        here = p.cost.work(layer, _counts(actual_ids), cached, p.fast, p.slow, p.link)
+        here = p.cost.work(layer, here_counts, cached, p.fast, p.slow, p.link)
         tokens = int(x.shape[0])
         layer_s = p.scheduler.schedule(here).makespan + p.cost.dense_s(p.fast, tokens, 0)
         backlog = len(self.store.inflight()) * p.cost.move_s(p.link, p.cost.expert_nbytes)
@@ -178,13 +182,6 @@ class Prefetcher:
         out["link_budget_s"] = self.budget_s
         out["by_distance"] = {d: s.as_dict() for d, s in self.by_distance.items()}
         return out
-
-
-def _counts(ids: list[int]) -> dict[int, int]:
-    c: dict[int, int] = {}
-    for e in ids:
-        c[int(e)] = c.get(int(e), 0) + 1
-    return c
 
 
 def wire(loaded: LoadedModel, config: EngineConfig) -> Prefetcher | None:

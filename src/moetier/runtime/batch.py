@@ -239,12 +239,7 @@ class BatchRunner:
             raise ConfigError(f"max_new_tokens must be at least 1, got {req.max_new_tokens}")
         if not isinstance(req.sampling, SamplingConfig):
             raise ConfigError(f"sampling must be a SamplingConfig, got {type(req.sampling).__name__}")
-        limit = self.engine.max_len
-        if len(ids) + req.max_new_tokens - 1 > limit:
-            raise ConfigError(
-                f"prompt of {len(ids)} tokens + {req.max_new_tokens} new tokens exceeds the KV cache of "
-                f"{limit} tokens (lower max_new_tokens or raise max_seq_len, --max-seq-len)"
-            )
+        self.engine.check_fits(len(ids), req.max_new_tokens)
         stop = frozenset(self.engine._eos_ids) if req.stop_ids is None else frozenset(req.stop_ids)
         seed = req.sampling.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None

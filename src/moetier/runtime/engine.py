@@ -209,11 +209,7 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty after tokenization")
-        if len(ids) + max_new_tokens - 1 > self._max_len():
-            raise ConfigError(
-                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the KV cache of "
-                f"{self._max_len()} tokens (lower max_new_tokens or raise max_seq_len, --max-seq-len)"
-            )
+        self.check_fits(len(ids), max_new_tokens)
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         eos = self._eos_ids if stop_at_eos else set()
         out: list[int] = []
@@ -294,6 +290,14 @@ class Engine:
     def max_len(self) -> int:
         """Longest sequence one forward can take (the KV cache of the lean decoder)."""
         return self._max_len()
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """ConfigError unless the prompt and every new token but the last (never fed back) fit the KV cache."""
+        if prompt_tokens + max_new_tokens - 1 > self._max_len():
+            raise ConfigError(
+                f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the KV cache of "
+                f"{self._max_len()} tokens (lower max_new_tokens or raise max_seq_len, --max-seq-len)"
+            )
 
     def _max_len(self) -> int:
         """Longest sequence the decoder can hold (the lean decoder's KV cache; unbounded otherwise)."""

@@ -1,4 +1,5 @@
-"""Rich tables for the command line (cli.py): generation and eval statistics, model info.
+"""Rich tables for the command line (cli.py): generation and eval statistics, model info, and the
+metric / value table of `moetier simulate` (cli_simulate.py, cli_simulate_tri.py).
 
 Pure formatting: every function takes plain values (an Engine.stats() dict, a ModelInfo
 as a dict) and returns a rich renderable; nothing here loads models or prints.
@@ -28,6 +29,16 @@ def size(nbytes: int | float | None) -> str:
 def _kv_table(title: str, rows: Iterable[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
     table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def metric_table(title: str, rows: Iterable[tuple[str, str]], caption: str) -> Table:
+    """A headed metric / value table (values right-aligned) with `caption` under it, both left-justified."""
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in rows:
         table.add_row(key, value)

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from moetier.cli_format import metric_table
 from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli_options import JsonOut
 from moetier.cli_simulate_tri import (
@@ -146,11 +147,8 @@ def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: in
 
 def result_table(d: dict[str, Any], source: str) -> Table:
     """Metric / value rows of one simulation (the --json payload)."""
-    table = Table(title=f"{d['spec']} on {d['profile']}: {d['scheduler']}, {d['cache_policy']} cache at "
-                        f"{d['cache_ratio']:g}, prefetch {'on' if d['prefetch']['enabled'] else 'off'}",
-                  title_justify="left", caption=source, caption_justify="left")  # fmt: skip
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    title = (f"{d['spec']} on {d['profile']}: {d['scheduler']}, {d['cache_policy']} cache at "
+             f"{d['cache_ratio']:g}, prefetch {'on' if d['prefetch']['enabled'] else 'off'}")  # fmt: skip
     rows = [
         ("TTFT", f"{d['ttft_s'] * 1e3:.2f} ms ({d['prompt_len']} prompt tokens x {d['batch_size']})"),
         ("TBT", f"{d['tbt_s'] * 1e3:.3f} ms ({d['steps']} decode steps)"),
@@ -167,9 +165,7 @@ def result_table(d: dict[str, Any], source: str) -> Table:
         rows.append(("prefetch accuracy (assumed)", ",".join(f"{a:g}" for a in d["prefetch_accuracy"])))
         rows.append(("prediction accuracy", f"{100 * pf['accuracy']:.1f}%"))
         rows.append(("prefetches issued / used", f"{pf['issued']} / {pf['used']} ({100 * pf['used_frac']:.1f}%)"))
-    for name, value in rows:
-        table.add_row(name, value)
-    return table
+    return metric_table(title, rows, source)
 
 
 def simulate_cmd(

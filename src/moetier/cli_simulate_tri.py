@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from moetier.cli_format import metric_table
 from moetier.errors import ConfigError
 
 _TRI = "Three-domain simulation (trimoe, klotski, ktransformers-plus, monde, gpu-ndp)"
@@ -90,11 +91,8 @@ def _tri_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: 
 
 def tri_table(d: dict[str, Any], source: str) -> Table:
     """Metric / value rows of one three-domain simulation (the --json payload)."""
-    table = Table(title=f"{d['model']} on {d['profile']}: {d['scheduler']}, {d['ndp_count']} NDP DIMMs, CPU x"
-                        f"{d['cpu_tflops_scale']:g}, HBM {d['hbm_ratio']:g}",
-                  title_justify="left", caption=source, caption_justify="left")  # fmt: skip
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    title = (f"{d['model']} on {d['profile']}: {d['scheduler']}, {d['ndp_count']} NDP DIMMs, CPU x"
+             f"{d['cpu_tflops_scale']:g}, HBM {d['hbm_ratio']:g}")  # fmt: skip
     pred, mig = d["predictor"], d["migration"]
     rows = [
         ("MoE time per step", f"{d['moe_step_s'] * 1e3:.3f} ms ({d['steps']} steps, {d['calls']} calls)"),
@@ -108,9 +106,7 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
     rows.append(("predictor accuracy", f"{100 * pred['accuracy']:.1f}% (hot recall {100 * pred['hot_recall']:.1f}%)"))
     rows.append(("prefetch / relayout / migrate", f"{mig['prefetch']} / {mig['relayout']} / {mig['migrate']}"))
     rows.append(("link time / total time", f"{100 * mig['link_frac']:.2f}%"))
-    for name, value in rows:
-        table.add_row(name, value)
-    return table
+    return metric_table(title, rows, source)
 
 
 def run_tri(

@@ -35,7 +35,7 @@ import json
 import os
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,10 +89,6 @@ class Block:
     name: str
     axes: Axes
 
-    @property
-    def varying(self) -> tuple[str, ...]:
-        return tuple(name for name, values in self.axes if len(values) > 1)
-
     def given(self, fixed: Mapping[str, Any]) -> list[dict[str, Any]]:
         names = [name for name, _ in self.axes]
         combos = itertools.product(*(values for _, values in self.axes))
@@ -124,8 +120,19 @@ class Grid:
 
     def given(self) -> list[dict[str, Any]]:
         """Every point's given parameters ([params] + one value per axis of its block), blocks in file order
-        (a point in two blocks appears twice; callers dedupe by point_key)."""
+        (a point in two blocks appears twice; points() lists each once)."""
         return [g for b in self.blocks for g in b.given(dict(self.fixed))]
+
+    def points(self) -> Iterator[tuple[Block, str, dict[str, Any]]]:
+        """(block, point_key, given) of every distinct point, in grid order; a point in two blocks comes once,
+        under the first."""
+        seen: set[str] = set()
+        for b in self.blocks:
+            for given in b.given(dict(self.fixed)):
+                key = point_key(self.point, given)
+                if key not in seen:
+                    seen.add(key)
+                    yield b, key, given
 
     def full(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The point function's argument: its defaults overlaid with the given parameters."""
@@ -326,14 +333,12 @@ def run_sweep(
         raise ConfigError(f"jobs must be >= 1, got {jobs}")
     out.mkdir(parents=True, exist_ok=True)
     records = read_records(out)
+    points = list(grid.points())
     todo: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-    seen: set[str] = set()
-    for given in grid.given():
-        key = point_key(grid.point, given)
+    for _, key, given in points:
         rec = records.get(key)
-        if key not in seen and (rec is None or (retry_errors and rec.get("status") != "ok")):
+        if rec is None or (retry_errors and rec.get("status") != "ok"):
             todo.append((key, given, grid.full(given)))
-        seen.add(key)
     counts = {"ran": 0, "lost": 0}
     appender = Appender(out / RECORDS)
 
@@ -379,7 +384,7 @@ def run_sweep(
         raise MoetierError(f"{counts['lost']} point(s) lost to a failed worker (not recorded); "
                            f"re-run the same command to retry them")  # fmt: skip
     return SweepReport(
-        points=len(seen), done_before=len(seen) - len(todo), ran=counts["ran"],
+        points=len(points), done_before=len(points) - len(todo), ran=counts["ran"],
         errors=sum(r["status"] != "ok" for r in rows), lost=counts["lost"], seconds=time.perf_counter() - t0,
         results=out / RESULTS, plots=plots, runner=runner,
     )  # fmt: skip

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moetier.plotting import pyplot, save_figure
+
 Rows = Sequence[dict[str, Any]]
 SYSTEMS = ("klotski", "ktransformers-plus", "monde", "trimoe")
 BASELINES = ("ktransformers-plus", "monde")
@@ -83,10 +85,7 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
             ax.set_title(f"batch {b}", fontsize="medium")
             ax.set_ylabel(f"{label} over klotski (x)")
             body += [[m, str(b), *(f"{sp[m][s]:.2f}" if s in sp[m] else "-" for s in SYSTEMS)] for m in models]
-        fig.tight_layout()
-        paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out / f"{name}.png"))
         md.append(_table(f"{label} over klotski (x)", ["model", "batch", *SYSTEMS], body))
     # robustness: trimoe over the best baseline against batch
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
@@ -106,10 +105,7 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "robustness_batch.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / "robustness_batch.png"))
     md.append(_table("trimoe against the best baseline (MoE speedups over klotski)",
                      ["model", "batch", "trimoe", "best baseline", "ratio"], body))  # fmt: skip
     # Table 3: FLOP utilisation and busy time per domain, batch 512 (else the largest), mean over models
@@ -170,10 +166,7 @@ def _ablation(rows: Rows, plt: Any, out: Path, md: list[str], suffix: str = "", 
     _bars(ax, list(ABLATION), data)
     ax.set_ylabel("speedup over gpu-ndp (x)")
     ax.set_title(f"ablation, batch 512{note}", fontsize="medium")
-    fig.tight_layout()
-    path = out / f"fig8_ablation{suffix}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, out / f"fig8_ablation{suffix}.png")
     md.append(
         _table(
             f"ablation at batch 512{note}: MoE ms per step, then each step's gain (Fig. 8)",
@@ -204,10 +197,7 @@ def _sweep_line(rows: Rows, plt: Any, out: Path, md: list[str], block: str, x: s
     ax.set_ylabel("trimoe MoE time (relative)")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, out / f"{name}.png")
     md.append(_table(f"trimoe against {xlabel} (batch 512)", ["model", xlabel, "MoE ms/step", "relative"], body))
     return [path]
 
@@ -240,10 +230,7 @@ def _drift(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / "drift_relayout.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, out / "drift_relayout.png")
     md.append(_table("relayout against popularity drift (batch 512)",
                      ["model", "drift", "predictor accuracy", "+relayout gain", "trimoe / ktransformers-plus"],
                      body))  # fmt: skip
@@ -270,11 +257,7 @@ def _contention(rows: Rows, md: list[str]) -> None:
 
 def draw(rows: Rows, out: Path) -> list[Path]:
     """Every figure the rows allow, plus OUT/tables.md; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     md: list[str] = ["# TriMoE study: numbers behind the figures\n"]
     paths = _systems(rows, plt, out, md)
     paths += _ablation(rows, plt, out, md)

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moetier.plotting import pyplot, save_figure
 from moetier.sweep import Grid, point_key
 
 SPLIT = ("model", "scheduler")  # one figure per model, one line per scheduler
@@ -45,11 +46,7 @@ def plot_results(rows: Sequence[dict[str, Any]], grid: Grid, metric: str, out: P
             sub = [r for r in rows if r.get("point_key") in keys]
             paths += plot_results(sub, replace(grid, blocks=(b,)), metric, out, f"{prefix}{_slug(b.name)}_")
         return paths
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     xs_name = next((n for n in grid.varying if n not in SPLIT), None)
     averaged = [n for n in grid.varying if n not in SPLIT and n != xs_name]
     xs = _values(grid, xs_name) if xs_name else (None,)
@@ -86,12 +83,8 @@ def plot_results(rows: Sequence[dict[str, Any]], grid: Grid, metric: str, out: P
         title = f"{model}: {metric}" if model is not None else metric
         ax.set_title(title + (f" (mean over {', '.join(averaged)})" if averaged else ""), fontsize="medium")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
         stem = f"{_slug(metric)}_{_slug(str(model))}" if model is not None else _slug(metric)
-        path = out / f"{prefix}{stem}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out / f"{prefix}{stem}.png"))
     return paths
 
 

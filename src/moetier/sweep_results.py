@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moetier.sweep import Grid, point_key
+from moetier.sweep import Grid
 
 RESULTS = "results.parquet"
 FIXED_COLUMNS = ("status", "error", "seconds")
@@ -23,22 +23,19 @@ def result_rows(grid: Grid, records: Mapping[str, Mapping[str, Any]]) -> list[di
     """One dict per recorded point of `grid`, in grid order: point_key, its block's name (grids with several
     [[grid]] blocks; a point in two blocks is listed once, under the first), parameters, status, error,
     seconds, then result columns (a result column named like a parameter becomes NAME_result)."""
-    rows, seen = [], set()
+    rows = []
     names = [n for n, _ in grid.axes]
-    for block in grid.blocks:
-        for given in block.given(dict(grid.fixed)):
-            key = point_key(grid.point, given)
-            rec = records.get(key)
-            if rec is None or key in seen:
-                continue
-            seen.add(key)
-            full = grid.full(given)  # a parameter another block varies takes its value here (its default)
-            row: dict[str, Any] = {"point_key": key, **({"block": block.name} if len(grid.blocks) > 1 else {}),
-                                   **{n: full[n] for n in names}, **given,
-                                   **{c: rec.get(c) for c in FIXED_COLUMNS}}  # fmt: skip
-            for col, value in (rec.get("result") or {}).items():
-                row[f"{col}_result" if col in row else col] = value
-            rows.append(row)
+    for block, key, given in grid.points():
+        rec = records.get(key)
+        if rec is None:
+            continue
+        full = grid.full(given)  # a parameter another block varies takes its value here (its default)
+        row: dict[str, Any] = {"point_key": key, **({"block": block.name} if len(grid.blocks) > 1 else {}),
+                               **{n: full[n] for n in names}, **given,
+                               **{c: rec.get(c) for c in FIXED_COLUMNS}}  # fmt: skip
+        for col, value in (rec.get("result") or {}).items():
+            row[f"{col}_result" if col in row else col] = value
+        rows.append(row)
     return rows
 
 

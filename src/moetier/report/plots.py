@@ -10,34 +10,17 @@ folder, closes its figure and returns the path it wrote.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from moetier.plotting import pyplot, save_figure
 from moetier.report.data import Activation, PrecisionSeries
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
 
 
 def plot_activation(act: Activation, path: Path, title: str) -> Path:
     """Left: heatmap layer x expert of token share; right: each of the first and last layers' shares
     sorted high to low against the uniform share (how skewed routing is, as DynaExq's Fig. 1)."""
-    plt = _pyplot()
+    plt = pyplot()
     share = np.asarray(act.share)  # [L, E]
     n_layers, n_experts = share.shape
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.35 * n_layers + 1.8)),
@@ -60,12 +43,12 @@ def plot_activation(act: Activation, path: Path, title: str) -> Path:
     ax2.set_title("sorted routing frequency", fontsize="medium")
     ax2.legend(fontsize="small")
     ax2.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_hit_rates(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> Path:
     """Hit rate (all calls, solid; decode only, dashed) against the cache ratio, one colour per policy."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     for i, (policy, pts) in enumerate(curves.items()):
         color = f"C{i}"
@@ -78,12 +61,12 @@ def plot_hit_rates(curves: dict[str, list[dict[str, float]]], path: Path, title:
     ax.set_title(title + " (dashed: decode only)", fontsize="medium")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_precision(series: PrecisionSeries, path: Path, title: str) -> Path:
     """Top: experts held at each precision (stacked); bottom: cumulative promotions and demotions."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7.5, 5.6), sharex=True)
     steps = list(series.steps)
     ax.stackplot(steps, *[list(v) for v in series.experts.values()], labels=list(series.experts), alpha=0.85,
@@ -97,12 +80,12 @@ def plot_precision(series: PrecisionSeries, path: Path, title: str) -> Path:
     ax2.set_ylabel("cumulative count")
     ax2.legend(fontsize="small")
     ax2.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_sparsity(layers: dict[str, float], target: float, path: Path, title: str) -> Path:
     """One bar per MoE layer: achieved fraction of neurons skipped; the target as a line."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.3 * len(layers) + 2.5), 3.8))
     names = list(layers)
     ax.bar(names, [layers[n] for n in names], color="#4c72b0", label="achieved")
@@ -112,7 +95,7 @@ def plot_sparsity(layers: dict[str, float], target: float, path: Path, title: st
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize="medium")
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 __all__ = ["plot_activation", "plot_hit_rates", "plot_precision", "plot_sparsity"]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moetier.errors import ConfigError
+from moetier.plotting import pyplot, save_figure
 from moetier.sim.machine import TimelineOp
 
 LANE_ORDER = ("gpu", "cpu", "pcie", "disk")
@@ -30,10 +31,7 @@ def draw_timeline(ops: Sequence[TimelineOp], path: str | Path, title: str = "") 
     """Write the Gantt chart of `ops` to `path` (PNG); returns the path."""
     if not ops:
         raise ConfigError("the timeline window holds no ops; choose steps/layers the run covers")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     # 1. lanes and time origin
@@ -67,9 +65,4 @@ def draw_timeline(ops: Sequence[TimelineOp], path: str | Path, title: str = "") 
     steps = sorted({op.step for op in ops})
     layers = sorted({op.layer for op in ops})
     ax.set_title(title or f"steps {steps[0]}-{steps[-1]}, layers {layers[0]}-{layers[-1]}", fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, Path(path))  # dpi 110, as the figure was made

@@ -11,7 +11,7 @@ import pytest
 from moetier import traces
 from moetier.errors import ConfigError, TraceError
 from moetier.policies import CACHE_POLICIES, LRUPolicy
-from moetier.sim.cache_replay import ALL_POLICIES, parse_policies, replay, replay_trace, slots_for
+from moetier.sim.cache_replay import ALL_POLICIES, call_scores, parse_policies, replay, replay_trace, slots_for
 from moetier.traces import Call, TraceRecorder
 
 
@@ -145,6 +145,21 @@ def test_scores_fallback_uses_gate_weights() -> None:
     assert a.scores == "weights" and b.scores == "router"
     assert (a.hits, a.layers) == (b.hits, b.layers)
     assert replay(with_scores, "mrs", 0.25, num_experts=8, top_k=2).scores == "router"
+
+
+def test_call_scores_is_the_summed_router_scores_or_scattered_weights() -> None:
+    # sim/run.py routes its policies with call_scores too: scores summed over tokens, else gate weights
+    # accumulated per expert in token order (np.add.at), bit for bit
+    rng = np.random.default_rng(3)
+    for T in (1, 2, 7):
+        ids = np.stack([rng.choice(8, size=2, replace=False) for _ in range(T)])  # [T, 2]
+        w = rng.random((T, 2)).astype(np.float32)  # [T, 2]
+        sc = rng.random((T, 8)).astype(np.float32)  # [T, E]
+        assert np.array_equal(call_scores(Call(0, 0, ids, w, sc), 8), sc.astype(np.float64).sum(axis=0))
+        ref = np.zeros(8)  # [E]
+        np.add.at(ref, ids.ravel(), w.astype(np.float64).ravel())
+        got = call_scores(Call(0, 0, ids, w, None), 8)
+        assert got.dtype == np.float64 and np.array_equal(got, ref)
 
 
 def test_mrs_options_reported_and_validated() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from moetier.errors import ConfigError
 from moetier.policies.hwprofile import load_profile
+from moetier.policies.predictor import PathTimes
 from moetier.policies.schedule_trimoe import TriExpert
 from moetier.sim.ndp import GPU_ONLY, NdpMachine, NdpParams, load_ndp, ndp_from_dict, price_call
 from moetier.sim.tri import SYSTEMS, TriSimConfig, schedule_call, simulate_tri
@@ -61,6 +62,21 @@ def test_prices_by_hand() -> None:
     assert m.pcie_s() == pytest.approx(1e-5 + W / 64e9)
     assert m.link_s() == pytest.approx(W / 25e9)
     assert m.gpu_calc(np.array([0]))[0] == 0.0
+
+
+@pytest.mark.parametrize("contention", ["array", "channel"])
+def test_path_times_follow_eq_1_to_4(contention: str) -> None:
+    """Each load's PathTimes equal eq. 1-4 computed for that load alone (clamped to >= 1 token)."""
+    m = NdpMachine(SPEC, load_profile("h100-8470"), NdpParams(contention=contention), cpu_scale=0.5)
+    pred = np.array([0.0, 1e-9, 0.25, 0.999, 1.0, 1.5, 3.0, 31.75, 64.0, 255.5, 1e4, 3.7e6])  # [n]
+    every = m.path_times(pred)
+    assert len(every) == pred.shape[0]
+    p, ds, dl = m.pcie_s(), m.dram_s(Layout.STRIPED), m.dram_s(Layout.LOCALISED)
+    for i, t in enumerate(every):
+        n = np.asarray([max(float(pred[i]), 1.0)])
+        g, c, nd = float(m.gpu_calc(n)[0]), float(m.cpu_calc(n)[0]), float(m.ndp_calc(n)[0])
+        assert t == PathTimes(g, max(g, p, ds), max(g, p, dl), max(c, ds), max(c, dl), max(nd, m.internal_s()))
+    assert m.path_times(np.zeros(0)) == []
 
 
 def test_price_call_parts() -> None:

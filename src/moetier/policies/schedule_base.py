@@ -41,7 +41,8 @@ Lane = Literal["gpu", "cpu", "link"]
 LANES: tuple[Lane, ...] = ("gpu", "cpu", "link")
 
 
-def _finite(v: object) -> bool:
+def finite_time(v: object) -> bool:
+    """A usable duration: a real number (not bool), finite and >= 0."""
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
@@ -61,7 +62,7 @@ class ExpertWork:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
             raise ValueError(f"ExpertWork {tuple(self.key)}: tokens must be an int > 0, got {self.tokens!r}")
         for name in ("fast_s", "move_s") + (("slow_s",) if self.slow_s is not None else ()):
-            if not _finite(getattr(self, name)):
+            if not finite_time(getattr(self, name)):
                 raise ValueError(
                     f"ExpertWork {tuple(self.key)}: {name} must be finite and >= 0, got {getattr(self, name)!r}"
                 )
@@ -121,7 +122,7 @@ def lane_ready(ready: Mapping[Lane, float] | None) -> tuple[float, float, float]
     for lane, t in ready.items():
         if lane not in LANES:
             raise ValueError(f"ready: unknown lane {lane!r}; lanes are {', '.join(LANES)}")
-        if not _finite(t):
+        if not finite_time(t):
             raise ValueError(f"ready[{lane!r}] must be finite and >= 0, got {t!r}")
     return float(ready.get("gpu", 0.0)), float(ready.get("cpu", 0.0)), float(ready.get("link", 0.0))
 

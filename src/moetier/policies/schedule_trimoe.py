@@ -51,6 +51,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from moetier.policies.schedule_base import finite_time
 from moetier.types import Domain, ExpertKey, Layout
 
 INF = math.inf
@@ -60,14 +61,10 @@ ALL_DOMAINS: frozenset[Domain] = frozenset((Domain.ACCEL, Domain.HOST, Domain.ND
 _ORDER = {Domain.ACCEL: 0, Domain.HOST: 1, Domain.NDP: 2}
 
 
-def _time(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-
-
 def dram_read_s(nbytes: int, layout: Layout, host_bw: float, n_dimms: int) -> float:
     """T_DRAM(W, M): host read time of `nbytes` weights: striped at the full host bandwidth, localised at one
     DIMM's share of it (host_bw / n_dimms)."""
-    if not (_time(host_bw) and host_bw > 0) or n_dimms < 1 or nbytes < 0:
+    if not (finite_time(host_bw) and host_bw > 0) or n_dimms < 1 or nbytes < 0:
         raise ValueError(f"dram_read_s: need nbytes >= 0, host_bw > 0, n_dimms >= 1: {nbytes}, {host_bw}, {n_dimms}")
     return nbytes / host_bw if layout == Layout.STRIPED else nbytes * n_dimms / host_bw
 
@@ -106,7 +103,7 @@ class TriExpert:
         for name in ("gpu_calc_s", "cpu_calc_s", "ndp_calc_s", "pcie_s", "dram_s", "internal_s", "busy_s"):
             if name == "busy_s" and self.busy_s is None:
                 continue
-            if not _time(getattr(self, name)):
+            if not finite_time(getattr(self, name)):
                 raise ValueError(f"TriExpert {k}: {name} must be finite and >= 0, got {getattr(self, name)!r}")
 
     def gpu_cost(self) -> float:
@@ -124,10 +121,6 @@ class TriExpert:
         if self.layout != Layout.LOCALISED:
             return INF
         return max(self.ndp_calc_s, self.internal_s)
-
-    def reads_dram(self, domain: Domain) -> bool:
-        """Whether computing it on `domain` reads its weights through the host (contention, eq. 6)."""
-        return domain == Domain.HOST or (domain == Domain.ACCEL and not self.resident)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ def _call_experts(calls: Sequence[Call], num_experts: int) -> list[list[int]]:
     return out
 
 
-def _call_scores(call: Call, num_experts: int) -> np.ndarray:
+def call_scores(call: Call, num_experts: int) -> np.ndarray:
     """Router scores of one call summed over its tokens [E]; fallback: gate weights scattered."""
     if call.scores is not None:
         s = np.asarray(call.scores, dtype=np.float64)  # [T, E]
@@ -173,7 +173,7 @@ def replay(
     dec_acc = dec_hit = evictions = 0
     for call, keys in zip(calls, call_keys, strict=True):
         layer = int(call.layer)
-        pol.on_route(layer, _call_scores(call, num_experts))
+        pol.on_route(layer, call_scores(call, num_experts))
         in_call = set(keys)
         n_hit = 0
         for key in [k for k in keys if k in resident] + [k for k in keys if k not in resident]:  # hits first

@@ -177,12 +177,15 @@ class NdpMachine:
         """One expert over one DIMM-Link (a relayout or a migration)."""
         return self.nbytes / self.ndp.link_bw
 
-    def path_times(self, tokens: float) -> PathTimes:
-        """Eq. 1-4 of one routed expert at a (predicted) load, for the background planner."""
-        n = np.asarray([max(float(tokens), 1.0)])
-        g, c, nd = float(self.gpu_calc(n)[0]), float(self.cpu_calc(n)[0]), float(self.ndp_calc(n)[0])
+    def path_times(self, tokens: np.ndarray) -> list[PathTimes]:
+        """Eq. 1-4 of routed experts at (predicted) loads `tokens` [n] (each at least 1), for the background
+        planner: one compute pass per path."""
+        n = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)  # [n]
+        g, c, nd = self.gpu_calc(n).tolist(), self.cpu_calc(n).tolist(), self.ndp_calc(n).tolist()
         p, ds, dl = self.pcie_s(), self.dram_s(Layout.STRIPED), self.dram_s(Layout.LOCALISED)
-        return PathTimes(g, max(g, p, ds), max(g, p, dl), max(c, ds), max(c, dl), max(nd, self.internal_s()))
+        i = self.internal_s()
+        return [PathTimes(gj, max(gj, p, ds), max(gj, p, dl), max(cj, ds), max(cj, dl), max(nj, i))
+                for gj, cj, nj in zip(g, c, nd, strict=True)]  # fmt: skip
 
 
 def price_call(

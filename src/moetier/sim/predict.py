@@ -60,8 +60,8 @@ def degrade(
     w = np.zeros(num_experts) if scores is None else np.asarray(scores, dtype=np.float64)  # [E]
     key = np.log(np.maximum(w, 1e-12)) + rng.gumbel(size=num_experts)  # [E]
     key[ids] = -np.inf
-    m = min(len(lost), free)
-    repl = np.argpartition(-key, m - 1)[:m] if m < num_experts else np.arange(num_experts)  # [m]
+    m = min(len(lost), free)  # 1 <= m <= free < num_experts
+    repl = np.argpartition(-key, m - 1)[:m]  # [m]
     for e_new, e_old in zip(repl.tolist(), lost, strict=False):
         pred[int(e_new)] = actual[e_old]
     return pred

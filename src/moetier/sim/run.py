@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -43,6 +42,7 @@ from moetier.policies.costmodel import CostModel, HardwareProfile
 from moetier.policies.prefetch import PrefetchStats, choose_prefetch
 from moetier.policies.schedule_base import ExpertWork, Scheduler
 from moetier.policies.schedulers import make_scheduler
+from moetier.sim.cache_replay import call_scores
 from moetier.sim.config import SimConfig, SimResult
 from moetier.sim.initial import default_cache_policy, initial_keys
 from moetier.sim.machine import Machine, MachineShape, PrefetchItem, SimGen
@@ -105,14 +105,6 @@ class _Prepared:
         nz = np.flatnonzero(bc)
         return dict(zip(nz.tolist(), bc[nz].tolist(), strict=True))
 
-    def scores(self, c: Call, num_experts: int) -> np.ndarray:
-        """Router probabilities summed over the call's tokens [E]; gate weights scattered when absent."""
-        if c.scores is not None:
-            return np.asarray(c.scores, dtype=np.float64).sum(axis=0)  # [E]
-        s = np.zeros(num_experts, dtype=np.float64)  # [E]
-        np.add.at(s, np.asarray(c.ids).ravel(), np.asarray(c.weights, dtype=np.float64).ravel())
-        return s
-
 
 class _Replay:
     """One run's state: machine, cache, scheduler, prediction, counters."""
@@ -152,7 +144,7 @@ class _Replay:
         self.has_scores = all(c.scores is not None for c in prep.by_step[prep.steps[0]].values())
         self.calls = [prep.by_step[s][layer] for s, layer in self.order]
         self.counts = [prep.counts(c) for c in self.calls]  # per call index: {expert: tokens}
-        self.scores = np.asarray([prep.scores(c, spec.num_experts) for c in self.calls])  # [calls, E] summed
+        self.scores = np.asarray([call_scores(c, spec.num_experts) for c in self.calls])  # [calls, E] summed
         seen = [(c.layer, prep.counts(c)) for step in prep.warmup for c in step.values()] if prep.warmup else [
             (c.layer, n) for c, n in zip(self.calls, self.counts, strict=True)]  # fmt: skip
         self.cache.warm(initial_keys(self.scheduler, spec, slots, seen))
@@ -331,8 +323,3 @@ def simulate(spec: ModelSpec, profile: HardwareProfile, calls: Sequence[Call], c
     proc = run.m.env.process(run.forward())
     run.m.env.run(until=proc)
     return run.result(profile)
-
-
-def describe(result: SimResult) -> dict[str, Any]:
-    """The JSON line of `moetier simulate`."""
-    return result.as_dict()

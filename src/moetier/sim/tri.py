@@ -44,8 +44,15 @@ from moetier.errors import ConfigError
 from moetier.policies.costmodel import CostModel
 from moetier.policies.hwprofile import load_profile
 from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
-from moetier.policies.schedule_trimoe import ALL_DOMAINS, DomainTotals, TriExpert, domain_totals, schedule_trimoe
-from moetier.sim.ndp import CONTENTION, NdpMachine, load_ndp, price_call
+from moetier.policies.schedule_trimoe import (
+    ALL_DOMAINS,
+    MAX_ITERS,
+    DomainTotals,
+    TriExpert,
+    domain_totals,
+    schedule_trimoe,
+)
+from moetier.sim.ndp import CONTENTION, DEFAULT_PROFILE, NdpMachine, load_ndp, price_call
 from moetier.specs import ModelSpec
 from moetier.types import Domain, ExpertKey, Layout
 
@@ -85,8 +92,8 @@ class TriSimConfig:
     refinement: bool = True
     relayout: bool = True
     context: int = 1024  # KV length per sequence for the attention time
-    profile: str = "h100-8470"
-    max_iters: int = 512
+    profile: str = DEFAULT_PROFILE
+    max_iters: int = MAX_ITERS
     drift: float | None = None  # synthetic_calls: popularity rank swaps per layer per step (None: the preset's)
     contention: str | None = None  # eq. 6 reading, "array" or "channel" (None: the profile's NDP section)
 
@@ -189,14 +196,13 @@ def _states(
     """Planner inputs for the non-resident experts of one layer (resident ones take no action)."""
     link = m.link_s() / m.ndp.n_links if relayout else NEVER
     pcie = m.pcie_s()
+    ids = [e for e in range(pred.shape[0]) if not (e in resident or (not relayout and cls[e] != Heat.HOT))]
     out = []
-    for e in range(pred.shape[0]):
-        if e in resident or (not relayout and cls[e] != Heat.HOT):
-            continue
+    for e, times in zip(ids, m.path_times(pred[ids]), strict=True):
         key = ExpertKey(layer, e)
         lay = layouts.get(key, Layout.STRIPED)
         out.append(ExpertState(key, Heat(int(cls[e])), False, lay, homes.get(key, -1) if lay == Layout.LOCALISED
-                               else -1, m.path_times(float(pred[e])), pcie, link, link))  # fmt: skip
+                               else -1, times, pcie, link, link))  # fmt: skip
     return out
 
 

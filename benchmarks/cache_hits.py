@@ -7,8 +7,8 @@ of ratio x all routed experts of all MoE layers; an access is one unique expert 
     data/shakespeare_heldout.txt (sampled, temperature 0.8, seeded) with router scores recorded,
     through the Python API (moetier.load, Engine.record_trace, Engine.generate). The rows sum the
     hits and accesses of all prompts.
-(b) synthetic: moetier.synthetic.generate(preset(name), steps, prompt_len) for Mixtral-8x7B,
-    Qwen2-57B-A14B and DeepSeek-V2-Lite (skipped, with a note, if moetier.synthetic is missing).
+(b) synthetic: moetier.studies.synthetic.generate(preset(name), steps, prompt_len) for Mixtral-8x7B,
+    Qwen2-57B-A14B and DeepSeek-V2-Lite (skipped, with a note, if moetier.studies.synthetic is missing).
 
 `--alphas 0.05,0.1,...` adds one MRS row per alpha (the sweep behind MRS's default). Prints a
 table (overall hit rate; decode-only in brackets), then one JSON line.
@@ -61,11 +61,11 @@ def record_bundled(out_dir: Path, prompts: int, tokens: int, lines: int = 30) ->
 
 
 def synthetic_traces(steps: int, prompt_len: int) -> tuple[dict[str, list[traces.Trace]], str | None]:
-    """name -> [trace] from moetier.synthetic presets; (empty, reason) when the module is missing."""
+    """name -> [trace] from moetier.studies.synthetic presets; (empty, reason) when the module is missing."""
     try:
-        from moetier import synthetic
+        from moetier.studies import synthetic
     except ImportError as exc:
-        return {}, f"moetier.synthetic not available ({exc})"
+        return {}, f"moetier.studies.synthetic not available ({exc})"
     return {name: [synthetic.generate(synthetic.preset(name), steps, prompt_len=prompt_len)]
             for name in SYNTH_SPECS}, None  # fmt: skip
 

@@ -4,7 +4,7 @@ Profile a6000-5220r (RTX A6000 + Xeon Gold 5220R, 10 cores; its CPU rate is CALI
 paper's kTransformers decode baseline, see its notes and --calibrate); models mixtral-8x7b,
 qwen2-57b-a14b, deepseek-v2-lite with 4-bit experts (precision int4: the paper runs Marlin 4-bit
 kernels, V) and synthetic traces of the preset with stats="hybrimoe" (class shares fitted to the
-paper's Fig. 9 LRU hit rates at 25%, see moetier.synthetic.HYBRIMOE_SKEW and --fit-stats; seed 0,
+paper's Fig. 9 LRU hit rates at 25%, see moetier.studies.synthetic.HYBRIMOE_SKEW and --fit-stats; seed 0,
 batch 1); GPU expert cache ratios 0.25 / 0.5 / 0.75. Every trace starts with WARMUP = 128 decode
 steps that are not replayed: the static placements and every initial cache are built from their
 counts (SimConfig.warmup_steps), never from the calls that are timed. For every scheduler:
@@ -43,7 +43,7 @@ from moetier.policies.costmodel import HardwareProfile, load_profile
 from moetier.sim import SimConfig, simulate
 from moetier.sim.cache_replay import replay_trace
 from moetier.specs import load_spec
-from moetier.synthetic import HYBRIMOE_LRU25, generate, preset, with_skew
+from moetier.studies.synthetic import HYBRIMOE_LRU25, generate, preset, with_skew
 from moetier.traces import iter_calls
 
 MODELS = ("mixtral-8x7b", "qwen2-57b-a14b", "deepseek-v2-lite")

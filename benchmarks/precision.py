@@ -44,8 +44,8 @@ import torch
 
 import moetier
 from moetier.config import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig
-from moetier.store.qreader import tier_summary
-from moetier.store.quantize import quantize_model
+from moetier.formats.qtier import tier_summary
+from moetier.formats.quantize import quantize_model
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey
 

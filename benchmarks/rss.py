@@ -56,8 +56,8 @@ def main() -> None:
         child(args.child[0], int(args.child[1]), int(args.child[2]))
         return
     from benchmarks._models import qwen3_bench_model
-    from moetier.runtime.loader import read_config
-    from moetier.store.checkpoint import CheckpointIndex
+    from moetier.formats.checkpoint import CheckpointIndex
+    from moetier.models.open import read_config
 
     # 1. model and its byte split
     path = str(qwen3_bench_model(args.cache_dir))

@@ -1,7 +1,7 @@
 """Speed of the simulator itself: replay 1000 decode steps of DeepSeek-V2-Lite at batch 1.
 
 Issue 5 target: at most 10 seconds on this machine, scheduler calls included. The trace is the
-synthetic DeepSeek-V2-Lite preset (moetier.synthetic.preset, seed 0) with a 32-token prompt;
+synthetic DeepSeek-V2-Lite preset (moetier.studies.synthetic.preset, seed 0) with a 32-token prompt;
 the machine is the paper's (profiles/a6000-5220r.json), cache ratio 0.5. Timed: `simulate()`
 alone (wall clock and process CPU time, best of --repeat; the CPU time is what
 counts on a shared machine), per scheduler; trace generation and `iter_calls` are
@@ -21,7 +21,7 @@ import time
 from moetier.policies.costmodel import load_profile
 from moetier.sim import SimConfig, simulate
 from moetier.specs import load_spec
-from moetier.synthetic import generate, preset
+from moetier.studies.synthetic import generate, preset
 from moetier.traces import iter_calls
 
 

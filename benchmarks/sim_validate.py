@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))  # `benchmarks._models` from any cwd
 import moetier  # noqa: E402
 from benchmarks._models import qwen3_bench_model  # noqa: E402
 from moetier.config import Budgets, EngineConfig, RuntimeConfig  # noqa: E402
+from moetier.models.open import describe  # noqa: E402
 from moetier.policies.costmodel import load_profile  # noqa: E402
-from moetier.runtime.loader import describe  # noqa: E402
 from moetier.sim import SimConfig, simulate  # noqa: E402
 from moetier.specs import load_spec  # noqa: E402
 from moetier.traces import iter_calls, load  # noqa: E402

@@ -41,10 +41,10 @@ import torch
 
 import moetier
 from moetier.config import EngineConfig, RuntimeConfig, SparsityConfig
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.qtier import source_fingerprint
+from moetier.kernels.small_rows import small_rows
 from moetier.runtime.calibrate import calibrate, model_identity
-from moetier.runtime.kernels import small_rows
-from moetier.store.checkpoint import CheckpointIndex
-from moetier.store.qreader import source_fingerprint
 
 MODEL = Path("models/tiny-shakespeare-moe")
 TEXT = Path("data/shakespeare_heldout.txt")
@@ -213,7 +213,7 @@ def speed_quant(repeats: int, precision: str = "int4") -> dict[str, Any]:
     sparse at 0.85 as a third decode candidate)."""
     from benchmarks._models import qwen3_bench_model
     from moetier.config import PrecisionConfig
-    from moetier.store.quantize import quantize_model
+    from moetier.formats.quantize import quantize_model
 
     bench = qwen3_bench_model()
     quant = Path(".bench/quant-bench")

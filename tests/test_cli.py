@@ -22,8 +22,8 @@ import torch
 from typer.testing import CliRunner
 
 from moetier import traces
-from moetier.cli import TokenStream, app
-from moetier.cli_options import size_flag
+from moetier.cli.app import TokenStream, app
+from moetier.cli.options import size_flag
 from moetier.models.tiny import build_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,8 +10,8 @@ import pytest
 import typer
 from typer.main import get_command
 
-from moetier.cli import app
-from moetier.cli_engine import DEFAULT_FLAGS, EngineFlags, engine_flags
+from moetier.cli.app import app
+from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 

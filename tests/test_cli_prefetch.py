@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from moetier.cli import app
+from moetier.cli.app import app
 from moetier.models.tiny import build_tiny_checkpoint
 from test_cli import _save_tokenizer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from moetier.cli_profile import register
+from moetier.cli.profile import register
 from moetier.policies.costmodel import load_profile
 
 runner = CliRunner()

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moetier import traces
-from moetier.cli import app
-from moetier.cli_replay import register
+from moetier.cli.app import app
+from moetier.cli.replay import register
 from moetier.sim.cache_replay import replay_trace
 from moetier.traces import TraceRecorder
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from moetier.cli_simulate import register
+from moetier.cli.simulate import register
 
 app = typer.Typer()
 

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from moetier.cli_simulate import register
+from moetier.cli.simulate import register
 
 app = typer.Typer()
 
@@ -90,8 +90,8 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_trace_replays_its_decode_steps(tmp_path: Path) -> None:
-    from moetier import synthetic
     from moetier.specs import load_spec
+    from moetier.studies import synthetic
 
     spec = load_spec("deepseek-v2-lite")
     path = tmp_path / "t.parquet"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetier.kernels.sparse import default_table_path
 from moetier.models.tiny import build_tiny_checkpoint
-from moetier.store.sparse import default_table_path
 from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from moetier.cli_sweep import register
+from moetier.cli.sweep import register
 
 app = typer.Typer()
 

@@ -9,10 +9,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import moetier.cli_synth as cli_synth
+import moetier.cli.synth as cli_synth
 from moetier import traces
 from moetier.errors import ConfigError
-from moetier.synthetic import SynthParams, generate, save
+from moetier.studies.synthetic import SynthParams, generate, save
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""moetier.sweep: grid files (expansion, plural keys, validation), point keys, the process-pool and
+"""moetier.studies.sweep: grid files (expansion, plural keys, validation), point keys, the process-pool and
 Ray runners, resume from points.jsonl, error rows, the Parquet schema and the plots."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetier.errors import ConfigError
-from moetier.sweep import REQUIRED, Point, load_grid, parse_grid, point_key, register_point, run_sweep
-from moetier.sweep_exec import RECORDS
-from moetier.sweep_simulate import simulate_point
+from moetier.studies.sweep import REQUIRED, Point, load_grid, parse_grid, point_key, register_point, run_sweep
+from moetier.studies.sweep_exec import RECORDS
+from moetier.studies.sweep_simulate import simulate_point
 
 SIM = {"profile": "a6000-5220r", "steps": 4, "prompt_len": 8}
 
@@ -219,7 +219,7 @@ def test_tri_point_sweep_columns(tmp_path: Path) -> None:
     rep = run_sweep(g, tmp_path / "out", jobs=1)
     assert (rep.points, rep.ran, rep.errors) == (2, 2, 0)
     t = pq.read_table(rep.results)
-    from moetier.sweep_tri import COLUMNS
+    from moetier.studies.sweep_tri import COLUMNS
 
     assert set(COLUMNS) <= set(t.column_names)
     for col in ("moe_step_s", "throughput_tok_s", "busy_gpu", "predictor_accuracy", "migration_link_frac"):

@@ -1,4 +1,4 @@
-"""moetier.sweep with several [[grid]] blocks (their union, the block column, defaults filled in, plots per
+"""moetier.studies.sweep with several [[grid]] blocks (their union, the block column, defaults filled in, plots per
 block) and a study's own figures (`figures = "trimoe"`, sweep_figures_tri.py) drawn from a small real sweep."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetier.errors import ConfigError
-from moetier.sweep import REQUIRED, Point, load_grid, parse_grid, point_key, register_point, run_sweep
+from moetier.studies.sweep import REQUIRED, Point, load_grid, parse_grid, point_key, register_point, run_sweep
 
 
 def _echo(p: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,18 @@ import pytest
 
 from moetier import traces
 from moetier.errors import ConfigError, TraceError
-from moetier.synthetic import HYBRIMOE_LRU25, SynthParams, fit, generate, preset, routing, save, shares, with_skew
-from moetier.synthetic_stats import class_shares, sorted_profile, stats_of, trace_stats
+from moetier.studies.synthetic import (
+    HYBRIMOE_LRU25,
+    SynthParams,
+    fit,
+    generate,
+    preset,
+    routing,
+    save,
+    shares,
+    with_skew,
+)
+from moetier.studies.synthetic_stats import class_shares, sorted_profile, stats_of, trace_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "data" / "traces" / "macbeth-ross.parquet"

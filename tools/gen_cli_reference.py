@@ -1,6 +1,6 @@
 """Render the `moetier` command line's help into docs/guide/cli.md (the CLI reference).
 
-The reference is generated from the typer app itself (moetier.cli.app), so it cannot drift from
+The reference is generated from the typer app itself (moetier.cli.app.app), so it cannot drift from
 `moetier COMMAND --help`: for every command, in the order `moetier --help` lists them, its help
 text, its usage line and one table per help panel (Arguments, Options, Engine, Precision, ...)
 with each parameter's help record as click renders it (flag and metavar, help, default, range).
@@ -81,9 +81,9 @@ def _command_section(group: Any, name: str, cmd: Any) -> list[str]:
 
 
 def render() -> str:
-    """The whole of docs/guide/cli.md, from moetier.cli.app."""
+    """The whole of docs/guide/cli.md, from moetier.cli.app.app."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moetier.cli import app
+    from moetier.cli.app import app
 
     group = typer.main.get_command(app)
     commands = getattr(group, "commands", {})  # typer vendors click: a Group-like object

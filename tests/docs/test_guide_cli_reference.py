@@ -27,7 +27,7 @@ def test_cli_reference_is_current() -> None:
 def test_cli_reference_lists_every_command_and_flag() -> None:
     import typer.main
 
-    from moetier.cli import app
+    from moetier.cli.app import app
 
     text = (ROOT / "docs" / "guide" / "cli.md").read_text(encoding="utf-8")
     commands = getattr(typer.main.get_command(app), "commands", {})

@@ -21,7 +21,7 @@ PAGES = [p.name for p in pages()]
 @functools.cache
 def cli_flags() -> dict[str, set[str]]:
     """Command name -> every option string it accepts, from the typer app."""
-    from moetier.cli import app
+    from moetier.cli.app import app
 
     group = typer.main.get_command(app)
     commands = getattr(group, "commands", {})

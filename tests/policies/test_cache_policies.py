@@ -178,8 +178,8 @@ def test_mrs_vs_lru_depends_on_step_to_step_reuse(seed: int) -> None:
     from step to step, and LRU wins clearly when it does (AR(1) temporal correlation 0.4)."""
     import dataclasses
 
-    from moetier import synthetic
     from moetier.sim.cache_replay import replay_trace
+    from moetier.studies import synthetic
 
     base = synthetic.SynthParams(num_layers=8, num_experts=8, top_k=2, hot_frac=0.0, warm_frac=0.5, hot_share=0.0,
                                  warm_share=0.62, spread=0.3, layer_corr=0.93, seed=seed)  # fmt: skip

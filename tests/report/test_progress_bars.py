@@ -12,8 +12,9 @@ import pytest
 from rich.progress import Progress
 from typer.testing import CliRunner
 
-from moetier import cli_replay, cli_report
-from moetier.cli import app
+from moetier.cli import replay as cli_replay
+from moetier.cli import report as cli_report
+from moetier.cli.app import app
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "twelfth-night.parquet"
 runner = CliRunner()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from moetier.cli import app
+from moetier.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "tiny-shakespeare-moe"

@@ -32,12 +32,12 @@ from rich.console import Console
 
 import moetier
 from moetier import Budgets, EngineConfig, RuntimeConfig
-from moetier.cli_format import eval_report
+from moetier.cli.tables import eval_report
 from moetier.config import PrecisionConfig, format_size
 from moetier.errors import BudgetError, CheckpointError, ConfigError
+from moetier.formats.quantize import quantize_model
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.precision import ExpertState, PrecisionController
-from moetier.store.quantize import quantize_model
 from moetier.types import ExpertKey, Precision
 
 CPU = RuntimeConfig(device="cpu")

@@ -29,15 +29,15 @@ import torch.nn.functional as F
 import moetier
 from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig, SparsityConfig
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.qtier import source_fingerprint
+from moetier.kernels import native
+from moetier.kernels.sparse import ThresholdTable, default_table_path, native_kernel
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.sparsity import tipping_point
 from moetier.runtime import sparsity as rs
 from moetier.runtime.calibrate import calibrate, model_identity
 from moetier.runtime.tipping import load_or_measure_tipping
-from moetier.store import native
-from moetier.store.checkpoint import CheckpointIndex
-from moetier.store.qreader import source_fingerprint
-from moetier.store.sparse import ThresholdTable, default_table_path, native_kernel
 from moetier.types import ExpertKey
 
 CPU = RuntimeConfig(device="cpu", dtype="fp32")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.runtime.kernels import small_rows
+from moetier.kernels.small_rows import small_rows
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetier.cli_profile import lut_table
+from moetier.cli.profile import lut_table
 from moetier.errors import ConfigError
 from moetier.policies.costmodel import CostModel, load_profile, save_profile
 from moetier.runtime.profile import ProfileOptions, disk_bandwidth, measure, n_steps, synthetic_experts

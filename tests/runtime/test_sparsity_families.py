@@ -13,11 +13,11 @@ import torch
 import moetier
 from moetier.config import EngineConfig, SparsityConfig
 from moetier.errors import ConfigError
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.qtier import source_fingerprint
+from moetier.kernels.sparse import default_table_path
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.runtime.calibrate import calibrate, model_identity
-from moetier.store.checkpoint import CheckpointIndex
-from moetier.store.qreader import source_fingerprint
-from moetier.store.sparse import default_table_path
 
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
 

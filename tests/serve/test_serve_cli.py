@@ -14,7 +14,7 @@ import httpx2
 import openai
 from typer.testing import CliRunner
 
-from moetier.cli import app
+from moetier.cli.app import app
 from serve.conftest import MODEL, NAME
 
 runner = CliRunner()

@@ -15,7 +15,7 @@ from moetier.policies.schedulers import make_scheduler
 from moetier.sim import SimConfig, simulate
 from moetier.sim.machine import Machine, MachineShape, PrefetchItem
 from moetier.specs import ModelSpec, load_spec
-from moetier.synthetic import generate, preset
+from moetier.studies.synthetic import generate, preset
 from moetier.traces import Call, iter_calls
 from moetier.types import ExpertKey
 

@@ -11,7 +11,7 @@ from moetier.policies.costmodel import load_profile
 from moetier.sim import SimConfig, simulate
 from moetier.sim.timeline import draw_timeline
 from moetier.specs import load_spec
-from moetier.synthetic import generate, preset
+from moetier.studies.synthetic import generate, preset
 from moetier.traces import iter_calls
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import moetier
 from moetier import Budgets, EngineConfig, RuntimeConfig
 from moetier.errors import BudgetError, CheckpointError, MoetierError
-from moetier.store.checkpoint import CheckpointIndex, read_header
+from moetier.formats.checkpoint import CheckpointIndex, read_header
 
 CFG = EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32", lean=False))
 

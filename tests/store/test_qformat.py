@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import CheckpointError
-from moetier.store.layout import ExpertLayout
-from moetier.store.qformat import ALIGN, ExpertFormat, QExpertViews, QLinearWeight, _int2_layout_ok, linear
-from moetier.store.quant import QMatrix, QuantSpec, dequantize, quantize_expert
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.quant import QMatrix, QuantSpec, dequantize, quantize_expert
+from moetier.kernels.qformat import ALIGN, ExpertFormat, QExpertViews, QLinearWeight, _int2_layout_ok, linear
 from moetier.types import Precision
 
 CPU = torch.device("cpu")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moetier.errors import CheckpointError, ConfigError
-from moetier.store.layout import ExpertLayout
-from moetier.store.quant import (
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.quant import (
     QMatrix,
     QuantSpec,
     dequantize,

@@ -24,12 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import canonical_experts_of
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats import quantize as quantize_mod
+from moetier.formats.qtier import QuantTier, list_tiers
+from moetier.formats.quant import quantize_expert
+from moetier.formats.quantize import QuantEvent, quantize_model
+from moetier.models.open import open_checkpoint, open_quant_tier
 from moetier.models.tiny import build_tiny_checkpoint
-from moetier.runtime.loader import _open
-from moetier.store import quantize as quantize_mod
-from moetier.store.qreader import QuantTier, list_tiers
-from moetier.store.quant import quantize_expert
-from moetier.store.quantize import QuantEvent, quantize_model
 from moetier.types import ExpertKey
 
 INTER_ATTR = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
@@ -77,7 +77,7 @@ def test_tier_reads_back_exactly_what_quantize_expert_gives(family: str, ckpt64:
     assert not (src / "moetier-quant").exists()  # `out` keeps the model folder untouched
     experts = canonical_experts_of(src, family)
     for precision, path in zip(ALL, paths, strict=True):
-        tier = QuantTier.open(src, precision, root=tmp_path)
+        tier = open_quant_tier(src, precision, root=tmp_path)
         assert tier.group_sizes == {"w13": 32, "w2": 64}
         files = {layer: load_file(path / f"layer-{layer:03d}.safetensors") for layer in tier.moe_layers}
         dest = empty_like_specs(tier)
@@ -110,9 +110,9 @@ def test_default_location_int8_on_conftest_checkpoints_and_int4_refused(ckpt_cop
     src = ckpt_copy("deepseek_v3", "sharded")  # first layer dense; several shards
     (path,) = quantize_model(src, ["int8"])
     assert path == src / "moetier-quant" / "int8-gK"
-    tier = QuantTier.open(src, "int8")
+    tier = open_quant_tier(src, "int8")
     assert tier.moe_layers == (1, 2) and tier.group_sizes == {"w13": 32, "w2": 16}
-    opened = _open(src, "auto", torch.device("cpu"))  # as the loader holds it: index and shape reused
+    opened = open_checkpoint(src, "auto", torch.device("cpu"))  # as the loader holds it: index and shape reused
     again = QuantTier.open(src, "int8", reader=opened.reader)
     assert (again.layout, again.num_experts, again.moe_layers) == (tier.layout, tier.num_experts, tier.moe_layers)
     with pytest.raises(ConfigError, match=r"shape \[32, 16\]"):
@@ -133,7 +133,7 @@ def test_resume_after_interruption_skips_done_layers_byte_identical(ckpt64: Call
     with pytest.raises(Stop):
         quantize_model(src, ["int4", "int2"], out=run, progress=stop)
     with pytest.raises(CheckpointError, match=r"incomplete tier.*moetier quantize .* --precisions int4"):
-        QuantTier.open(src, "int4", root=run)
+        open_quant_tier(src, "int4", root=run)
     assert {t["status"] for t in list_tiers(src, root=run)} == {"incomplete"}
     stray = run / "int4-g128" / "layer-001.safetensors.tmp"
     stray.write_bytes(b"partial")
@@ -145,7 +145,7 @@ def test_resume_after_interruption_skips_done_layers_byte_identical(ckpt64: Call
     assert [e.done for e in log] == [1, 2, 3, 4] and not stray.exists()
     for name in ("int4-g128", "int2-g64"):
         assert files_of(run / name) == files_of(tmp_path / "ref" / name)
-        QuantTier.open(src, name.split("-")[0], root=run).close()
+        open_quant_tier(src, name.split("-")[0], root=run).close()
 
 
 def test_failure_inside_a_layer_leaves_no_partial_file(ckpt64: Callable[[str], Path], tmp_path, monkeypatch):
@@ -175,15 +175,15 @@ def test_tampered_layer_refused_by_open_and_redone_on_resume(ckpt64: Callable[[s
     data[-100] ^= 0x10
     layer1.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"layer-001.safetensors: differs from the manifest"):
-        QuantTier.open(src, "int4", root=tmp_path)
+        open_quant_tier(src, "int4", root=tmp_path)
     (path / "layer-000.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"layer-000.safetensors: missing"):
-        QuantTier.open(src, "int4", root=tmp_path)
+        open_quant_tier(src, "int4", root=tmp_path)
     log: list[QuantEvent] = []
     quantize_model(src, ["int4"], out=tmp_path, progress=events_into(log))
     assert [(e.layer, e.status) for e in log] == [(0, "redone"), (1, "redone")]
     assert files_of(path) == good
-    QuantTier.open(src, "int4", root=tmp_path).close()
+    open_quant_tier(src, "int4", root=tmp_path).close()
 
 
 def test_changed_source_refused_by_open_and_by_quantize(copy64: Callable[[str], Path], tmp_path):
@@ -194,16 +194,16 @@ def test_changed_source_refused_by_open_and_by_quantize(copy64: Callable[[str], 
     sd["model.layers.0.block_sparse_moe.experts.2.w1.weight"][0, 0] += 0.5
     save_file(sd, file, metadata={"format": "pt"})  # same header, same size: only the data changed
     with pytest.raises(CheckpointError, match=r"model.safetensors changed \(data differs\).*--force"):
-        QuantTier.open(src, "int8", root=tmp_path)
+        open_quant_tier(src, "int8", root=tmp_path)
     with pytest.raises(CheckpointError, match=r"another version of the model \(model.safetensors changed"):
         quantize_model(src, ["int8"], out=tmp_path)
     assert list_tiers(src, root=tmp_path)[0]["status"] == "stale"
     quantize_model(src, ["int8"], out=tmp_path, force=True)
-    QuantTier.open(src, "int8", root=tmp_path).close()
+    open_quant_tier(src, "int8", root=tmp_path).close()
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "use_cache": False}))
     with pytest.raises(CheckpointError, match=r"config\.json changed"):
-        QuantTier.open(src, "int8", root=tmp_path)
+        open_quant_tier(src, "int8", root=tmp_path)
 
 
 def test_other_method_or_group_refused_unless_forced(ckpt64: Callable[[str], Path], tmp_path):
@@ -222,11 +222,11 @@ def test_other_method_or_group_refused_unless_forced(ckpt64: Callable[[str], Pat
     manifest = path / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"bits": 4', '"bits": "4"'))
     with pytest.raises(CheckpointError, match=r"malformed manifest \('bits' is '4'\)"):
-        QuantTier.open(src, "int4", root=tmp_path)
+        open_quant_tier(src, "int4", root=tmp_path)
     with pytest.raises(CheckpointError, match=r"malformed manifest.*--force"):
         quantize_model(src, ["int4"], out=tmp_path, method="rtn")
     quantize_model(src, ["int4"], out=tmp_path, method="rtn", force=True)
-    QuantTier.open(src, "int4", root=tmp_path).close()
+    open_quant_tier(src, "int4", root=tmp_path).close()
 
 
 @pytest.mark.parametrize(
@@ -249,9 +249,9 @@ def test_non_finite_source_expert_refused_naming_the_tensor(family, tensor, wher
 def test_missing_tier_names_the_command(ckpt64: Callable[[str], Path], tmp_path):
     src = ckpt64("qwen3_moe")
     with pytest.raises(CheckpointError, match=rf"run `moetier quantize {src} --precisions int4`"):
-        QuantTier.open(src, "int4")
+        open_quant_tier(src, "int4")
     with pytest.raises(CheckpointError, match=rf"--precisions int2 --group int2=32 --out {tmp_path}`"):
-        QuantTier.open(src, "int2", group_size=32, root=tmp_path)
+        open_quant_tier(src, "int2", group_size=32, root=tmp_path)
 
 
 def test_bad_arguments_and_corrupt_source_refused(copy64: Callable[[str], Path], tmp_path):
@@ -276,7 +276,7 @@ def test_bad_arguments_and_corrupt_source_refused(copy64: Callable[[str], Path],
 def test_read_into_casts_biases_checks_dest_and_is_thread_safe(ckpt64: Callable[[str], Path], tmp_path):
     src = ckpt64("gpt_oss")
     quantize_model(src, ["int2"], out=tmp_path)
-    tier = QuantTier.open(src, "int2", root=tmp_path)
+    tier = open_quant_tier(src, "int2", root=tmp_path)
     keys = [ExpertKey(layer, e) for layer in tier.moe_layers for e in range(tier.num_experts)]
     want = {}
     for key in keys:
@@ -324,7 +324,7 @@ def test_rich_progress_bar_advances_over_precision_and_layer(ckpt64: Callable[[s
 def test_short_reads_are_resumed(ckpt64: Callable[[str], Path], tmp_path, monkeypatch):
     src = ckpt64("gpt_oss")
     quantize_model(src, ["int4"], out=tmp_path)
-    tier = QuantTier.open(src, "int4", root=tmp_path)
+    tier = open_quant_tier(src, "int4", root=tmp_path)
     want, got = empty_like_specs(tier), empty_like_specs(tier)
     tier.read_into(ExpertKey(1, 5), want)
 

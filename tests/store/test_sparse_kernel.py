@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetier.store import native
-from moetier.store.sparse import NativeSparse, block_mask, masked_dense, native_kernel, sparse_torch
+from moetier.kernels import native
+from moetier.kernels.sparse import NativeSparse, block_mask, masked_dense, native_kernel, sparse_torch
 
 H = 64
 BAND = 1e-3  # relative distance to the threshold inside which masks may differ

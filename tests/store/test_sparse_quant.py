@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetier.store import native
-from moetier.store.quant import QuantSpec, dequantize_into, quantize_matrix
-from moetier.store.sparse import NativeSparseQuant
+from moetier.formats.quant import QuantSpec, dequantize_into, quantize_matrix
+from moetier.kernels import native
+from moetier.kernels.sparse import NativeSparseQuant
 from moetier.types import Precision
 
 H, I = 128, 64  # noqa: E741
@@ -87,12 +87,12 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
     import moetier
     from moetier.config import EngineConfig, PrecisionConfig, SparsityConfig
     from moetier.errors import CheckpointError, ConfigError
+    from moetier.formats.checkpoint import CheckpointIndex
+    from moetier.formats.qtier import source_fingerprint
+    from moetier.formats.quantize import quantize_model
+    from moetier.kernels.sparse import default_table_path
     from moetier.models.tiny import build_tiny_checkpoint
     from moetier.runtime.calibrate import calibrate, model_identity
-    from moetier.store.checkpoint import CheckpointIndex
-    from moetier.store.qreader import source_fingerprint
-    from moetier.store.quantize import quantize_model
-    from moetier.store.sparse import default_table_path
 
     path = build_tiny_checkpoint("qwen3_moe", tmp_path / "m", seed=2, moe_intermediate_size=64)  # fp32: exact paths
     ids = torch.randint(3, 96, (128,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -121,7 +121,7 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
     with moetier.load(path, EngineConfig(precision=pcfg)) as eng:
         plain = eng.logits(x).float()
     assert (plain - got["dense"]).abs().max() > 1e-3  # sparsity did skip neurons
-    from moetier.store.qreader import list_tiers
+    from moetier.formats.qtier import list_tiers
 
     layouts = sorted((t["path"].rsplit("/", 1)[-1], t["layout"]) for t in list_tiers(path))
     assert layouts == [("int4-g32", "packed"), ("int4-g32-rows", "rows")]
@@ -129,8 +129,8 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
 
 def test_for_sparsity_refuses_families_without_sparse_execution(tmp_path: Path) -> None:
     from moetier.errors import ConfigError
+    from moetier.formats.quantize import quantize_model
     from moetier.models.tiny import build_tiny_checkpoint
-    from moetier.store.quantize import quantize_model
 
     path = build_tiny_checkpoint("gpt_oss", tmp_path / "g")
     with pytest.raises(ConfigError, match="gpt_oss experts do not support"):

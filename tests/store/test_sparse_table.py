@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from moetier.errors import ConfigError
+from moetier.kernels.sparse import TABLE_FORMAT, TABLE_VERSION, ThresholdTable, default_table_path
 from moetier.policies.sparsity import TARGETS
-from moetier.store.sparse import TABLE_FORMAT, TABLE_VERSION, ThresholdTable, default_table_path
 
 IDENTITY: dict[str, Any] = {
     "path": "/models/tiny", "family": "qwen3_moe", "hidden_size": 32, "moe_intermediate": 16, "num_experts": 6,

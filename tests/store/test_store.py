@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moetier.errors import BudgetError, CheckpointError
-from moetier.runtime.loader import read_config
-from moetier.store.checkpoint import CheckpointIndex
-from moetier.store.layout import ExpertLayout
-from moetier.store.reader import ExpertReader
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.safetensors import ExpertReader
+from moetier.models.open import read_config
 from moetier.store.source import FullSource
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey, Tier
@@ -38,7 +38,7 @@ def make_store(path: Path, budget: int | None, dtype: torch.dtype = torch.float3
         int(config.hidden_size), int(getattr(config, family.intermediate_attr)), "down_bias" in family.sources
     )
     prefixes = {layer: f"model.layers.{layer}.{block}." for layer in layers}
-    reader = ExpertReader(index, family, layout, prefixes, num_experts, dtype)
+    reader = ExpertReader(index, family.sources, layout, prefixes, num_experts, dtype)
     return ExpertStore(FullSource(reader, dtype), list(reader.plans), CPU, budget, None)
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from moetier.runtime.loader import read_config
-from moetier.store.checkpoint import CheckpointIndex
-from moetier.store.layout import ExpertLayout
-from moetier.store.reader import ExpertReader
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.safetensors import ExpertReader
+from moetier.models.open import read_config
 from moetier.store.source import FullSource
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey
@@ -59,7 +59,7 @@ def make(path: Path, slots: int, policy: str = "lru") -> tuple[ExpertStore, Gate
     index = CheckpointIndex(path)
     layout = ExpertLayout(int(config.hidden_size), int(config.moe_intermediate_size), False)
     prefixes = {layer: f"model.layers.{layer}.mlp." for layer in (0, 1)}
-    reader = ExpertReader(index, family, layout, prefixes, 6, torch.float32)
+    reader = ExpertReader(index, family.sources, layout, prefixes, 6, torch.float32)
     src = GatedSource(FullSource(reader, torch.float32))
     budget = slots * src.slot_bytes + src.staging_bytes
     store = ExpertStore(src, list(reader.plans), CPU, budget, None, policy=policy, top_k=2)

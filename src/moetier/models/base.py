@@ -23,8 +23,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from moetier.errors import CheckpointError
+from moetier.formats.checkpoint import CheckpointIndex
 from moetier.models.families import Family
-from moetier.store.checkpoint import CheckpointIndex
 
 
 @contextlib.contextmanager

@@ -22,18 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moetier.errors import UnknownArchitectureError
+from moetier.formats.layout import ExpertSource
 
 OPS = ("copy", "T", "T_even", "T_odd", "even", "odd")
-
-
-@dataclass(frozen=True)
-class ExpertSource:
-    tensor: str  # relative to the checkpoint's MoE block prefix; `{e}` marks a per-expert tensor
-    op: str = "copy"
-
-    @property
-    def fused(self) -> bool:
-        return "{e}" not in self.tensor
 
 
 @dataclass(frozen=True)

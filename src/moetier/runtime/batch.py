@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from moetier.config import SamplingConfig
 from moetier.errors import ConfigError
+from moetier.kernels.small_rows import small_rows
 from moetier.runtime.engine import Engine, sample
-from moetier.runtime.kernels import small_rows
 from moetier.runtime.lean import LeanDecoder
 
 Attention = Literal["loop", "padded"]

@@ -21,10 +21,10 @@ import torch
 
 from moetier.config import SPARSITY_BLOCKS
 from moetier.errors import ConfigError
+from moetier.kernels.experts import SwiGLU
+from moetier.kernels.qformat import linear
+from moetier.kernels.sparse import ThresholdTable
 from moetier.policies.sparsity import LogHistogram, thresholds_for
-from moetier.runtime.experts import SwiGLU
-from moetier.store.qformat import linear
-from moetier.store.sparse import ThresholdTable
 
 
 class _Recording:

@@ -27,8 +27,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
+from moetier.kernels.small_rows import small_rows
 from moetier.runtime.decode_hf import HFDecoder
-from moetier.runtime.kernels import small_rows
 from moetier.runtime.loader import LoadedModel, ModelInfo, open_model
 from moetier.runtime.precision import Switching
 from moetier.store.dynamic import DynamicStore

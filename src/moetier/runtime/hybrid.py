@@ -41,8 +41,8 @@ import torch
 
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
-from moetier.runtime.experts import ExpertFn
-from moetier.runtime.kernels import small_rows
+from moetier.kernels.experts import ExpertFn
+from moetier.kernels.small_rows import small_rows
 from moetier.runtime.moe_block import group_tokens
 from moetier.store.store import ExpertStore
 from moetier.types import Domain, ExpertKey, Tier

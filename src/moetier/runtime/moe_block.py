@@ -30,10 +30,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from moetier.kernels.experts import ExpertFn
+from moetier.kernels.small_rows import small_rows
 from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
-from moetier.runtime.experts import ExpertFn
-from moetier.runtime.kernels import small_rows
 from moetier.types import ExpertKey
 
 RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits

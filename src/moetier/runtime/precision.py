@@ -24,13 +24,13 @@ import torch
 
 from moetier.config import EngineConfig, PrecisionConfig, format_size
 from moetier.errors import BudgetError, ConfigError, MoetierError
+from moetier.formats.qtier import QuantTier
+from moetier.formats.quant import QuantSpec
+from moetier.formats.safetensors import ExpertReader
+from moetier.kernels.qformat import ExpertFormat
 from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
 from moetier.store.dynamic import DynamicStore
 from moetier.store.mover import Mover
-from moetier.store.qformat import ExpertFormat
-from moetier.store.qreader import QuantTier
-from moetier.store.quant import QuantSpec
-from moetier.store.reader import ExpertReader
 from moetier.store.source import ExpertSource, FullSource, QuantSource
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier

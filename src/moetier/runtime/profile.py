@@ -36,15 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import ConfigError
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.quant import QuantSpec, quantize_expert
+from moetier.kernels.experts import SwiGLU
+from moetier.kernels.qformat import ExpertFormat
+from moetier.kernels.small_rows import small_rows
 from moetier.policies.costmodel import ComputeProfile, HardwareProfile, LinkProfile
-from moetier.runtime.experts import SwiGLU
-from moetier.runtime.kernels import small_rows
 from moetier.runtime.profile_disk import disk_bandwidth
 from moetier.runtime.profile_engine import EngineOverheads, engine_overheads
-from moetier.store.layout import ExpertLayout
 from moetier.store.pool import QuantPool, SlotPool
-from moetier.store.qformat import ExpertFormat
-from moetier.store.quant import QuantSpec, quantize_expert
 from moetier.types import Precision
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -19,13 +19,10 @@ import torch
 
 from moetier.config import EngineConfig, SparsityConfig
 from moetier.errors import ConfigError
-from moetier.models.families import Family
-from moetier.policies.plan import plan_layer
-from moetier.runtime.experts import SwiGLU
-from moetier.runtime.kernels import small_rows
-from moetier.runtime.tipping import load_or_measure_tipping
-from moetier.store import native
-from moetier.store.sparse import (
+from moetier.kernels import native
+from moetier.kernels.experts import SwiGLU
+from moetier.kernels.small_rows import small_rows
+from moetier.kernels.sparse import (
     NativeSparse,
     NativeSparseQuant,
     ThresholdTable,
@@ -34,6 +31,9 @@ from moetier.store.sparse import (
     native_kernel,
     sparse_torch,
 )
+from moetier.models.families import Family
+from moetier.policies.plan import plan_layer
+from moetier.runtime.tipping import load_or_measure_tipping
 from moetier.types import ExpertKey
 
 if TYPE_CHECKING:

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import SparsityConfig
+from moetier.kernels import native
+from moetier.kernels.qformat import QExpertViews, QLinearWeight
+from moetier.kernels.small_rows import small_rows
+from moetier.kernels.sparse import NativeSparse, NativeSparseQuant, dense_weights, masked_dense, sparse_torch
 from moetier.policies.sparsity import tipping_point
-from moetier.runtime.kernels import small_rows
-from moetier.store import native
-from moetier.store.qformat import QExpertViews, QLinearWeight
-from moetier.store.sparse import NativeSparse, NativeSparseQuant, dense_weights, masked_dense, sparse_torch
 
 PROFILE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PROFILE_VERSION = 2

@@ -311,7 +311,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
 def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Any]:
     """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps,
     with config.drift rank swaps per layer per step when given."""
-    from moetier import synthetic
+    from moetier.studies import synthetic
     from moetier.traces import iter_calls
 
     p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetier.store.layout import ExpertLayout
+from moetier.formats.layout import ExpertLayout
 
 if TYPE_CHECKING:
-    from moetier.store.qformat import ExpertFormat, QExpertViews
+    from moetier.kernels.qformat import ExpertFormat, QExpertViews
 
 
 @dataclass

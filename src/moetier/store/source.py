@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from moetier.formats.qtier import QuantTier
+from moetier.formats.safetensors import ExpertReader
+from moetier.kernels.qformat import ExpertFormat
 from moetier.store.pool import QuantPool, SlotPool
-from moetier.store.qformat import ExpertFormat
-from moetier.store.qreader import QuantTier
-from moetier.store.reader import ExpertReader
 from moetier.types import ExpertKey, Precision
 
 Pool = SlotPool | QuantPool

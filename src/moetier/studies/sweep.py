@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import ConfigError, MoetierError
-from moetier.sweep_exec import RECORDS, Appender, read_records, run_point, run_pool, run_ray
+from moetier.studies.sweep_exec import RECORDS, Appender, read_records, run_point, run_pool, run_ray
 
 REQUIRED: Any = object()  # a parameter default meaning "the grid must give it"
 Scalar = str | int | float | bool
@@ -59,7 +59,8 @@ class Point:
 
 
 POINTS: dict[str, Point] = {}
-POINT_MODULES = ("moetier.sweep_simulate", "moetier.sweep_tri")  # modules registering the shipped points (add new)
+# modules registering the shipped points (add new)
+POINT_MODULES = ("moetier.studies.sweep_simulate", "moetier.studies.sweep_tri")
 
 
 def register_point(name: str, point: Point) -> None:
@@ -257,7 +258,7 @@ def parse_grid(data: Mapping[str, Any], source: str = "grid") -> Grid:
     if not isinstance(figures, str):
         raise ConfigError(f"{source}: figures must be a string, got {figures!r}")
     if figures:
-        from moetier.sweep_figures import get_figures
+        from moetier.studies.figures import get_figures
 
         get_figures(figures)
     grid = Grid(name, tuple(blocks), tuple(fixed), tuple(metrics), source, figures)
@@ -321,8 +322,8 @@ def run_sweep(
     (sweep_results.py, sweep_plot.py).
     jobs: worker processes (default os.cpu_count(); 1 runs inline); ray: a Ray address ("local": start a
     local instance with `jobs` CPUs). on_start(n) before the n points to run; on_point(record) after each."""
-    from moetier.sweep_plot import plot_results
-    from moetier.sweep_results import RESULTS, result_rows, write_results
+    from moetier.studies.sweep_plot import plot_results
+    from moetier.studies.sweep_results import RESULTS, result_rows, write_results
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -377,7 +378,7 @@ def run_sweep(
 
     plots = tuple(p for m in plot_metrics for p in plot_results(rows, grid, m, out))
     if grid.figures:
-        from moetier.sweep_figures import get_figures
+        from moetier.studies.figures import get_figures
 
         plots += tuple(get_figures(grid.figures)(rows, out))
     if counts["lost"]:

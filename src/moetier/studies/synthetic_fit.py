@@ -2,7 +2,7 @@
 
 Method (docs/traces.md):
 1. Shape (layers, E, k, batch, decode steps, prompt length) and the target statistics come from the trace
-   (moetier.synthetic_stats): the sorted per-layer share profile, step-to-step reuse, adjacent-layer
+   (moetier.studies.synthetic_stats): the sorted per-layer share profile, step-to-step reuse, adjacent-layer
    predictability, half-to-half load correlation and the router's top-k probability mass.
 2. Popularity: the sorted profile is projected onto the hot/warm/cold class model (least squares on the
    cumulative shares over the class sizes and the in-class Zipf exponent; class shares are the profile's
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from moetier.errors import TraceError
-from moetier.synthetic import SynthParams, routing
-from moetier.synthetic_stats import routing_of, stats_and_profile
+from moetier.studies.synthetic import SynthParams, routing
+from moetier.studies.synthetic_stats import routing_of, stats_and_profile
 from moetier.traces import Trace
 
 SPREADS = np.linspace(0.0, 2.0, 17)

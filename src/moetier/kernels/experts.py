@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from moetier.store.qformat import linear
+from moetier.kernels.qformat import linear
 
 ExpertFn = Callable[[torch.Tensor, Any], torch.Tensor]  # x [N, H], slot views (full or quantized) -> [N, H]
 

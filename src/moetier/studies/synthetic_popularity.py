@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from moetier.synthetic import SynthParams
+    from moetier.studies.synthetic import SynthParams
 
 MAX_SELECT = 0.97  # cap on an expert's per-token selection probability k * share
 CALIB_VALUES = 1 << 18  # noise values (samples x experts) of the calibration

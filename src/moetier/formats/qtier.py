@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from moetier.errors import CheckpointError
-from moetier.store.checkpoint import CheckpointIndex, TensorLocation, read_header
-from moetier.store.layout import ExpertLayout
-from moetier.store.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs, resolve_group
-from moetier.store.reader import ExpertReader, byte_view, pread_exact
+from moetier.formats.checkpoint import CheckpointIndex, TensorLocation, read_header
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs, resolve_group
+from moetier.formats.safetensors import ExpertReader, byte_view, pread_exact
 from moetier.types import ExpertKey, Precision
 
 FORMAT = "moetier-quant"
@@ -195,15 +195,6 @@ class SourceShape:
         return cls(reader.layout, reader.num_experts, tuple(sorted({k.layer for k in reader.plans})))
 
 
-def source_shape(model_dir: str | os.PathLike[str]) -> tuple[SourceShape, CheckpointIndex]:
-    """Open the checkpoint as the loader does (meta skeleton, no weights) for its shape and index."""
-    from moetier.runtime.loader import _open  # lazy: the loader imports the store
-
-    o = _open(model_dir, "auto", torch.device("cpu"))
-    o.reader.close()
-    return SourceShape(o.reader.layout, o.num_experts, tuple(s.layer for s in o.sites)), o.index
-
-
 class QuantTier:
     """One quantized disk tier of one model, validated at open; `read_into` fills canonical tensors."""
 
@@ -224,22 +215,19 @@ class QuantTier:
     @classmethod
     def open(
         cls, model_dir: str | os.PathLike[str], precision: Precision | str, group_size: int | None = None,
-        root: str | os.PathLike[str] | None = None, *, reader: ExpertReader | None = None, verify: bool = True,
+        root: str | os.PathLike[str] | None = None, *, reader: ExpertReader, verify: bool = True,
     ) -> QuantTier:  # fmt: skip
-        """Find and validate the tier. `reader`: the model's ExpertReader if the caller already opened the
-        checkpoint (its index and shape are reused), else the checkpoint is opened here (meta skeleton only).
+        """Find and validate the tier against the model's ExpertReader (its index and shape; the caller opened
+        the checkpoint, see models.open.open_quant_tier).
         `verify`: also sha256 every layer file (a full read of the tier); sizes and headers are always checked."""
         spec = QuantSpec(Precision(precision), group_size)
-        rows = reader is not None and reader.layout.down_rows
+        rows = reader.layout.down_rows
         path = tier_dir(model_dir, spec, root, rows)
         fix = quantize_command(model_dir, spec, root, rows)
         if not (path / MANIFEST).exists():
             raise CheckpointError(f"{path}: no {spec.precision.value} quantized tier for {model_dir}; run `{fix}`")
         manifest = load_manifest(path / MANIFEST)
-        if reader is None:
-            source, index = source_shape(model_dir)
-        else:
-            source, index = SourceShape.of(reader), reader.index
+        source, index = SourceShape.of(reader), reader.index
         changed = source_mismatch(manifest["source"], source_fingerprint(index))
         if changed:
             raise CheckpointError(

@@ -27,10 +27,9 @@ from typing import Annotated
 import typer
 
 from moetier import __version__
-from moetier.cli_engine import DEFAULT_FLAGS, EngineFlags, engine_flags, engine_session
-from moetier.cli_format import calibration_table, eval_report, generation_report, info_table, quant_table
-from moetier.cli_io import TokenStream, consoles, emit_json, progress_bar, read_text, user_errors
-from moetier.cli_options import (
+from moetier.cli.console import TokenStream, consoles, emit_json, progress_bar, read_text, user_errors
+from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags, engine_session
+from moetier.cli.options import (
     Device,
     Dtype,
     GpuMem,
@@ -43,14 +42,15 @@ from moetier.cli_options import (
     engine_config,
     parse_groups,
 )
-from moetier.cli_profile import register as register_profile
-from moetier.cli_replay import register as register_replay
-from moetier.cli_report import RunDirOpt, RunRecorder, run_trace
-from moetier.cli_report import register as register_report
-from moetier.cli_serve import register as register_serve
-from moetier.cli_simulate import register as register_simulate
-from moetier.cli_sweep import register as register_sweep
-from moetier.cli_synth import register as register_synth
+from moetier.cli.profile import register as register_profile
+from moetier.cli.replay import register as register_replay
+from moetier.cli.report import RunDirOpt, RunRecorder, run_trace
+from moetier.cli.report import register as register_report
+from moetier.cli.serve import register as register_serve
+from moetier.cli.simulate import register as register_simulate
+from moetier.cli.sweep import register as register_sweep
+from moetier.cli.synth import register as register_synth
+from moetier.cli.tables import calibration_table, eval_report, generation_report, info_table, quant_table
 from moetier.config import SamplingConfig
 from moetier.errors import ConfigError
 
@@ -171,8 +171,8 @@ def quantize(
     """Write quantized disk tiers of the routed experts, one per precision (resumable: rerun to go on)."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier.store.qreader import tier_summary
-        from moetier.store.quantize import quantize_model
+        from moetier.formats.qtier import tier_summary
+        from moetier.formats.quantize import quantize_model
 
         precs = [p.strip() for p in precisions.split(",") if p.strip()]
         groups: dict[str, int | None] = dict(parse_groups(group))
@@ -206,11 +206,11 @@ def calibrate(
 
     report, err = consoles(json_out)
     with user_errors():
+        from moetier.formats.checkpoint import CheckpointIndex
+        from moetier.formats.qtier import source_fingerprint
+        from moetier.kernels.sparse import default_table_path
         from moetier.runtime.calibrate import calibrate as run_calibration
         from moetier.runtime.calibrate import model_identity
-        from moetier.store.checkpoint import CheckpointIndex
-        from moetier.store.qreader import source_fingerprint
-        from moetier.store.sparse import default_table_path
 
         body = read_text(text)
         target = out or default_table_path(model)
@@ -250,17 +250,17 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
     report, err = consoles(json_out)
     with user_errors():
         with err.status(f"reading {model}"):
-            from moetier.runtime.loader import describe
+            from moetier.models.open import describe
 
             described = describe(model)
             data = described.as_dict()
-            from moetier.store.qreader import list_tiers
+            from moetier.formats.qtier import list_tiers
 
             tiers = list_tiers(model, root=quant_dir)
+            from moetier.formats.checkpoint import CheckpointIndex
+            from moetier.formats.qtier import source_fingerprint
+            from moetier.kernels.sparse import default_table_path
             from moetier.runtime.calibrate import model_identity, table_summary
-            from moetier.store.checkpoint import CheckpointIndex
-            from moetier.store.qreader import source_fingerprint
-            from moetier.store.sparse import default_table_path
 
             fingerprint = source_fingerprint(CheckpointIndex(model))["fingerprint"]
             sparsity = table_summary(default_table_path(model), model_identity(described, fingerprint))
@@ -301,7 +301,7 @@ register_serve(app)
 
 
 def main() -> None:
-    """Console-script entry point (`moetier = "moetier.cli:main"`)."""
+    """Console-script entry point (`moetier = "moetier.cli.app:main"`)."""
     app()
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.sweep import REQUIRED, Point, register_point
+from moetier.studies.sweep import REQUIRED, Point, register_point
 
 DEFAULTS: dict[str, Any] = {
     "model": REQUIRED, "scheduler": "trimoe", "batch_size": 512, "steps": 8, "seed": 0, "ndp_count": 16,

@@ -19,10 +19,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_format import metric_table
-from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
-from moetier.cli_options import JsonOut
-from moetier.cli_simulate_tri import (
+from moetier.cli.console import consoles, emit_json, register_command, require_trace, user_errors
+from moetier.cli.options import JsonOut
+from moetier.cli.simulate_tri import (
     ContentionOpt,
     CpuScaleOpt,
     DriftOpt,
@@ -31,6 +30,7 @@ from moetier.cli_simulate_tri import (
     NoRefineOpt,
     NoRelayoutOpt,
 )
+from moetier.cli.tables import metric_table
 from moetier.errors import ConfigError, TraceError
 from moetier.report.record import SimRunDirOpt, write_simulation
 
@@ -43,7 +43,7 @@ ProfileOpt = Annotated[str | None, typer.Option("--profile", rich_help_panel=_SI
                             "schedulers; three-domain default h100-8470).")]  # fmt: skip
 TraceOpt = Annotated[Path | None, typer.Option("--trace", rich_help_panel=_SIM, help="Routing trace (.parquet).")]
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", rich_help_panel=_SIM,
-                         help="Generate a synthetic trace from the spec's preset (moetier.synthetic).")]  # fmt: skip
+                         help="Generate a synthetic trace from the spec's preset (studies.synthetic).")]  # fmt: skip
 StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, rich_help_panel=_SIM,
                      help="Decode steps to simulate (synthetic default 64; trace default: all).")]  # fmt: skip
 SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel=_SIM, help="Synthetic trace and prediction seed.")]
@@ -124,7 +124,7 @@ def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: in
 
     synthetic_spec = source_spec(spec_name, trace, synthetic)
     if synthetic_spec is not None:
-        from moetier.synthetic import generate, preset
+        from moetier.studies.synthetic import generate, preset
 
         spec = synthetic_spec
         n = (steps or 64) + warmup
@@ -204,7 +204,7 @@ def simulate_cmd(
     """Simulate a trace on a machine profile: TTFT, TBT, utilisation, hit rate, link bytes."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier import cli_simulate_tri as tri
+        from moetier.cli import simulate_tri as tri
 
         tri.check_flags(ctx, tri.is_tri(scheduler))
         if tri.is_tri(scheduler):  # the three-domain machine (moetier.sim.tri)

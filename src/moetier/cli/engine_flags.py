@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 
 from rich.console import Console
 
-from moetier.cli_io import read_text
-from moetier.cli_options import (
+from moetier.cli.console import read_text
+from moetier.cli.options import (
     CachePolicy,
     Device,
     Dtype,

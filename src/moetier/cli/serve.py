@@ -18,9 +18,9 @@ from typing import Annotated
 
 import typer
 
-from moetier.cli_engine import DEFAULT_FLAGS, EngineFlags, engine_flags
-from moetier.cli_io import consoles, register_command, user_errors
-from moetier.cli_options import Model
+from moetier.cli.console import consoles, register_command, user_errors
+from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
+from moetier.cli.options import Model
 from moetier.errors import ConfigError
 
 _SERVER = "Server"

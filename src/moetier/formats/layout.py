@@ -47,3 +47,13 @@ class ExpertLayout:
 
     def slot_bytes(self, itemsize: int) -> int:
         return self.numel * itemsize
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    tensor: str  # relative to the checkpoint's MoE block prefix; `{e}` marks a per-expert tensor
+    op: str = "copy"
+
+    @property
+    def fused(self) -> bool:
+        return "{e}" not in self.tensor

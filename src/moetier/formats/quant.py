@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moetier.errors import CheckpointError, ConfigError
-from moetier.store.layout import ExpertLayout
+from moetier.formats.layout import ExpertLayout
 from moetier.types import Precision
 
 BITS = {Precision.INT8: 8, Precision.INT4: 4, Precision.INT2: 2}

@@ -1,4 +1,4 @@
-"""`moetier synth`: write a synthetic routing trace (moetier.synthetic) and print its statistics.
+"""`moetier synth`: write a synthetic routing trace (moetier.studies.synthetic) and print its statistics.
 
 Registered on the main app by cli.py (`cli_synth.register(app)`). The knobs come from a model spec's
 preset (`--spec NAME`, TriMoE 3.1 statistics) or from a fit to a recorded trace (`--fit TRACE`); the
@@ -19,8 +19,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, register_command, require_trace, user_errors
-from moetier.cli_options import JsonOut
+from moetier.cli.console import consoles, emit_json, register_command, require_trace, user_errors
+from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError
 
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="Model spec name (specs/) or .json path: its preset.")]
@@ -97,8 +97,9 @@ def synth_cmd(
     """Write a synthetic routing trace from a model's preset or a fit to a recorded trace."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier import synthetic, traces
-        from moetier.synthetic_stats import trace_stats
+        from moetier import traces
+        from moetier.studies import synthetic
+        from moetier.studies.synthetic_stats import trace_stats
 
         # 1. flags
         if (spec is None) == (fit is None):

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_format import metric_table
+from moetier.cli.tables import metric_table
 from moetier.errors import ConfigError
 
 _TRI = "Three-domain simulation (trimoe, klotski, ktransformers-plus, monde, gpu-ndp)"
@@ -70,7 +70,7 @@ def check_flags(ctx: typer.Context, tri: bool) -> None:
 def _tri_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: Any,
                steps: int | None, batch: int | None) -> tuple[Any, list[Any], str]:  # fmt: skip
     """(spec, decode calls, source): synthetic (sim.tri.synthetic_calls) or a trace's first `steps` decode steps."""
-    from moetier.cli_simulate import _calls, source_spec
+    from moetier.cli.simulate import _calls, source_spec
     from moetier.sim.tri import synthetic_calls
 
     spec = source_spec(spec_name, trace, synthetic)

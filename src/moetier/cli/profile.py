@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, progress_bar, register_command, user_errors
-from moetier.cli_options import JsonOut
+from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
+from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError
 
 

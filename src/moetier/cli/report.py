@@ -17,8 +17,8 @@ from typing import Annotated
 
 import typer
 
-from moetier.cli_io import consoles, emit_json, progress_bar, register_command, user_errors
-from moetier.cli_options import JsonOut
+from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
+from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError
 from moetier.report.record import RunDirOpt, RunRecorder, run_trace  # re-exported for cli.py's --run-dir
 

@@ -37,9 +37,8 @@ from rich.progress import Progress, TaskID
 
 from moetier import __version__
 from moetier.errors import CheckpointError, ConfigError
-from moetier.runtime.loader import _expert_dtype, _open, resolve_dtype
-from moetier.store.layout import ExpertLayout
-from moetier.store.qreader import (
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.qtier import (
     DTYPE_NAMES,
     FORMAT,
     FORMAT_VERSION,
@@ -55,8 +54,9 @@ from moetier.store.qreader import (
     source_mismatch,
     tier_dir,
 )
-from moetier.store.quant import METHODS, QMatrix, QuantSpec, dequantize, expert_tensor_specs, quantize_expert
-from moetier.store.reader import ExpertReader
+from moetier.formats.quant import METHODS, QMatrix, QuantSpec, dequantize, expert_tensor_specs, quantize_expert
+from moetier.formats.safetensors import ExpertReader
+from moetier.models.open import expert_dtype, open_checkpoint, resolve_dtype
 from moetier.types import ExpertKey, Precision
 
 log = logging.getLogger(__name__)
@@ -248,13 +248,13 @@ def quantize_model(
         raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
     specs = parse_specs(precisions, group_sizes)
     cpu = torch.device("cpu")
-    o = _open(model_dir, "fp32", cpu, down_rows=down_rows)  # fp32 pieces; quantisation runs in fp32
+    o = open_checkpoint(model_dir, "fp32", cpu, down_rows=down_rows)  # fp32 pieces; quantisation runs in fp32
     try:
         if down_rows and o.family.expert_kind != "swiglu":
             raise ConfigError(
                 f"--for-sparsity writes tiers for sparse execution, which {o.family.name} experts do not support yet"
             )
-        dtype = resolve_dtype("auto", o.config, cpu, _expert_dtype(o.index))  # biases are kept in this dtype
+        dtype = resolve_dtype("auto", o.config, cpu, expert_dtype(o.index))  # biases are kept in this dtype
         layout, layers = o.reader.layout, [s.layer for s in o.sites]
         source = source_fingerprint(o.index)
         writers = []

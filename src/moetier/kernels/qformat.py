@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import CheckpointError
-from moetier.store.layout import ExpertLayout
-from moetier.store.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
 from moetier.types import Precision
 
 ALIGN = 64

@@ -13,7 +13,7 @@ from typing import Any
 from moetier.errors import ConfigError
 
 Figures = Callable[[Sequence[dict[str, Any]], Path], list[Path]]
-FIGURES: dict[str, str] = {"trimoe": "moetier.sweep_figures_tri:draw"}
+FIGURES: dict[str, str] = {"trimoe": "moetier.studies.figures_tri:draw"}
 
 
 def get_figures(name: str) -> Figures:

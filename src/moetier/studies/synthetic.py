@@ -38,11 +38,11 @@ import numpy as np
 import pyarrow as pa
 
 from moetier.errors import ConfigError
-from moetier.synthetic_popularity import CALIB_VALUES as CALIB_VALUES  # re-exported
-from moetier.synthetic_popularity import MAX_SELECT as MAX_SELECT  # re-exported
-from moetier.synthetic_popularity import base_logits, ordered_spread
-from moetier.synthetic_popularity import shares as shares  # re-exported
-from moetier.synthetic_stats import Routing
+from moetier.studies.synthetic_popularity import CALIB_VALUES as CALIB_VALUES  # re-exported
+from moetier.studies.synthetic_popularity import MAX_SELECT as MAX_SELECT  # re-exported
+from moetier.studies.synthetic_popularity import base_logits, ordered_spread
+from moetier.studies.synthetic_popularity import shares as shares  # re-exported
+from moetier.studies.synthetic_stats import Routing
 from moetier.traces import SCHEMA, SCHEMA_VERSION, Trace, write_table
 
 
@@ -253,8 +253,8 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> Path:
 
 
 def fit(trace: Trace) -> SynthParams:
-    """Knobs estimated from a recorded trace (see moetier.synthetic_fit)."""
-    from moetier.synthetic_fit import fit_params
+    """Knobs estimated from a recorded trace (see moetier.studies.synthetic_fit)."""
+    from moetier.studies.synthetic_fit import fit_params
 
     return fit_params(trace)
 

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 from moetier.config import SPARSITY_BLOCKS
 from moetier.errors import ConfigError
+from moetier.formats.quant import dequantize_into
+from moetier.kernels import native
+from moetier.kernels.qformat import QExpertViews
 from moetier.policies.sparsity import TARGETS, interpolate
-from moetier.store import native
-from moetier.store.qformat import QExpertViews
-from moetier.store.quant import dequantize_into
 
 TABLE_FORMAT = "moetier-sparsity-table"
 TABLE_VERSION = 1

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.sweep import REQUIRED, Point, register_point
+from moetier.studies.sweep import REQUIRED, Point, register_point
 
 DEFAULTS: dict[str, Any] = {
     "model": REQUIRED, "profile": REQUIRED, "scheduler": "hybrimoe", "cache_policy": None, "cache_ratio": 0.25,
@@ -53,7 +53,7 @@ def _inputs(p: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     from moetier.policies.schedulers import make_scheduler
     from moetier.sim import SimConfig
     from moetier.specs import load_spec
-    from moetier.synthetic import preset
+    from moetier.studies.synthetic import preset
 
     for name in REFUSED:
         if p.get(name) is not None:
@@ -87,7 +87,7 @@ def check_simulate(p: dict[str, Any]) -> None:
 def simulate_point(p: dict[str, Any]) -> dict[str, Any]:
     """Generate the point's synthetic trace (warm-up + steps decode steps) and simulate it."""
     from moetier.sim import simulate
-    from moetier.synthetic import generate
+    from moetier.studies.synthetic import generate
     from moetier.traces import iter_calls
 
     spec, hw, cfg, synth = _inputs(p)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from moetier.errors import CheckpointError
-from moetier.models.families import ExpertSource, Family
-from moetier.store.checkpoint import CheckpointIndex, TensorLocation
-from moetier.store.layout import ExpertLayout
+from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
+from moetier.formats.layout import ExpertLayout, ExpertSource
 from moetier.types import ExpertKey
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -89,7 +89,7 @@ class ExpertReader:
     def __init__(
         self,
         index: CheckpointIndex,
-        family: Family,
+        sources: Mapping[str, ExpertSource],  # piece name -> where it is stored (the family's row)
         layout: ExpertLayout,
         prefixes: dict[int, str],  # MoE layer -> checkpoint name prefix of its block, e.g. "model.layers.3.mlp."
         num_experts: int,
@@ -101,7 +101,7 @@ class ExpertReader:
         self.consumed: set[str] = set()
         for layer, prefix in prefixes.items():
             for e in range(num_experts):
-                self.plans[ExpertKey(layer, e)] = self._plan(prefix, e, family.sources)
+                self.plans[ExpertKey(layer, e)] = self._plan(prefix, e, sources)
         staging = [r.nbytes for plan in self.plans.values() for r in plan if not self._direct(r)]
         self.staging_bytes = max(staging, default=0)
         self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
@@ -109,7 +109,7 @@ class ExpertReader:
         self._lock = threading.Lock()
         self.bytes_read = 0
 
-    def _plan(self, prefix: str, e: int, sources: dict[str, ExpertSource]) -> list[_Read]:
+    def _plan(self, prefix: str, e: int, sources: Mapping[str, ExpertSource]) -> list[_Read]:
         groups: dict[str, list[tuple[str, ExpertSource]]] = {}
         for piece, src in sources.items():
             groups.setdefault(prefix + src.tensor.format(e=e), []).append((piece, src))

@@ -1,4 +1,4 @@
-"""`moetier sweep GRID.toml`: run every point of a grid (moetier.sweep) in a process pool or on a Ray
+"""`moetier sweep GRID.toml`: run every point of a grid (moetier.studies.sweep) in a process pool or on a Ray
 cluster, with a progress bar, into OUT/points.jsonl (resume), OUT/results.parquet and OUT/*.png.
 
 Registered on the main app by cli.py (`cli_sweep.register(app)`). Thin: flags -> run_sweep -> a summary
@@ -17,12 +17,12 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli_io import consoles, emit_json, progress_bar, register_command, user_errors
-from moetier.cli_options import JsonOut
+from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
+from moetier.cli.options import JsonOut
 
 _SW = "Sweep"
 GridArg = Annotated[Path, typer.Argument(
-                    help="Grid file (.toml): point name, fixed params, grid lists (moetier.sweep).")]  # fmt: skip
+                    help="Grid file (.toml): point name, fixed params, grid lists (studies.sweep).")]  # fmt: skip
 OutOpt = Annotated[Path | None, typer.Option("--out", rich_help_panel=_SW,
                    help="Output folder (default runs/sweep-GRIDNAME); re-running resumes it.")]  # fmt: skip
 JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, rich_help_panel=_SW,
@@ -66,7 +66,7 @@ def sweep_cmd(
     """Run a grid of simulations in parallel (processes or Ray), resumable; write Parquet results and plots."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier.sweep import load_grid, run_sweep
+        from moetier.studies.sweep import load_grid, run_sweep
 
         g = load_grid(grid)  # 1. the whole grid checked before any point runs
         folder = out if out is not None else Path("runs") / f"sweep-{grid.stem}"

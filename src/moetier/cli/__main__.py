@@ -1,0 +1,5 @@
+"""`python -m moetier.cli` runs the command line."""
+
+from moetier.cli.app import main
+
+main()

@@ -1,0 +1,196 @@
+"""Opening a checkpoint folder, below the store and the runtime: config.json and the family row, the
+tensor index (headers validated), the compute dtype, the meta skeleton and its MoE sites, and the
+expert reader that validates every expert tensor against the config. No pool is allocated and no
+weight is read, so `describe` works for models whose experts do not fit in memory.
+
+The runtime (runtime/wire.py) builds on `open_checkpoint`; `moetier quantize` (formats/quantize.py)
+and `moetier info` use it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.activations import ACT2FN
+
+from moetier.errors import CheckpointError, ConfigError, UnknownArchitectureError
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.layout import ExpertLayout
+from moetier.formats.qtier import QuantTier
+from moetier.formats.safetensors import TORCH_DTYPES, ExpertReader
+from moetier.kernels.experts import ExpertFn, GptOssGLU, SwiGLU
+from moetier.models.base import MoESite, build_skeleton, find_moe_sites
+from moetier.models.families import Family, find_family
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    family: str
+    architecture: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate: int
+    checkpoint_dtype: str
+    expert_bytes: int  # one routed expert as stored in the checkpoint
+    total_expert_bytes: int
+    non_expert_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family]:
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    family = find_family(raw.get("model_type"), raw.get("architectures"))
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{cfg_file}: quantized checkpoints ({method}) are not supported; use a bf16 one")
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError) as exc:
+        raise UnknownArchitectureError(f"{cfg_file}: transformers cannot read this config: {exc}") from exc
+    return config, family
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(
+    name: str, config: PretrainedConfig, device: torch.device, stored_experts: str | None = None
+) -> torch.dtype:
+    """auto: config.json's dtype, else the dtype the experts are stored in (e.g. "BF16"), else fp32."""
+    if name != "auto":
+        return DTYPES[name]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if stored is None and stored_experts in TORCH_DTYPES:
+        stored = TORCH_DTYPES[stored_experts]
+    dtype = stored if isinstance(stored, torch.dtype) else DTYPES.get(str(stored).replace("bfloat16", "bf16")
+                                                                      .replace("float32", "fp32")
+                                                                      .replace("float16", "fp16"), torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        dtype = torch.bfloat16  # fp16 matmul is very slow on CPUs; bf16 keeps the range
+    return dtype
+
+
+def expert_fn_for(family: Family, config: PretrainedConfig) -> ExpertFn:
+    if family.expert_kind == "gptoss":
+        return GptOssGLU(alpha=float(config.swiglu_alpha), limit=float(config.swiglu_limit))
+    act = getattr(config, "hidden_act", None)
+    if act not in ACT2FN:
+        raise CheckpointError(f"config.json: hidden_act {act!r} is not an activation transformers knows")
+    return SwiGLU(act=ACT2FN[act])
+
+
+def expert_dtype(index: CheckpointIndex) -> str | None:
+    return next((loc.dtype for name, loc in index.tensors.items() if ".experts." in name), None)
+
+
+def _check_top_k(config: PretrainedConfig, num_experts: int) -> None:
+    k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    if not 1 <= k <= num_experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok is {k}, must be between 1 and {num_experts} experts")
+
+
+@dataclass
+class Opened:
+    """Steps 1-3 of opening a checkpoint: everything but pools and weights."""
+
+    config: PretrainedConfig
+    family: Family
+    index: CheckpointIndex
+    dtype: torch.dtype
+    model: nn.Module
+    sites: list[MoESite]
+    num_experts: int
+    hidden: int
+    inter: int
+    reader: ExpertReader
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], dtype_name: str, device: torch.device, down_rows: bool = False
+) -> Opened:
+    # 1. config and family; 2. the tensor index (headers validated) and the compute dtype
+    config, family = read_config(path)
+    index = CheckpointIndex(path)
+    dtype = resolve_dtype(dtype_name, config, device, expert_dtype(index))
+    # 3. the skeleton (parameters on meta), its MoE blocks, and the expert reader, which
+    #    validates every expert tensor against the config
+    model = build_skeleton(config, dtype)
+    sites = find_moe_sites(model, family)
+    experts: Any = sites[0].block.experts
+    num_experts = int(experts.num_experts)
+    _check_top_k(config, num_experts)
+    hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
+    layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources, down_rows=down_rows)
+    reader = ExpertReader(index, family.sources, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
+    return Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader)
+
+
+def describe(path: str | os.PathLike[str]) -> ModelInfo:
+    """What `moetier info` shows, without allocating a pool or reading a weight (so it works for
+    models whose experts do not fit in memory). Validates the checkpoint as open_model does."""
+    o = open_checkpoint(path, "auto", torch.device("cpu"))
+    try:
+        return model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter)
+    finally:
+        o.reader.close()
+
+
+
+def model_info(
+    path: str | os.PathLike[str], family: Family, config: PretrainedConfig, sites: list[MoESite],
+    index: CheckpointIndex, reader: ExpertReader, num_experts: int, hidden: int, inter: int,
+) -> ModelInfo:  # fmt: skip
+    expert_bytes = sum(r.nbytes for r in next(iter(reader.plans.values())))
+    total_expert = sum(r.nbytes for plan in reader.plans.values() for r in plan)
+    all_bytes = sum(loc.nbytes for loc in index.tensors.values())
+    first = next(iter(reader.plans.values()))[0].loc.dtype
+    return ModelInfo(
+        path=str(path), family=family.name, architecture=(config.architectures or ["?"])[0],
+        num_layers=int(config.num_hidden_layers), moe_layers=tuple(s.layer for s in sites),
+        num_experts=num_experts, top_k=int(config.num_experts_per_tok), hidden_size=hidden,
+        expert_intermediate=inter, checkpoint_dtype=first, expert_bytes=expert_bytes,
+        total_expert_bytes=total_expert, non_expert_bytes=all_bytes - total_expert,
+    )  # fmt: skip
+
+
+
+
+def open_quant_tier(
+    model_dir: str | os.PathLike[str], precision: str, group_size: int | None = None,
+    root: str | os.PathLike[str] | None = None, *, down_rows: bool = False, verify: bool = True,
+) -> QuantTier:  # fmt: skip
+    """QuantTier.open for a caller that has not opened the checkpoint: opens it (meta skeleton, no weight read)
+    for the reader the tier is validated against."""
+    o = open_checkpoint(model_dir, "auto", torch.device("cpu"), down_rows=down_rows)
+    o.reader.close()
+    return QuantTier.open(model_dir, precision, group_size, root, reader=o.reader, verify=verify)

@@ -5,9 +5,10 @@ Torch-free on purpose: policies and the simulator import these and nothing heavi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 
 class ExpertKey(NamedTuple):
@@ -48,35 +49,53 @@ class Domain(StrEnum):
     NDP = "ndp"
 
 
-@dataclass(frozen=True)
-class RoutingStep:
-    """The router's decision for one MoE layer call: top-k ids and weights per token."""
+Lane = Literal["gpu", "cpu", "link"]  # a timeline lane: fast domain, slow domain, the link between tiers
+LANES: tuple[Lane, ...] = ("gpu", "cpu", "link")
 
-    layer: int
-    experts: tuple[tuple[int, ...], ...]  # [T][k]
-    weights: tuple[tuple[float, ...], ...]  # [T][k]
+
+class Op(NamedTuple):
+    """One op on a lane of a layer call's timeline, seconds from the call's start (a NamedTuple, not a
+    dataclass: a 64-expert prefill builds about 100 per call)."""
+
+    lane: Lane
+    key: ExpertKey
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
 class ExpertTask:
-    """One expert's work in one layer call."""
+    """One expert's work in one layer call: tokens routed to it, and the neuron sparsity it runs with."""
 
     key: ExpertKey
     tokens: int
-    precision: Precision = Precision.FULL
     sparsity: float = 0.0
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Ordered tasks and the domain each runs in."""
+    """What every scheduler returns for one MoE layer call (step 2 of the pipeline), two- and three-domain,
+    engine and simulator alike: the tasks in run order and the domain computing each expert, the experts
+    whose weights cross the link for this call (in link order), and, where the scheduler priced the call,
+    the predicted makespan (seconds) and the timeline it priced (`ops`; the simulator replays it)."""
 
     tasks: tuple[ExpertTask, ...]
-    domains: tuple[Domain, ...]
+    domains: Mapping[ExpertKey, Domain]  # the domain computing each task's expert
+    moved: tuple[ExpertKey, ...] = ()
+    makespan: float = 0.0
+    ops: tuple[Op, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.tasks) != len(self.domains):
-            raise ValueError(f"Plan has {len(self.tasks)} tasks but {len(self.domains)} domains")
+        if len(self.tasks) != len(self.domains) or any(t.key not in self.domains for t in self.tasks):
+            raise ValueError(f"Plan: {len(self.tasks)} tasks but domains for {len(self.domains)} other experts")
+
+    def on(self, domain: Domain) -> tuple[ExpertTask, ...]:
+        """The tasks `domain` runs, in plan order."""
+        return tuple(t for t in self.tasks if self.domains[t.key] is domain)
+
+    def busy(self, lane: Lane) -> float:
+        """Seconds `lane` is occupied in the timeline."""
+        return sum(op.end - op.start for op in self.ops if op.lane == lane)
 
 
 class MoveKind(StrEnum):

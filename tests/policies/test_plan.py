@@ -15,18 +15,21 @@ def test_resident_first_then_misses_in_expert_order():
     plan = plan_layer(3, {7: 1, 1: 4, 5: 2, 2: 3}, resident)
     assert [t.key for t in plan.tasks] == [ExpertKey(3, 2), ExpertKey(3, 5), ExpertKey(3, 1), ExpertKey(3, 7)]
     assert [t.tokens for t in plan.tasks] == [3, 2, 4, 1]
-    assert plan.domains == (Domain.HOST,) * 4
+    assert list(plan.domains.values()) == [Domain.HOST] * 4 and plan.on(Domain.HOST) == plan.tasks
 
 
 def test_domain_and_empty():
     plan = plan_layer(0, {0: 1}, set(), domain=Domain.ACCEL)
-    assert plan.domains == (Domain.ACCEL,)
+    assert dict(plan.domains) == {ExpertKey(0, 0): Domain.ACCEL} and plan.on(Domain.HOST) == ()
     assert plan_layer(0, {}, {ExpertKey(0, 0)}).tasks == ()
 
 
 def test_plan_requires_one_domain_per_task():
-    with pytest.raises(ValueError, match="2 tasks but 1 domains"):
-        Plan(tasks=(ExpertTask(ExpertKey(0, 0), 1), ExpertTask(ExpertKey(0, 1), 1)), domains=(Domain.HOST,))
+    two = (ExpertTask(ExpertKey(0, 0), 1), ExpertTask(ExpertKey(0, 1), 1))
+    with pytest.raises(ValueError, match="2 tasks but domains for 1 other experts"):
+        Plan(tasks=two, domains={ExpertKey(0, 0): Domain.HOST})
+    with pytest.raises(ValueError, match="2 tasks but domains for 2 other experts"):
+        Plan(tasks=two, domains={ExpertKey(0, 0): Domain.HOST, ExpertKey(0, 2): Domain.HOST})
 
 
 @given(
@@ -46,4 +49,4 @@ def test_plan_properties(counts, resident_raw, layer):
     hits = [k.expert for k in keys if k in resident]
     misses = [k.expert for k in keys if k not in resident]
     assert hits == sorted(hits) and misses == sorted(misses)
-    assert len(plan.domains) == len(plan.tasks)
+    assert set(plan.domains) == set(keys)

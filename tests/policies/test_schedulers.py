@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from moetier.errors import ConfigError
 from moetier.policies import CACHE_POLICIES
 from moetier.policies.placement import PLACEMENTS
-from moetier.policies.schedule_base import LANES, ExpertWork, Lane, Schedule, check_work, lane_ready
+from moetier.policies.schedule_base import LANES, ExpertWork, Lane, Plan, check_work, lane_ready
 from moetier.policies.schedule_hybrimoe import extremes_makespan, hybrid_timeline
 from moetier.policies.schedulers import SCHEDULERS, make_scheduler
 from moetier.types import Domain, ExpertKey
@@ -48,7 +48,7 @@ def fig5() -> list[ExpertWork]:
     ]
 
 
-def lanes(s: Schedule) -> dict[str, list[tuple[int, float, float]]]:
+def lanes(s: Plan) -> dict[str, list[tuple[int, float, float]]]:
     out: dict[str, list[tuple[int, float, float]]] = {"gpu": [], "cpu": [], "link": []}
     for op in sorted(s.ops, key=lambda o: (o.lane, o.start)):
         out[op.lane].append((op.key.expert, op.start, op.end))
@@ -211,7 +211,7 @@ def instances(draw: st.DrawFn) -> tuple[list[ExpertWork], dict[Lane, float]]:
     return work, ready
 
 
-def check_invariants(work: list[ExpertWork], ready: dict[Lane, float], s: Schedule) -> None:
+def check_invariants(work: list[ExpertWork], ready: dict[Lane, float], s: Plan) -> None:
     by_key = {w.key: w for w in work}
     compute = [op for op in s.ops if op.lane != "link"]
     links = {op.key: op for op in s.ops if op.lane == "link"}

@@ -14,11 +14,11 @@ import torch
 import moetier
 from moetier.config import EngineConfig, RuntimeConfig
 from moetier.policies.costmodel import ComputeProfile, CostModel, HardwareProfile, LinkProfile
-from moetier.policies.schedule_base import ExpertWork, Schedule
+from moetier.policies.schedule_base import ExpertWork
 from moetier.runtime.hybrid import DomainExec, HybridExecutor, HybridExperts, Task
 from moetier.runtime.moe_block import group_tokens
 from moetier.runtime.prefetch import Pricing, engine_spec
-from moetier.types import Domain, ExpertKey
+from moetier.types import Domain, ExpertKey, ExpertTask, Plan
 
 CPU = torch.device("cpu")
 H, INTER, E = 16, 8, 6
@@ -130,9 +130,9 @@ class Alternate:
 
     name, admits = "alternate", False
 
-    def schedule(self, work: list[ExpertWork], ready: Any = None) -> Schedule:
+    def schedule(self, work: list[ExpertWork], ready: Any = None) -> Plan:
         doms = {w.key: (Domain.ACCEL if i % 2 else Domain.HOST) for i, w in enumerate(work)}
-        return Schedule((), doms, (), 0.0)
+        return Plan(tuple(ExpertTask(w.key, w.tokens) for w in work), doms)
 
 
 def test_hybrid_experts_in_a_tiny_engine_match_the_reference(tiny_ckpt, hf_model):

@@ -35,4 +35,4 @@ def plan_layer(
         )
         for k in hits + misses
     )
-    return Plan(tasks=tasks, domains=(domain,) * len(tasks))
+    return Plan(tasks, dict.fromkeys((t.key for t in tasks), domain))

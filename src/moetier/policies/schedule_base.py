@@ -9,7 +9,7 @@ domain only once its weights are there (`cached`, or after its move on the link)
 
 Schedulers are pure functions of plain data: an `ExpertWork` list whose costs the caller
 already priced with the cost model (policies/costmodel.py), and the times at which each
-lane becomes free. They return a `Schedule`: a timeline of ops on the three lanes
+lane becomes free. They return a `Plan`: a timeline of ops on the three lanes
 (`gpu`, `cpu`, `link`; times in seconds from the layer's start), where each expert
 computes, which experts were moved (the caller admits them into its cache when the
 scheduler `admits`), and the makespan. The engine runs the assignment; the simulator
@@ -33,12 +33,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Protocol
 
-from moetier.types import Domain, ExpertKey
-
-Lane = Literal["gpu", "cpu", "link"]
-LANES: tuple[Lane, ...] = ("gpu", "cpu", "link")
+from moetier.types import LANES, Domain, ExpertKey, ExpertTask, Lane, Op, Plan
 
 
 def finite_time(v: object) -> bool:
@@ -70,27 +67,6 @@ class ExpertWork:
             raise ValueError(f"ExpertWork {tuple(self.key)}: nbytes must be an int >= 0, got {self.nbytes!r}")
 
 
-class Op(NamedTuple):
-    """One op on a lane (a NamedTuple, not a dataclass: a 64-expert prefill builds about 100 per call)."""
-
-    lane: Lane
-    key: ExpertKey
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class Schedule:
-    ops: tuple[Op, ...]
-    domains: Mapping[ExpertKey, Domain]  # Domain.ACCEL (fast) or Domain.HOST (slow) per expert
-    moved: tuple[ExpertKey, ...]  # moved over the link in this call, in link order
-    makespan: float  # end of the last compute op (seconds from the layer's start)
-
-    def busy(self, lane: Lane) -> float:
-        """Seconds the lane is occupied in this schedule."""
-        return sum(op.end - op.start for op in self.ops if op.lane == lane)
-
-
 class Scheduler(Protocol):
     """One file per variant in policies/, looked up by name in policies.schedulers.SCHEDULERS.
 
@@ -109,7 +85,7 @@ class Scheduler(Protocol):
     placement: str
     cache_policy: str
 
-    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
+    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         """`ready`: when each lane is free (e.g. the link is busy with a prefetch), default 0."""
         ...
 
@@ -147,7 +123,7 @@ def timeline(
     fast: Sequence[int],
     moved: Sequence[int],
     slow: Sequence[int],
-) -> Schedule:
+) -> Plan:
     """The schedule of a fixed assignment (indices into `work`): the link moves `moved` back to back in
     that order; the fast lane computes `fast` (cached experts) in that order, then each moved expert in
     arrival order (never before it arrives); the slow lane computes `slow` back to back in that order."""
@@ -178,7 +154,8 @@ def timeline(
         tc += w.slow_s
         domains[w.key] = Domain.HOST
         end = max(end, tc)
-    return Schedule(tuple(ops), domains, tuple(work[i].key for i in moved), end)
+    tasks = tuple(ExpertTask(work[i].key, work[i].tokens) for i in (*fast, *moved, *slow))
+    return Plan(tasks, domains, tuple(work[i].key for i in moved), end, tuple(ops))
 
 
 def by_load(work: Sequence[ExpertWork], idx: Sequence[int], descending: bool) -> list[int]:
@@ -188,7 +165,7 @@ def by_load(work: Sequence[ExpertWork], idx: Sequence[int], descending: bool) ->
     return sorted(idx, key=lambda i: (work[i].tokens, i))
 
 
-def moved_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+def moved_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
     """Cached experts on the fast lane (high load first), every miss moved (high load first) then computed there.
     What every scheduler degrades to without a slow domain (a CPU-only machine: the "link" is the disk and
     there is nowhere else to compute a miss)."""
@@ -201,12 +178,12 @@ class LayerScheduler:
     """The `schedule` every variant shares: read the lanes' ready times, check the call, and without a slow
     domain fall back to `moved_timeline`; otherwise `plan` (the variant's own decision) decides."""
 
-    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Schedule:
+    def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         t0 = lane_ready(ready)
         if not check_work(work):
             return moved_timeline(work, t0)
         return self.plan(work, t0)
 
-    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
         """The schedule of a checked call with a slow domain; `ready` is (gpu, cpu, link) free times."""
         raise NotImplementedError

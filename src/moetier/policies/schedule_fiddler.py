@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Schedule, by_load, timeline
+from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Plan, by_load, timeline
 
 
 class FiddlerScheduler(LayerScheduler):
@@ -25,7 +25,7 @@ class FiddlerScheduler(LayerScheduler):
     placement = "frequency"
     cache_policy = "lfu"  # never consulted while admits is False
 
-    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
         hits = [i for i, w in enumerate(work) if w.cached]
         on_cpu = [
             i for i, w in enumerate(work) if not w.cached and w.slow_s is not None and w.slow_s <= w.move_s + w.fast_s

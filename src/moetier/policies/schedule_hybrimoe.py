@@ -53,14 +53,14 @@ import bisect
 from collections.abc import Sequence
 from operator import attrgetter
 
-from moetier.policies.schedule_base import ExpertWork, Lane, LayerScheduler, Op, Schedule, moved_timeline
+from moetier.policies.schedule_base import ExpertWork, LayerScheduler, moved_timeline
 from moetier.policies.schedule_ktransformers import split_timeline
-from moetier.types import Domain
+from moetier.types import Domain, ExpertTask, Lane, Op, Plan
 
 INF = float("inf")
 
 
-def hybrid_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+def hybrid_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
     """The simulation of the module docstring (needs slow_s on every expert), without the safety net."""
     # 1. Plain lists and the queues (ascending load; the GPU pops the end, the CPU reads the front)
     n = len(work)
@@ -177,11 +177,12 @@ def hybrid_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float
             tc += slow[j]
             done += 1
 
-    # 3. The Schedule (makespan: the later of the two compute lanes' last op; 0 when a lane did nothing)
+    # 3. The Plan (makespan: the later of the two compute lanes' last op; 0 when a lane did nothing)
     keys = [w.key for w in work]
     accel, host = Domain.ACCEL, Domain.HOST
     end = max([0.0] + [e for lane, _, _, e in ops if lane != "link"])
-    return Schedule(
+    return Plan(
+        tasks=tuple([ExpertTask(keys[i], work[i].tokens) for i in range(n)]),
         ops=tuple([Op(lane, keys[i], s, e) for lane, i, s, e in ops]),
         domains={keys[i]: accel if on_gpu[i] else host for i in range(n)},
         moved=tuple([keys[i] for _, i in pending]),
@@ -210,7 +211,7 @@ class HybriMoEScheduler(LayerScheduler):
     placement = "frequency"
     cache_policy = "mrs"
 
-    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
         best = hybrid_timeline(work, ready)
         split, all_moved = extremes_makespan(work, ready)
         if min(split, all_moved) < best.makespan * (1 - 1e-9):  # 3. the safety net

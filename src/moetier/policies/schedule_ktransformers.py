@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Schedule, by_load, timeline
+from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Plan, by_load, timeline
 
 
-def split_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+def split_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
     """Cached experts on the fast lane (high load first), uncached on the slow lane (low load first)."""
     hits = by_load(work, [i for i, w in enumerate(work) if w.cached], descending=True)
     misses = by_load(work, [i for i, w in enumerate(work) if not w.cached], descending=False)

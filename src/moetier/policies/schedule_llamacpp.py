@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Schedule, by_load, timeline
+from moetier.policies.schedule_base import ExpertWork, LayerScheduler, Plan, by_load, timeline
 
 
 class LlamaCppScheduler(LayerScheduler):
@@ -25,7 +25,7 @@ class LlamaCppScheduler(LayerScheduler):
     placement = "layers"
     cache_policy = "lfu"  # Table I; never consulted while admits is False
 
-    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Schedule:
+    def plan(self, work: Sequence[ExpertWork], ready: tuple[float, float, float]) -> Plan:
         gpu_layer = all(w.cached for w in work if w.key.expert >= 0)
         on_gpu = [i for i, w in enumerate(work) if w.cached and (w.key.expert >= 0 or gpu_layer)]
         gset = set(on_gpu)

@@ -1,5 +1,5 @@
 """The simulated machine: a simpy clock, the lanes that do work (fast domain, slow domain, link),
-and the replay of one MoE layer call's `Schedule` onto them.
+and the replay of one MoE layer call's `Plan` onto them.
 
 Lanes, named by what they are: the fast domain (`gpu`, or `cpu` on a CPU-only machine), the
 slow domain (`cpu`, absent on a CPU-only machine) and the link that fills the fast tier
@@ -26,8 +26,7 @@ from typing import Any
 import simpy
 
 from moetier.errors import ConfigError
-from moetier.policies.schedule_base import Lane, Op, Schedule
-from moetier.types import ExpertKey
+from moetier.types import ExpertKey, Lane, Op, Plan
 
 SimGen = Generator[simpy.Event, Any, Any]
 
@@ -125,7 +124,7 @@ class Machine:
     # 2. One layer call's schedule --------------------------------------------------------------------------------
     def replay(
         self,
-        sched: Schedule,
+        sched: Plan,
         nbytes: dict[ExpertKey, int],
         then: Callable[[], None] | None = None,
         inflight: Collection[ExpertKey] = (),

@@ -24,7 +24,7 @@ from moetier.studies.synthetic import (
 )
 from moetier.studies.synthetic_stats import class_shares, sorted_profile, stats_of, trace_stats
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "data" / "traces" / "macbeth-ross.parquet"
 SMALL = SynthParams(num_layers=3, num_experts=16, top_k=2, hot_frac=1 / 16, warm_frac=4 / 16, batch_size=2)
 

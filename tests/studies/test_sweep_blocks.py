@@ -56,8 +56,8 @@ def test_bad_block_grids(data: dict[str, Any], match: str) -> None:
 
 def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
     """The study's blocks at batch 32/64, one model, one step: every figure and the tables are written."""
-    text = (Path(__file__).parents[1] / "sweeps" / "trimoe.toml").read_text()
-    full = load_grid(Path(__file__).parents[1] / "sweeps" / "trimoe.toml")
+    text = (Path(__file__).parents[2] / "sweeps" / "trimoe.toml").read_text()
+    full = load_grid(Path(__file__).parents[2] / "sweeps" / "trimoe.toml")
     names = ["systems", "ablation-base", "ablation", "ablation-base-drift", "ablation-drift", "ndp", "cpu",
              "drift", "drift-base", "contention-base", "contention"]  # fmt: skip
     assert [b.name for b in full.blocks] == names and full.figures == "trimoe"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 from moetier.kernels.sparse import default_table_path
 from moetier.models.tiny import build_tiny_checkpoint
-from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli import _save_tokenizer
 from typer.testing import CliRunner
 
 from moetier.cli.app import app
 from moetier.models.tiny import build_tiny_checkpoint
-from test_cli import _save_tokenizer
 
 runner = CliRunner()
 

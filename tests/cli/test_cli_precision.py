@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 from moetier.models.tiny import build_tiny_checkpoint
-from test_cli import _save_tokenizer, assert_user_error, invoke, last_json
 
 EXPERTS = 12  # 2 MoE layers x 6
 

@@ -1,7 +1,10 @@
 """Decode speed: transformers vs moetier (all experts resident) vs moetier (25% host budget).
 
-transformers runs twice: as it ships, and with oneDNN off (moetier's own kernel choice for
-one-row bf16 matmuls, runtime/kernels.py), so the table shows what that choice alone buys.
+transformers runs twice: as it ships, and with oneDNN off process-wide (the benchmark flips the flag
+around its own run; moetier never does). With oneDNN off every 1-2 row bf16 product takes ATen's
+native GEMV, the kernel moetier picks per call for its own projections (kernels/matmul.py), so the
+table shows what that choice alone buys. On CPUs where oneDNN never takes bf16 products (no AVX-512
+BW/VL/DQ, AVX-NE-CONVERT or AMX, e.g. AVX2-only ones) both transformers runs use the same kernels.
 
 On the Qwen3-MoE-shaped random bf16 benchmark model (hidden 1024, 8 layers, 64 experts,
 top-8, moe_intermediate 256, 16/4 heads of 64, vocab 32000), all in one process:
@@ -45,7 +48,7 @@ class _Clock(BaseStreamer):
 
 
 def hf_decode(path: str, prompt: list[int], n: int, device: str, onednn: bool = True) -> float:
-    """transformers' own generate; onednn=False also gives it moetier's small-row kernel choice."""
+    """transformers' own generate; onednn=False also gives it the native GEMV moetier picks per call."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     ids = torch.tensor([prompt], device=device)
     clock = _Clock()
@@ -78,7 +81,7 @@ def main() -> None:
     # 1. the model, and its expert bytes for the 25% budget
     path = str(qwen3_bench_model(args.cache_dir))
     info_engine = moetier.load(path, moetier.EngineConfig(runtime=moetier.RuntimeConfig(dtype="bf16")))
-    expert_bytes = info_engine.store.slot_bytes * len(info_engine.store.reader.plans)
+    expert_bytes = info_engine.store.slot_bytes * len(info_engine.store.keys)  # every expert, one slot each
     info_engine.close()
     quarter = expert_bytes // 4
     prompt = torch.randint(3, 32000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()

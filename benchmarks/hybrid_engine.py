@@ -45,6 +45,9 @@ from moetier.config import (
     SamplingConfig,
     SchedulerConfig,
 )
+from moetier.errors import ConfigError
+from moetier.policies.costmodel import save_profile
+from moetier.runtime.pricing import BUILTIN_CPU, load_profile
 
 
 def drop_page_cache(folder: Path) -> None:
@@ -61,10 +64,6 @@ def snapshot_profile(name: str | None) -> tuple[str, str]:
     """Load the cost model's profile once (the default: profiles/this-machine.json, else the built-in
     CPU one; an unreadable default falls back to the built-in) and pin it in a temporary file, so
     every run prices with the same numbers; returns (its name, the file)."""
-    from moetier.errors import ConfigError
-    from moetier.policies.costmodel import save_profile
-    from moetier.runtime.prefetch import BUILTIN_CPU, load_profile
-
     try:
         prof = load_profile(name)
     except ConfigError as exc:

@@ -2,7 +2,7 @@
 
 Issue 5 target: `plan()` (a scheduler's `schedule`) of a 64-expert layer in at most 200 microseconds.
 Costs are realistic: priced by the cost model for Qwen2-57B-A14B (64 routed experts, top-8, one shared
-expert) on the paper's machine (profiles/a6000-5220r.json). Cases:
+expert) on the paper's machine (the shipped profile a6000-5220r). Cases:
 - decode: top-8 of 64 experts, 1 token each, plus the shared expert;
 - prefill: all 64 experts active with 1..300 tokens each (uniform), plus the shared expert;
 each with a random 25% or 50% of the routed experts cached. Work lists are built up front; only

@@ -46,6 +46,7 @@ import moetier
 from moetier.config import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig
 from moetier.formats.qtier import tier_summary
 from moetier.formats.quantize import quantize_model
+from moetier.runtime.observers import Tap
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey
 
@@ -76,7 +77,7 @@ def expert_output_errors(ids: list[int]) -> dict[str, float]:
         block.register_forward_pre_hook(
             lambda mod, args: inputs.__setitem__(mod.layer, args[0].reshape(-1, args[0].shape[-1]))
         )
-        block.route_hooks.append(lambda layer, i, w, lg: routes.__setitem__(layer, i))
+    full.observers.add(Tap(lambda r: routes.__setitem__(r.layer, r.ids)))
     full.logits(torch.tensor([ids[:WARMUP]]))
 
     def outputs(eng: Any) -> dict[ExpertKey, torch.Tensor]:

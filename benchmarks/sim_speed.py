@@ -2,7 +2,7 @@
 
 Issue 5 target: at most 10 seconds on this machine, scheduler calls included. The trace is the
 synthetic DeepSeek-V2-Lite preset (moetier.studies.synthetic.preset, seed 0) with a 32-token prompt;
-the machine is the paper's (profiles/a6000-5220r.json), cache ratio 0.5. Timed: `simulate()`
+the machine is the paper's (the shipped profile a6000-5220r), cache ratio 0.5. Timed: `simulate()`
 alone (wall clock and process CPU time, best of --repeat; the CPU time is what
 counts on a shared machine), per scheduler; trace generation and `iter_calls` are
 timed separately. `--prefetch` adds the prefetching runs (choose_prefetch on every MoE layer).

@@ -3,7 +3,7 @@
 For the bundled model and the Qwen3-MoE-shaped benchmark model: the engine runs on this CPU with a
 host expert budget of 25% of the expert bytes and the checkpoint (disk) as the slow tier, LRU,
 greedy decode, recording its routing trace. The simulator then replays that very trace with this
-machine's measured profile (profiles/this-machine.json, written by `moetier profile`) on the CPU-only
+machine's measured profile (this-machine, written by `moetier profile`) on the CPU-only
 machine model (fast domain = CPU from host memory, link = disk), the gpu-lru scheduler (every miss is
 read, then computed) and an LRU cache of the same number of slots. Prefill is excluded: the metric is
 the mean time between decoded tokens.

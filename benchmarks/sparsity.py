@@ -43,8 +43,8 @@ import moetier
 from moetier.config import EngineConfig, RuntimeConfig, SparsityConfig
 from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import source_fingerprint
-from moetier.kernels.small_rows import small_rows
 from moetier.runtime.calibrate import calibrate, model_identity
+from moetier.runtime.observers import Tap
 
 MODEL = Path("models/tiny-shakespeare-moe")
 TEXT = Path("data/shakespeare_heldout.txt")
@@ -102,11 +102,12 @@ def mask_reuse(table: Path, ids: list[int], target: float = 0.85) -> dict[str, f
     hist: dict[tuple[int, int], list[torch.Tensor]] = {}
     stats = {"prev_recall": [], "prev_size": [], "union4_recall": [], "union4_size": []}
     for block in eng.loaded.blocks:
-        sp = block.sparse
+        sp = block.pipeline.executor
 
-        def hook(layer: int, ids_: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, sp: Any = sp,
-                 block: Any = block) -> None:  # fmt: skip
-            x = block._probe_x  # set by the wrapper below
+        def hook(route: Any, sp: Any = sp, block: Any = block) -> None:
+            if route.layer != block.layer:
+                return
+            layer, ids_, x = route.layer, route.ids, route.x
             for e in ids_[0].tolist():
                 views = block.store.acquire(block_key(layer, e))
                 try:
@@ -122,18 +123,11 @@ def mask_reuse(table: Path, ids: list[int], target: float = 0.85) -> dict[str, f
                 past.append(m)
                 del past[:-4]
 
-        block.route_hooks.append(hook)
-        orig = block.route
-
-        def route(x: torch.Tensor, block: Any = block, orig: Any = orig) -> Any:
-            block._probe_x = x
-            return orig(x)
-
-        block.route = route
+        eng.observers.add(Tap(hook))
     eng.decoder.reset()
     with torch.inference_mode():
         for tok in ids:
-            eng._forward(torch.tensor([[tok]]))
+            eng.step(torch.tensor([[tok]]))
     eng.close()
     return {k: statistics.mean(v) for k, v in stats.items() if v}
 
@@ -149,7 +143,7 @@ def block_key(layer: int, e: int) -> Any:
 
 def layer_time(eng: Any, x: torch.Tensor, layer: int) -> float:
     block = eng.loaded.blocks[layer]
-    with torch.inference_mode(), small_rows(x.shape[0], torch.bfloat16, torch.device("cpu")):
+    with torch.inference_mode():  # the block's matmuls pick their kernel per call (kernels/matmul.py)
         block(x[None])
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 0.2:
@@ -171,12 +165,12 @@ def speed(repeats: int) -> dict[str, Any]:
     # the gather kernel with threshold 0 (every neuron computed): separates what sparsity saves from
     # what the kernel itself does better than torch's matmuls
     engines["kernel_dense"] = engine(bench, 0.85, table)
-    for s in engines["kernel_dense"].loaded.sparsity.layers.values():
+    for s in engines["kernel_dense"].sparsity.layers.values():
         s.threshold = 0.0
     for eng in engines.values():
         eng.store.preload()
-    tipping = engines["sparse"].loaded.sparsity.tipping
-    profile = engines["sparse"].loaded.sparsity.profile
+    tipping = engines["sparse"].sparsity.tipping
+    profile = engines["sparse"].sparsity.profile
     xs = {bs: torch.randn(bs, 1024, generator=gen).to(torch.bfloat16) for bs in (1, 4, 16, 64)}
     times: dict[str, dict[int, list[float]]] = {n: {bs: [] for bs in xs} for n in engines}
     for _ in range(repeats):
@@ -248,7 +242,7 @@ def speed_quant(repeats: int, precision: str = "int4") -> dict[str, Any]:
     for _ in range(repeats):
         for name, eng in engines.items():
             rates[name].append(eng.generate(prompt, 64, stop_at_eos=False).decode_tok_s)
-    tipping = engines["sparse"].loaded.sparsity.tipping
+    tipping = engines["sparse"].sparsity.tipping
     for eng in engines.values():
         eng.close()
     decode = {n: statistics.median(v) for n, v in rates.items()}

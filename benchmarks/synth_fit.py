@@ -1,10 +1,12 @@
 """How well the synthetic routing generator reproduces real and published statistics (issue 5, item 5).
 
-(a) fit: each recorded trace of the bundled model in data/traces/ is fitted (moetier.studies.synthetic.fit), then
+(a) fit: each recorded trace of the bundled model in data/traces/ is fitted
+    (moetier.studies.synthetic_fit.fit_params), then
     `--seeds` synthetic traces of the same shape (batch, decode steps, prompt length) are generated from
     the fitted knobs with fresh seeds; the table compares the recorded statistics with the synthetic mean
     and standard deviation, and checks |recorded - synthetic mean| <= TOL for each.
-(b) presets: for every spec in specs/, moetier.studies.synthetic.preset(spec) generates a batch-1 trace
+(b) presets: for every shipped spec (moetier.specs.spec_names), moetier.studies.synthetic.preset(spec)
+    generates a batch-1 trace
     (`--steps` decode steps after a 32-token prompt) and a batch-128 trace (50 steps); the table gives
     the token shares of the preset's hot/warm/cold classes against TriMoE 3.1 (cold: over 70% of the
     experts, about 8% of tokens; warm: 20-40% of the experts, up to 70%), the cold share of the batch-1
@@ -33,7 +35,8 @@ from rich.table import Table  # noqa: E402
 
 from moetier import traces  # noqa: E402
 from moetier.specs import load_spec, spec_names  # noqa: E402
-from moetier.studies.synthetic import PRESET_DYNAMICS, SynthParams, fit, generate, preset, routing  # noqa: E402
+from moetier.studies.synthetic import PRESET_DYNAMICS, SynthParams, generate, preset, routing  # noqa: E402
+from moetier.studies.synthetic_fit import fit_params  # noqa: E402
 from moetier.studies.synthetic_stats import class_shares, sorted_profile, stats_of, trace_stats  # noqa: E402
 
 FIT_STATS = ("top10_share", "bottom70_share", "reuse", "layer_pred", "topk_mass", "reuse_indep",
@@ -50,7 +53,7 @@ def fit_rows(seeds: int) -> list[dict[str, Any]]:
         t = traces.load(path)
         obs = trace_stats(t)
         t0 = time.perf_counter()
-        p = fit(t)
+        p = fit_params(t)
         fit_s = time.perf_counter() - t0
         prompt = obs["prefill_tokens"] // obs["batch"]
         sims = [trace_stats(generate(replace(p, seed=s), obs["decode_steps"], prompt)) for s in range(1, seeds + 1)]

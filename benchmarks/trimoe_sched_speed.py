@@ -5,7 +5,7 @@ Instance: DeepSeek-V2 (160 routed experts, top-6, expert 3 x 5120 x 1536 bf16 = 
 3072 token-expert pairs, skewed as in TriMoE 3.1: 5% hot experts take 22% of the pairs, 25% warm experts 70%,
 70% cold experts 8% (every expert gets at least one pair, the rest drawn by class share). The hot experts and
 a random 4% more are resident in HBM; cold experts are localised (random home DIMM of 16), warm and hot
-striped, with --stale (10%) of each flipped (a stale layout). Costs from TriMoE Table 1 (profiles/h100-8470.json):
+striped, with --stale (10%) of each flipped (a stale layout). Costs from TriMoE Table 1 (the shipped profile h100-8470):
 - f_calc_gpu: max(W / HBM bw, 2 * 3 * H * I * L / (peak * eff(L))) + overhead, eff from the H100 LUT;
 - f_calc_cpu: 2 * 3 * H * I * L / (AMX peak * eff(L)) + overhead (its DRAM read is T_DRAM, eq. 3);
 - f_calc_ndp: FLOPs / 256 GFLOPS; T_Internal: W / 153.6 GB/s; T_PCIe: 10 us + W / 64 GB/s;
@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "src"))  # moetier without an install
 
 from moetier.policies.costmodel import load_profile
-from moetier.policies.schedule_trimoe import Layout, TriExpert, dram_read_s, schedule_trimoe
-from moetier.types import Domain, ExpertKey
+from moetier.policies.schedule_tri_base import TriExpert, dram_read_s
+from moetier.policies.schedule_trimoe import schedule_trimoe
+from moetier.types import Domain, ExpertKey, Layout
 
 E, TOP_K, BATCH, N_DIMMS = 160, 6, 512, 16
 HIDDEN, INTER, DTYPE_BYTES = 5120, 1536, 2
@@ -131,7 +132,7 @@ def main() -> None:
     counts = {f"{c}_{d.value}": 0 for c, _, _ in CLASSES for d in Domain}
     for (x, cls), r in zip(cases, res, strict=True):
         for e, c in zip(x, cls, strict=True):
-            counts[f"{c}_{r.domains[e.key].value}"] += 1
+            counts[f"{c}_{r.plan.domains[e.key].value}"] += 1
     print(f"{'quantity':<34} {'value':>10}")
     rows = [
         ("schedule wall (median us)", us),

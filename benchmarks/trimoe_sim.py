@@ -13,8 +13,10 @@ import json
 import time
 from dataclasses import replace
 
-from moetier.sim.tri import SYSTEMS, TriSimConfig, simulate_tri, synthetic_calls
+from moetier.policies.schedulers import TRI_SCHEDULERS
+from moetier.sim.tri import TriSimConfig, simulate_tri
 from moetier.specs import load_spec
+from moetier.studies.sweep_tri import synthetic_calls
 
 MODELS = ("deepseek-v2", "qwen3-235b-a22b", "glm-4.5-air")
 BASELINES = ("klotski", "ktransformers-plus", "monde", "trimoe")
@@ -79,7 +81,7 @@ def main() -> None:
     print("\nablation (MoE ms/step, gain over the previous step)")
     for r in ablation:
         print(f"{r['model']:16} {r['batch']:5} {r['step']:13} {r['moe_ms_per_step']:9.1f} {r['gain']:6.2f}")
-    print(json.dumps({"bench": "trimoe_sim", "steps": a.steps, "systems": list(SYSTEMS), "rows": rows,
+    print(json.dumps({"bench": "trimoe_sim", "steps": a.steps, "systems": list(TRI_SCHEDULERS), "rows": rows,
                       "ablation": ablation}))  # fmt: skip
 
 

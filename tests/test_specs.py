@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoConfig
 
+from moetier import config
 from moetier.errors import ConfigError
 from moetier.models.tiny import _COMMON, TINY
-from moetier.specs import ModelSpec, load_spec, spec_from_hf_config, spec_from_trace_metadata, spec_names
+from moetier.policies import hwprofile
+from moetier.specs import (
+    SHIPPED_SPECS,
+    ModelSpec,
+    load_spec,
+    spec_from_hf_config,
+    spec_from_trace_metadata,
+    spec_names,
+)
+from moetier.types import PRECISION_BITS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_SPECS = ("mixtral-8x7b", "qwen2-57b-a14b", "deepseek-v2-lite", "deepseek-v2", "qwen3-30b-a3b",
@@ -145,3 +156,22 @@ def test_spec_from_trace_metadata(tmp_path: Path) -> None:
     assert isinstance(s, ModelSpec)
     assert (s.num_layers, s.moe_layers, s.num_experts, s.top_k, s.hidden, s.moe_inter) == (3, (1, 2), 16, 2, 128, 64)
     assert spec_from_trace_metadata({"model": "x", "top_k": 2}) is None
+
+
+def test_one_precision_bit_table_and_full_bytes_use_the_dtype() -> None:
+    """config, hwprofile and specs read types.PRECISION_BITS; a full-precision expert is priced at the model's
+    dtype (not at the table's 16 bits), a quantised one at its bits plus a bf16 scale and zero per group."""
+    assert dict(PRECISION_BITS) == {"full": 16, "int8": 8, "int4": 4, "int2": 2}
+    assert config._BITS is PRECISION_BITS and hwprofile.PRECISIONS == ("full", "int8", "int4", "int2")
+    s = load_spec("mixtral-8x7b")
+    h, i = s.hidden, s.moe_inter
+    for dtype_bytes in (2, 4):
+        assert replace(s, dtype_bytes=dtype_bytes).expert_bytes("full") == 3 * h * i * dtype_bytes
+    assert s.expert_bytes("int4") == 3 * h * i // 2 + (2 * i * (h // 128) + h * (i // 128)) * 4
+    with pytest.raises(ConfigError, match="expected one of full, int8, int4, int2"):
+        s.expert_bytes("fp8")
+
+
+def test_specs_ship_inside_the_package() -> None:
+    assert {f"{n}.json" for n in spec_names()} == {e.name for e in SHIPPED_SPECS.iterdir() if e.name.endswith(".json")}
+    assert not (ROOT / "specs").exists()  # moved to src/moetier/data/specs (package data)

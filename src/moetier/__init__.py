@@ -1,12 +1,13 @@
 """moetier: run Mixture-of-Experts language models with tiered, budgeted expert memory.
 
 Config and errors import eagerly (they are light); the engine (torch, transformers) loads
-on first use of `moetier.load` or `moetier.Engine`, so `import moetier` and the CLI's
---help stay fast.
+on first use of `moetier.load` (runtime/wire.py) or `moetier.Engine` (runtime/engine.py), so
+`import moetier` and the CLI's --help stay fast.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from moetier.config import (
@@ -29,16 +30,18 @@ from moetier.errors import (
 )
 
 if TYPE_CHECKING:
-    from moetier.runtime.engine import Engine, EvalResult, GenerationResult, load
+    from moetier.runtime.engine import Engine, EvalResult, GenerationResult
+    from moetier.runtime.wire import load
 
-_LAZY = {"Engine", "EvalResult", "GenerationResult", "load"}
+_LAZY = {"Engine": "engine", "EvalResult": "engine", "GenerationResult": "engine", "load": "wire"}
 
 
 def __getattr__(name: str) -> Any:
+    """The engine's names, imported on first use (module-level lazy loading, not a cycle: the CLI's --help
+    and `import moetier` stay free of torch)."""
     if name in _LAZY:
-        from moetier.runtime import engine
-
-        return getattr(engine, name)
+        module = importlib.import_module(f"moetier.runtime.{_LAZY[name]}")
+        return getattr(module, name)
     raise AttributeError(f"module 'moetier' has no attribute {name!r}")
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moetier.errors import ConfigError
+from moetier.types import PRECISION_BITS
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DtypeName = Literal["auto", "bf16", "fp32", "fp16"]
@@ -96,7 +97,7 @@ class PrefetchConfig:
 class SchedulerConfig:
     """Which domain computes each expert (a name in moetier.policies.schedulers.SCHEDULERS; None:
     everything on the compute device), and the hardware profile the cost model prices work with
-    (a name in profiles/ or a path; None: profiles/this-machine.json if present, else a built-in
+    (a profile name (yours, written by `moetier profile`, or a shipped one) or a path; None: this-machine if present, else a built-in
     conservative CPU profile). Hybrid CPU-GPU execution needs a CUDA device; on a CPU machine the
     scheduler only prices prefetch choices."""
 
@@ -105,7 +106,7 @@ class SchedulerConfig:
 
 
 PRECISION_MODES = ("full", "int8", "int4", "int2", "dynamic")
-_BITS = {"full": 16, "int8": 8, "int4": 4, "int2": 2}
+_BITS = PRECISION_BITS
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ class RuntimeConfig:
     dtype: DtypeName = "auto"
     lean: bool = True  # use the engine's own decoder where the family supports it
     max_seq_len: int = 0  # KV-cache length for the lean decoder; 0 = the model's own limit, capped at 4096
+    native_kernels: bool = True  # build and use the C sparse kernel (kernels/native.py); False: torch ops
+    kernel_cache: str | None = None  # folder of kernel builds and tipping profiles; None = ~/.cache/moetier
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -215,6 +218,8 @@ class RuntimeConfig:
             raise ConfigError(f"dtype must be auto, bf16, fp32 or fp16, got {self.dtype!r}")
         if self.max_seq_len < 0:
             raise ConfigError(f"max_seq_len must not be negative, got {self.max_seq_len}")
+        if self.kernel_cache is not None and not self.kernel_cache.strip():
+            raise ConfigError("kernel_cache must be a folder or None (the default), got an empty string")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ its weights: layer counts, which decoder layers are MoE, routed and shared exper
 hidden and intermediate sizes, the attention shape (GQA or DeepSeek's MLA) and the vocab.
 
 Sources, in the order `load_spec` tries them:
-1. a name in specs/ at the repository root (`specs/<name>.json`, see `spec_names()`);
+1. a name of a spec shipped in the package (moetier/data/specs/<name>.json, read through importlib.resources;
+   see `spec_names()`);
 2. a path to such a .json file;
 3. a local Hugging Face checkpoint folder (its config.json, for the families moetier knows).
 
@@ -27,14 +28,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.types import PRECISION_BITS
 
-SPECS_DIR = Path(__file__).resolve().parents[2] / "specs"
+SHIPPED_SPECS: Traversable = resources.files("moetier") / "data" / "specs"
 
-_BITS = {"full": 0, "int8": 8, "int4": 4, "int2": 2}
 _GROUP = {"int4": 128, "int2": 64}  # int8: one group per row
 _ZERO_OK = {"num_shared", "shared_inter", "dense_inter", "q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim"}
 
@@ -52,11 +55,11 @@ def _group(precision: str, k: int) -> int:
 
 def _matrix_bytes(n: int, k: int, precision: str, dtype_bytes: int) -> int:
     """Bytes of one [n, k] weight at `precision` (q bits + a bf16 scale and zero per group)."""
-    if precision not in _BITS:
-        raise ConfigError(f"unknown precision {precision!r}; expected one of {', '.join(_BITS)}")
-    if precision == "full":
+    if precision not in PRECISION_BITS:
+        raise ConfigError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISION_BITS)}")
+    if precision == "full":  # not quantised: the model's own dtype
         return n * k * dtype_bytes
-    return n * k * _BITS[precision] // 8 + n * (k // _group(precision, k)) * 4
+    return n * k * PRECISION_BITS[precision] // 8 + n * (k // _group(precision, k)) * 4
 
 
 def _ffn_bytes(hidden: int, inter: int, precision: str, dtype_bytes: int) -> int:
@@ -177,8 +180,10 @@ class ModelSpec:
 
 # 3. Loading -------------------------------------------------------------------------------------------------------
 def spec_names() -> list[str]:
-    """Names of the specs shipped in specs/."""
-    return sorted(p.stem for p in SPECS_DIR.glob("*.json")) if SPECS_DIR.is_dir() else []
+    """Names of the specs shipped in the package (moetier/data/specs)."""
+    if not SHIPPED_SPECS.is_dir():
+        return []
+    return sorted(e.name[: -len(".json")] for e in SHIPPED_SPECS.iterdir() if e.name.endswith(".json") and e.is_file())
 
 
 def spec_from_dict(d: Mapping[str, Any], where: str = "spec") -> ModelSpec:
@@ -263,7 +268,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str, source: str) -> Model
     )  # fmt: skip
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path | Traversable) -> Any:
     try:
         return json.loads(path.read_text())
     except OSError as e:
@@ -275,7 +280,7 @@ def _read_json(path: Path) -> Any:
 def load_spec(name_or_path: str) -> ModelSpec:
     """A shipped spec by name, a spec .json path, or a local HF checkpoint folder (its config.json)."""
     s = str(name_or_path)
-    named = SPECS_DIR / f"{s}.json"
+    named = SHIPPED_SPECS / f"{s}.json"
     if "/" not in s and not s.endswith(".json") and named.is_file():
         return spec_from_dict(_read_json(named), str(named))
     p = Path(s)

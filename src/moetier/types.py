@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Literal, NamedTuple
 
 
@@ -39,6 +40,13 @@ class Precision(StrEnum):
     INT8 = "int8"
     INT4 = "int4"
     INT2 = "int2"
+
+
+# Bits per stored weight of each precision, highest first: the one table (config, hwprofile, specs). "full" is a
+# 16-bit weight (bf16 / fp16); byte counts of a full-precision expert use the model's own dtype, not this 16.
+PRECISION_BITS: Mapping[str, int] = MappingProxyType({
+    Precision.FULL.value: 16, Precision.INT8.value: 8, Precision.INT4.value: 4, Precision.INT2.value: 2,
+})  # fmt: skip
 
 
 class Domain(StrEnum):

@@ -22,7 +22,8 @@ import torch
 from typer.testing import CliRunner
 
 from moetier import traces
-from moetier.cli.app import TokenStream, app
+from moetier.cli.app import app
+from moetier.cli.console import TokenStream
 from moetier.cli.options import size_flag
 from moetier.models.tiny import build_tiny_checkpoint
 

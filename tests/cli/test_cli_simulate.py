@@ -1,4 +1,5 @@
-"""`moetier simulate` (cli_simulate.register): the JSON line, the table, the timeline, one-line errors."""
+"""`moetier simulate` (cli/simulate.py): the JSON line, the table, the timeline, one-line errors; the three-domain
+machine's flags and schedulers are not its own (`moetier simulate-tri`, tests/cli/test_cli_simulate_tri.py)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         (["simulate", "--spec", "nope", "--profile", "a6000-5220r", "--synthetic"], "unknown model spec"),
         (["simulate", "--spec", "deepseek-v2-lite", "--profile", "nope", "--synthetic"], "hardware profile"),
         (["simulate", "--spec", "deepseek-v2-lite", "--profile", "a6000-5220r"], "exactly one of"),
-        ([*BASE, "--cache-ratio", "1.5"], "cache ratio"),
+        ([*BASE, "--cache-ratio", "1.5"], "cache_ratio must be in [0, 1]"),
+        ([*BASE, "--scheduler", "trimoe"], "unknown scheduler 'trimoe'"),
         ([*BASE, "--cache-policy", "belady"], "belady"),
         (["simulate", "--profile", "a6000-5220r", "--trace", str(tmp_path / "missing.parquet")], "no such file"),
         (["simulate", "--profile", "a6000-5220r", "--trace", str(bad)], "Parquet"),
@@ -105,3 +107,12 @@ def test_stats_needs_a_synthetic_trace(tmp_path: Path) -> None:
     trace.write_bytes(b"")
     res = runner.invoke(app, ["simulate", "--profile", "a6000-5220r", "--trace", str(trace), "--stats", "hybrimoe"])
     assert res.exit_code == 2 and "--stats applies to --synthetic" in res.output
+
+
+def test_three_domain_flags_are_not_flags_of_simulate() -> None:
+    for flag in ("--ndp-count", "--cpu-tflops-scale", "--hbm-ratio", "--drift", "--contention"):
+        res = runner.invoke(app, [*BASE, flag, "1"])
+        assert res.exit_code == 2 and "No such option" in res.output and flag in res.output, (flag, res.output)
+    for flag in ("--no-refinement", "--no-relayout"):
+        res = runner.invoke(app, [*BASE, flag])
+        assert res.exit_code == 2 and "No such option" in res.output, (flag, res.output)

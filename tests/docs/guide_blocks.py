@@ -10,7 +10,7 @@ Marker convention (documented in docs/guide/README.md): an HTML comment on the l
     <!-- skip: REASON -->     not run (needs a GPU, a Hub checkpoint, minutes); the line before the
                               comment must be a visible note starting with "> Not run by the tests"
 Every ```bash and ```python fence needs one of run / run: background / skip. All blocks of a page run
-in order, in one temporary folder where models/, data/, specs/ and profiles/ link to the repository's,
+in order, in one temporary folder where models/ and data/ link to the repository's,
 with HF_HUB_OFFLINE=1 and OMP_NUM_THREADS=1; bash runs with `set -eo pipefail`, python as a script.
 The port 8000 of a page with a background block is replaced by a free port in all its blocks.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide"
-LINKED = ("models", "data", "specs", "profiles")
+LINKED = ("models", "data")
 RUNNABLE_LANGS = ("bash", "python")
 NOTE = "> Not run by the tests"
 MARKER = re.compile(r"^<!--\s*(run|run: background|skip: .+|file: \S+)\s*-->$")

@@ -346,42 +346,49 @@ def test_bf16_torch_paths_count_against_the_exact_threshold(path: str) -> None:
 # --- building the kernel ---------------------------------------------------------------------------
 
 
-def test_load_builds_into_moetier_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_load_builds_into_the_configured_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """load(enabled, cache_dir): RuntimeConfig.native_kernels / kernel_cache as arguments, no environment."""
     if native.load() is None:
         pytest.skip(f"native sparse kernel unavailable: {native.load_error()}")
     good = native._compilers()
     false = shutil.which("false")
     assert false is not None
+    cache = tmp_path / "cache"
     try:
         with monkeypatch.context() as m:
-            m.setenv("MOETIER_CACHE", str(tmp_path / "cache"))
-            native.load.cache_clear()
-            assert native.cache_dir() == tmp_path / "cache" / "kernels"
-            lib = native.load()
-            assert lib is not None and native.load_error() is None
-            built = list((tmp_path / "cache" / "kernels").iterdir())
-            assert len(built) == 1 and built[0].name.startswith("sparse_swiglu-") and built[0].suffix == ".so"
-            assert lib.moetier_sparse_abi() == native.ABI
-            assert native.load() is lib  # cached per process
-            assert native.build_key() in built[0].name
-            # only a failing compiler: None, the reason kept, a note instead of a half-written file
-            native.load.cache_clear()
-            m.setenv("MOETIER_CACHE", str(tmp_path / "bad"))
-            m.setattr(native, "_compilers", lambda: [false])
-            assert native.load() is None
-            assert "failed" in (native.load_error() or "")
-            left = list((tmp_path / "bad" / "kernels").iterdir())
-            assert [p.suffix for p in left] == [".failed"]
-            native.load.cache_clear()  # a later start skips the failed compiler at once
-            assert native.load() is None and "remembered" in (native.load_error() or "")
-            # a failing compiler, then a working one: the working one is used
-            native.load.cache_clear()
-            m.setattr(native, "_compilers", lambda: [false, *good])
-            assert native.load() is not None and native.load_error() is None
-            native.load.cache_clear()
+            m.setenv("MOETIER_CACHE", str(tmp_path / "ignored"))  # kernels/ reads no environment
             m.setenv("MOETIER_NATIVE", "0")
-            assert native.load() is None
-            assert "MOETIER_NATIVE=0" in (native.load_error() or "")
+            assert native.cache_dir(cache) == cache / "kernels"
+            assert native.cache_dir() == Path.home() / ".cache" / "moetier" / "kernels"
+            lib = native.load(True, cache)
+            assert lib is not None and native.load_error(True, cache) is None
+            built = list((cache / "kernels").iterdir())
+            assert len(built) == 1 and built[0].name.startswith("sparse_swiglu-") and built[0].suffix == ".so"
+            assert not (tmp_path / "ignored").exists()
+            assert lib.moetier_sparse_abi() == native.ABI
+            assert native.load(True, str(cache)) is lib  # cached per process and folder
+            assert native.build_key(True, cache) in built[0].name
+            kernel = native_kernel(H, 48, torch.bfloat16, torch.device("cpu"), cache_dir=cache)
+            assert kernel is not None and kernel.build_key == native.build_key(True, cache)
+            # only a failing compiler: None, the reason kept, a note instead of a half-written file
+            bad = tmp_path / "bad"
+            m.setattr(native, "_compilers", lambda: [false])
+            assert native.load(True, bad) is None
+            assert "failed" in (native.load_error(True, bad) or "")
+            assert native.load_error(True, cache) is None  # errors are per folder
+            left = list((bad / "kernels").iterdir())
+            assert [p.suffix for p in left] == [".failed"]
+            native.clear_cache()  # a later start skips the failed compiler at once
+            assert native.load(True, bad) is None and "remembered" in (native.load_error(True, bad) or "")
+            # a failing compiler, then a working one: the working one is used
+            native.clear_cache()
+            m.setattr(native, "_compilers", lambda: [false, *good])
+            assert native.load(True, bad) is not None and native.load_error(True, bad) is None
+            # turned off: None with the reason, whatever the folder holds
+            assert native.load(False, cache) is None
+            assert "turned off" in (native.load_error(False, cache) or "")
+            assert native_kernel(H, 48, torch.bfloat16, torch.device("cpu"), enabled=False, cache_dir=cache) is None
+            assert native.build_key(False, cache) == "none"
     finally:
-        native.load.cache_clear()  # the next load() finds the regular cache again
+        native.clear_cache()  # the next load() finds the regular cache again
     assert native.load() is not None

@@ -21,6 +21,7 @@ from moetier.policies.costmodel import (
     save_profile,
     token_counts,
 )
+from moetier.policies.hwprofile import SHIPPED_PROFILES
 from moetier.specs import ModelSpec, load_spec
 from moetier.types import ExpertKey
 
@@ -143,7 +144,7 @@ def test_work_prices_routed_and_shared_experts() -> None:
 def test_paper_profiles_load_and_price_sensibly(name: str) -> None:
     prof = load_profile(name)
     assert prof.gpu is not None and prof.pcie is not None and name in profile_names()
-    raw = json.loads((Path(__file__).resolve().parents[2] / "profiles" / f"{name}.json").read_text())
+    raw = json.loads((SHIPPED_PROFILES / f"{name}.json").read_text())
     assert raw["source"] and raw["notes"]  # every profile says where its numbers come from
     cm = CostModel(prof, load_spec("mixtral-8x7b"))
     # a cached expert on the GPU beats computing it on the CPU and beats fetching it over PCIe (whether the

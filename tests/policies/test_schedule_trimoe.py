@@ -1,4 +1,5 @@
-"""TriMoE's bottleneck-aware greedy makespan scheduler (policies/schedule_trimoe.py, paper 4.2, eq. 1-7).
+"""TriMoE's bottleneck-aware greedy makespan scheduler (policies/schedule_trimoe.py, paper 4.2) and the eq. 1-7
+cost model it shares with the other three-domain schedulers (policies/schedule_tri_base.py).
 
 Hand-computed cases use binary fractions so every sum is exact."""
 
@@ -8,15 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetier.policies.schedule_trimoe import (
-    Layout,
-    TriExpert,
-    domain_totals,
-    dram_read_s,
-    greedy_assignment,
-    schedule_trimoe,
-)
-from moetier.types import Domain, ExpertKey
+from moetier.policies.schedule_tri_base import TriExpert, domain_totals, dram_read_s, greedy_assignment
+from moetier.policies.schedule_trimoe import schedule_trimoe
+from moetier.types import Domain, ExpertKey, Layout
 
 A, H, N = Domain.ACCEL, Domain.HOST, Domain.NDP
 S, L = Layout.STRIPED, Layout.LOCALISED
@@ -101,7 +96,7 @@ def test_totals_reject_ndp_for_striped_and_bad_lengths() -> None:
 
 def test_empty_call() -> None:
     r = schedule_trimoe([], 4)
-    assert (r.makespan, r.moves, dict(r.domains)) == (0.0, 0, {})
+    assert (r.makespan, r.moves, dict(r.plan.domains)) == (0.0, 0, {})
     assert r.totals.dimm_s == (0.0,) * 4
 
 
@@ -129,7 +124,7 @@ def test_refinement_moves_costliest_off_cpu_bottleneck() -> None:
     r = schedule_trimoe(experts, 1)
     assert r.greedy.makespan == 6.0
     assert (r.makespan, r.moves) == (4.0, 1)
-    assert [r.domains[e.key] for e in experts] == [A, H, H]
+    assert [r.plan.domains[e.key] for e in experts] == [A, H, H]
     assert (r.totals.gpu_s, r.totals.cpu_s) == (4.0, 3.0)
 
 
@@ -143,7 +138,7 @@ def test_refinement_unloads_busiest_dimm() -> None:
     r = schedule_trimoe([mk(0), mk(1)], 2)
     assert r.greedy.dimm_s == (6.0, 0.0)
     assert (r.makespan, r.moves) == (3.5, 1)
-    assert [r.domains[ExpertKey(0, i)] for i in (0, 1)] == [H, N]
+    assert [r.plan.domains[ExpertKey(0, i)] for i in (0, 1)] == [H, N]
     assert r.totals.dimm_s == (3.5, 0.0) and r.totals.contention_s == (0.5, 0.0)
 
 
@@ -161,7 +156,7 @@ def test_refinement_tie_goes_to_smallest_receiver_increase(ndp: float, want: Dom
     r = schedule_trimoe(experts, 1)
     assert r.greedy.makespan == 10.0
     assert (r.makespan, r.moves) == (6.0, 1)
-    assert r.domains[ExpertKey(0, 0)] == want
+    assert r.plan.domains[ExpertKey(0, 0)] == want
     assert r.totals.dimm_s == (dimm0,)
 
 
@@ -174,13 +169,13 @@ def test_contention_only_bottleneck_stops() -> None:
     ]
     r = schedule_trimoe(e, 2)
     assert r.totals.dimm_s == (4.0, 0.0)
-    assert (r.makespan, r.moves, r.domains[e[0].key], r.domains[e[1].key]) == (4.0, 0, A, H)
+    assert (r.makespan, r.moves, r.plan.domains[e[0].key], r.plan.domains[e[1].key]) == (4.0, 0, A, H)
 
 
 def test_domain_restriction_gpu_ndp() -> None:
     experts = [ex(0, cpu=1.0, gpu=2.0), ex(1, layout=L, dimm=1, cpu=0.5, gpu=3.0, ndp=2.0)]
     r = schedule_trimoe(experts, 2, domains={A, N})
-    assert set(r.domains.values()) <= {A, N}
+    assert set(r.plan.domains.values()) <= {A, N}
     with pytest.raises(ValueError, match="no allowed domain"):
         schedule_trimoe(experts, 2, domains={N})
 
@@ -255,8 +250,8 @@ def test_properties(call: tuple[list[TriExpert], int]) -> None:
     experts, n_dimms = call
     r = schedule_trimoe(experts, n_dimms)
     # every expert assigned once; NDP only for localised experts (on their own DIMM: the totals count them there)
-    assert list(r.domains) == [e.key for e in experts]
-    assign = [r.domains[e.key] for e in experts]
+    assert list(r.plan.domains) == [e.key for e in experts]
+    assign = [r.plan.domains[e.key] for e in experts]
     assert all(e.layout == L for e, d in zip(experts, assign, strict=True) if d == N)
     # totals are eq. 5-7 of the assignment, makespan their max
     t = domain_totals(experts, assign, n_dimms)
@@ -280,7 +275,7 @@ def test_deterministic_and_restricted(call: tuple[list[TriExpert], int]) -> None
     experts, n_dimms = call
     assert schedule_trimoe(experts, n_dimms) == schedule_trimoe(experts, n_dimms)
     r = schedule_trimoe(experts, n_dimms, domains={A, H})
-    assert N not in r.domains.values()
+    assert N not in r.plan.domains.values()
 
 
 def naive_refine(experts: list[TriExpert], n_dimms: int) -> tuple[list[Domain], int]:
@@ -317,5 +312,5 @@ def test_matches_naive_refinement(call: tuple[list[TriExpert], int]) -> None:
     experts, n_dimms = call
     r = schedule_trimoe(experts, n_dimms)
     assign, moves = naive_refine(experts, n_dimms)
-    assert [r.domains[e.key] for e in experts] == assign
+    assert [r.plan.domains[e.key] for e in experts] == assign
     assert r.moves == moves

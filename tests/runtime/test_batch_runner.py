@@ -164,7 +164,7 @@ def test_stop_ids_and_eos(tiny_ckpt) -> None:
     assert _tokens(events[s]) == ref[:cut] and events[s][-1] == StepEvent(s, stop, True, "stop")
     with_eos = engine.generate(prompt, 10).token_ids
     assert _tokens(events[d]) == with_eos
-    assert events[d][-1].finish_reason == ("stop" if with_eos[-1] in engine._eos_ids else "length")
+    assert events[d][-1].finish_reason == ("stop" if with_eos[-1] in engine.eos_ids else "length")
     engine.close()
 
 

@@ -36,6 +36,7 @@ from moetier.cli.tables import eval_report
 from moetier.config import PrecisionConfig, format_size
 from moetier.errors import BudgetError, CheckpointError, ConfigError
 from moetier.formats.quantize import quantize_model
+from moetier.kernels.qformat import _int2_layout_ok
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.precision import ExpertState, PrecisionController
 from moetier.types import ExpertKey, Precision
@@ -52,8 +53,9 @@ MODELS: dict[str, tuple[str, torch.dtype, dict[str, int], tuple[str, ...]]] = {
     "gpt_oss_bf16": ("gpt_oss", torch.bfloat16, {"intermediate_size": 64}, ("int8",)),
 }  # fmt: skip
 # compute format of (w13, w2) per precision: the kernels where dtype and shape allow, else generic
+INT2_KIND = "int2" if _int2_layout_ok() else "generic"  # the int2 fold needs the AVX-512 packer layout
 KINDS = {
-    "qwen3_bf16": {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "int2": ("int2", "generic")},
+    "qwen3_bf16": {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "int2": (INT2_KIND, "generic")},
     "mixtral_fp32": {p: ("generic", "generic") for p in ("int8", "int4", "int2")},
     "gpt_oss_bf16": {"int8": ("int8", "int8")},
 }

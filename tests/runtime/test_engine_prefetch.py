@@ -14,6 +14,7 @@ import moetier
 from moetier.config import Budgets, CacheConfig, EngineConfig, PrefetchConfig, RuntimeConfig, SchedulerConfig
 from moetier.errors import ConfigError
 from moetier.models.tiny import build_tiny_checkpoint
+from moetier.runtime.observers import CacheScores, Tap
 from moetier.types import ExpertKey
 
 FP32 = RuntimeConfig(device="cpu", dtype="fp32", lean=True)
@@ -53,7 +54,7 @@ def test_logits_exact_with_prefetch(deep, policy, depth, slots):
         assert (got - expected).abs().max().item() <= 1e-5
     # decode too: one token at a time through the same blocks
     e.decoder.reset()
-    steps = [e._forward(IDS[:, i : i + 1])[-1] for i in range(IDS.shape[1])]
+    steps = [e.step(IDS[:, i : i + 1])[-1] for i in range(IDS.shape[1])]
     assert (torch.stack(steps) - expected[0]).abs().max().item() <= 1e-5
     st = e.stats()
     assert st["prefetch"]["issued"] > 0 and st["prefetch"]["predicted"] > 0
@@ -69,7 +70,7 @@ def test_prediction_stats_match_an_independent_recomputation(deep):
     actual: dict[int, list[set[int]]] = {layer: [] for layer in order}
     for layer, b in blocks.items():
         b.register_forward_pre_hook(lambda m, a, layer=layer: inputs.append((layer, a[0].reshape(-1, a[0].shape[-1]))))
-        b.route_hooks.append(lambda lay, ids, w, lg: actual[lay].append(set(ids.reshape(-1).tolist())))
+    e.observers.add(Tap(lambda r: actual[r.layer].append(set(r.ids.reshape(-1).tolist()))))
     e.generate(IDS[0].tolist(), 4, stop_at_eos=False)
     # predictions: router of layer l+d on layer l's input, d = 1, 2; scored when l+d runs
     predicted = correct = 0
@@ -126,16 +127,15 @@ def test_mrs_in_the_engine_gets_scores_and_changes_victims(deep):
     for policy in ("lru", "mrs"):
         e = engine(deep, 4, policy)
         seen: list[frozenset[ExpertKey]] = []
-        for b in e.loaded.blocks:
-            b.route_hooks.append(lambda *a, e=e, seen=seen: seen.append(frozenset(e.store.resident())))
+        e.observers.add(Tap(lambda r, e=e, seen=seen: seen.append(frozenset(e.store.resident()))))
         e.generate(IDS[0].tolist(), 6, stop_at_eos=False)
         residency[policy] = seen
         if policy == "mrs":
             pol = e.store.compute.policy
             assert any(pol.score(k) > 0 for k in e.store.keys)  # router scores reached the policy
-            assert all(b.on_logits is not None for b in e.loaded.blocks)
+            assert any(isinstance(o, CacheScores) for o in e.observers)
         else:
-            assert all(b.on_logits is None for b in e.loaded.blocks)  # LRU: no score work at decode
+            assert not any(isinstance(o, CacheScores) for o in e.observers)  # LRU: no score work at decode
         e.close()
     assert residency["lru"] != residency["mrs"]
 
@@ -170,7 +170,7 @@ def test_bf16_output_is_bit_identical_whatever_the_residency(tmp_path):
                                                 runtime=bf16))  # fmt: skip
         prefill = e.logits(IDS)
         e.decoder.reset()
-        decode = torch.stack([e._forward(IDS[:, i : i + 1])[-1] for i in range(IDS.shape[1])])
+        decode = torch.stack([e.step(IDS[:, i : i + 1])[-1] for i in range(IDS.shape[1])])
         outs.append((prefill, decode))
         e.close()
     for prefill, decode in outs[1:]:

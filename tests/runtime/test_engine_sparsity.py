@@ -35,8 +35,11 @@ from moetier.kernels import native
 from moetier.kernels.sparse import ThresholdTable, default_table_path, native_kernel
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.sparsity import tipping_point
-from moetier.runtime import sparsity as rs
 from moetier.runtime.calibrate import calibrate, model_identity
+from moetier.runtime.executors import sparse as rs
+from moetier.runtime.executors.base import Grouped, ResidentFirst
+from moetier.runtime.executors.dense import DenseExecutor
+from moetier.runtime.moe_block import Pipeline
 from moetier.runtime.tipping import load_or_measure_tipping
 from moetier.types import ExpertKey
 
@@ -87,8 +90,8 @@ def engines(model: Path) -> Iterator[Callable[..., moetier.Engine]]:
         if key not in cache:
             cache[key] = moetier.load(model, sparse_cfg(target, tipping, block))
         engine = cache[key]
-        assert engine.loaded.sparsity is not None
-        engine.loaded.sparsity.reset_counts()
+        assert engine.sparsity is not None
+        engine.sparsity.reset_counts()
         return engine
 
     yield get
@@ -114,8 +117,9 @@ def test_calibrated_table(model: Path) -> None:
 def test_calibrate_refuses_too_few_tokens(model: Path) -> None:
     with moetier.load(model, EngineConfig(runtime=CPU)) as engine:
         with pytest.raises(ConfigError, match="at least a few hundred"):
+            before = [b.pipeline for b in engine.loaded.blocks]
             calibrate(engine, [5], WINDOW, identity_of(engine, model), "silu", {})
-        assert all(b.sparse is None for b in engine.loaded.blocks)  # executors restored
+        assert [b.pipeline for b in engine.loaded.blocks] == before  # executors restored
 
 
 # --- exactness and agreement ---------------------------------------------------------------------
@@ -123,8 +127,9 @@ def test_calibrate_refuses_too_few_tokens(model: Path) -> None:
 
 def test_target_zero_is_the_dense_engine(model: Path, dense_logits: torch.Tensor) -> None:
     with moetier.load(model, EngineConfig(runtime=CPU, sparsity=SparsityConfig())) as engine:
-        assert engine.loaded.sparsity is None and "sparsity" not in engine.stats()
-        assert all(b.sparse is None for b in engine.loaded.blocks)
+        assert engine.sparsity is None and "sparsity" not in engine.stats()
+        assert engine.executor == "dense"
+        assert all(isinstance(b.pipeline.executor, DenseExecutor) for b in engine.loaded.blocks)
         assert torch.equal(engine.logits(PROBE), dense_logits)
     # a table path given with target 0 is not even read
     cfg = EngineConfig(runtime=CPU, sparsity=SparsityConfig(target=0.0, table="/nonexistent/t.json"))
@@ -139,7 +144,7 @@ def test_gather_and_dense_paths_agree_and_reach_the_target(
     gather, dense = engines(target, 1000), engines(target, 0)
     torch.testing.assert_close(gather.logits(PROBE), dense.logits(PROBE), **CLOSE)
     for engine, sparse_path in ((gather, True), (dense, False)):
-        engine.loaded.sparsity.reset_counts()  # type: ignore[union-attr]
+        engine.sparsity.reset_counts()  # type: ignore[union-attr]
         calib_windows(engine)
         s = engine.stats()["sparsity"]
         assert s["target"] == target and s["block"] == 1
@@ -173,11 +178,18 @@ def test_blocks_paths_agree(engines: Callable[..., moetier.Engine], block: int) 
 
 
 class HandMasked:
-    """Compute step of one MoE layer on the dense store: per token and routed expert, in float64,
+    """Executor of one MoE layer on the dense store: per token and routed expert, in float64,
     a = silu(x Wg^T); y = ((|a| >= thr) * a * (x Wu^T)) Wd^T; out = sum w * y."""
 
-    def __init__(self, threshold: float) -> None:
-        self.threshold = threshold
+    def __init__(self, threshold: float, moe: Any = None) -> None:
+        self.threshold, self.moe = threshold, moe
+
+    def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
+        return Grouped({e: int((ids == e).sum()) for e in sorted(set(ids.flatten().tolist()))}, (ids, weights))
+
+    def execute(self, x: torch.Tensor, plan: Any, grouped: Grouped) -> torch.Tensor:
+        ids, weights = grouped.data
+        return self.forward(self.moe, x, ids, weights)
 
     def forward(self, moe: Any, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.exact(moe, x, ids, weights).to(x.dtype)
@@ -207,7 +219,8 @@ def test_matches_hand_masked_dense_engine(
     thresholds = {layer: ls["threshold"] for layer, ls in gather.stats()["sparsity"]["layers"].items()}
     with moetier.load(model, EngineConfig(runtime=CPU)) as ref:
         for b in ref.loaded.blocks:
-            b.sparse = HandMasked(thresholds[b.layer])
+            assert b.pipeline is not None
+            b.attach(Pipeline(ResidentFirst(b.store), HandMasked(thresholds[b.layer], b), b.pipeline.observers))
         want = ref.logits(PROBE)
         # decode goes through the same executors (one token per call)
         prompt = PROBE[0, :6].tolist()
@@ -296,8 +309,8 @@ def test_bf16_layer_gather_path_matches_reference(model_bf16: Path) -> None:
     with moetier.load(model_bf16, EngineConfig(runtime=bf16, sparsity=SparsityConfig(0.5, tipping=1000))) as engine:
         assert engine.dtype == torch.bfloat16
         block = engine.loaded.blocks[0]
-        got = block.sparse.forward(block, x, ids, weights)
-        ref = HandMasked(block.sparse.threshold).exact(block, x, ids, weights)
+        got = block.experts_forward(x, ids, weights)
+        ref = HandMasked(block.pipeline.executor.threshold).exact(block, x, ids, weights)
         s = engine.stats()["sparsity"]["layers"][0]
     assert got.dtype == torch.bfloat16 and s["sparse_calls"] == 6 and s["sparse_tokens"] == 2 * t
     assert abs(s["achieved"] - 0.5) < 0.05

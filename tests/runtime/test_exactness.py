@@ -18,6 +18,7 @@ from moetier.models.families import FAMILIES
 from moetier.models.tiny import TINY
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.lean import LeanDecoder
+from moetier.runtime.observers import Tap
 
 ATOL = 1e-4
 FAMILY_NAMES = tuple(TINY)
@@ -119,11 +120,10 @@ def test_tiny_models_route_diversely(tiny_ckpt, family):
     engine = load(tiny_ckpt(family), None, lean=False)
     used: dict[int, set[int]] = {}
 
-    def hook(layer, ids, weights, logits):
-        used.setdefault(layer, set()).update(ids.flatten().tolist())
+    def hook(route):
+        used.setdefault(route.layer, set()).update(route.ids.flatten().tolist())
 
-    for block in engine.loaded.blocks:
-        block.route_hooks.append(hook)
+    engine.observers.add(Tap(hook))
     engine.logits(PROMPT_A)
     assert set(used) == set(engine.info.moe_layers)
     for layer, experts in used.items():

@@ -1,4 +1,4 @@
-"""Hybrid CPU-GPU executor (runtime/hybrid.py) on CPU, the accelerator domain stubbed by a second
+"""Hybrid CPU-GPU executor (runtime/executors/hybrid.py) on CPU, the accelerator domain stubbed by a second
 CPU executor: same output as one domain, both domains running at once, errors propagating with
 every pin released, and the whole wiring inside a tiny engine matching the reference."""
 
@@ -15,9 +15,10 @@ import moetier
 from moetier.config import EngineConfig, RuntimeConfig
 from moetier.policies.costmodel import ComputeProfile, CostModel, HardwareProfile, LinkProfile
 from moetier.policies.schedule_base import ExpertWork
-from moetier.runtime.hybrid import DomainExec, HybridExecutor, HybridExperts, Task
-from moetier.runtime.moe_block import group_tokens
-from moetier.runtime.prefetch import Pricing, engine_spec
+from moetier.runtime.executors.base import group_tokens
+from moetier.runtime.executors.hybrid import DomainExec, HybridExecutor, HybridState, PricedScheduler, Task
+from moetier.runtime.moe_block import Pipeline
+from moetier.runtime.pricing import Pricing, engine_spec
 from moetier.types import Domain, ExpertKey, ExpertTask, Plan
 
 CPU = torch.device("cpu")
@@ -149,9 +150,10 @@ def test_hybrid_experts_in_a_tiny_engine_match_the_reference(tiny_ckpt, hf_model
     # accelerator domain stubbed by a second CPU executor on the same (host) tier
     accel = DomainExec(Domain.ACCEL, CPU, store.acquire, store.release, fn)
     host = DomainExec(Domain.HOST, CPU, store.acquire, store.release, fn)
-    hybrid = HybridExperts(pricing, HybridExecutor(accel, host), store.cached_keys)
+    hybrid = HybridState(PricedScheduler(pricing, store.cached_keys), HybridExecutor(accel, host, e.info.num_experts))
     for b in e.loaded.blocks:
-        b.hybrid = hybrid
+        assert b.pipeline is not None
+        b.attach(Pipeline(hybrid.scheduler, hybrid.executor, b.pipeline.observers))
     got = e.logits(ids)
     assert (got - expected).abs().max().item() <= 1e-5
     st = hybrid.stats()

@@ -57,7 +57,7 @@ def test_shared_experts_stay_dense(tmp_path: Path) -> None:
     cfg = EngineConfig(sparsity=SparsityConfig(target=0.5, tipping=1000))
     with moetier.load(path, cfg) as eng:
         block = eng.loaded.blocks[0]
-        block.sparse.threshold = float("inf")
+        block.pipeline.executor.threshold = float("inf")
         x = torch.randn(1, 5, eng.info.hidden_size)
         with torch.inference_mode():
             y = block(x)

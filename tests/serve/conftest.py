@@ -24,7 +24,8 @@ import uvicorn
 
 from moetier.config import EngineConfig, RuntimeConfig
 from moetier.runtime.batch import BatchRunner, SeqRequest, StepEvent
-from moetier.runtime.engine import Engine, load
+from moetier.runtime.engine import Engine
+from moetier.runtime.wire import load
 from moetier.serve import create_app
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -163,7 +163,7 @@ def test_concurrent_requests_share_batches(engine: Engine, make_server: Callable
 
 @pytest.mark.parametrize("family", ["qwen3_moe"])
 def test_model_without_tokenizer_takes_token_ids(tiny_ckpt: Callable[..., Any], family: str) -> None:
-    from moetier.runtime.engine import load
+    from moetier.runtime.wire import load
     from moetier.serve import create_app
     from serve.conftest import serve
 

@@ -109,7 +109,7 @@ def test_warmup_steps_build_the_placement_and_are_not_replayed() -> None:
     assert (oracle.accesses, oracle.hits) == (10, 6)  # built from the replayed calls themselves
     with pytest.raises(TraceError, match="warm-up alone takes 5"):
         simulate(tiny_spec(), hand_profile(), calls, SimConfig(warmup_steps=5))
-    with pytest.raises(ConfigError, match="warmup steps"):
+    with pytest.raises(ConfigError, match="warmup_steps"):
         SimConfig(warmup_steps=-1)
 
 
@@ -207,7 +207,7 @@ def test_errors() -> None:
         simulate(spec, prof, hand_calls(), SimConfig(cache_policy="belady"))
     with pytest.raises(ConfigError, match="unknown scheduler"):
         simulate(spec, prof, hand_calls(), SimConfig(scheduler="nope"))
-    with pytest.raises(ConfigError, match="cache ratio"):
+    with pytest.raises(ConfigError, match="cache_ratio"):
         SimConfig(cache_ratio=1.5)
     with pytest.raises(ConfigError, match="depth"):
         SimConfig(prefetch=True, prefetch_depth=4)

@@ -1,5 +1,6 @@
 """Tests of the three-domain machine (sim/ndp.py) and its decode simulation (sim/tri.py): hand-checked
-prices on a tiny model, conservation, domains per baseline, ablation flags, bad input."""
+prices on a tiny model, conservation, domains and actions per scheduler (from its declared capabilities),
+ablation flags, bad input. The schedulers' own tests are tests/policies/test_schedule_tri.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from moetier.errors import ConfigError
 from moetier.policies.hwprofile import load_profile
 from moetier.policies.predictor import PathTimes
-from moetier.policies.schedule_trimoe import TriExpert
+from moetier.policies.schedulers import TRI_SCHEDULERS, make_tri_scheduler
 from moetier.sim.ndp import GPU_ONLY, NdpMachine, NdpParams, load_ndp, ndp_from_dict, price_call
-from moetier.sim.tri import SYSTEMS, TriSimConfig, schedule_call, simulate_tri
+from moetier.sim.tri import TriSimConfig, simulate_tri
 from moetier.specs import ModelSpec
 from moetier.traces import Call
 from moetier.types import Domain, ExpertKey, Layout
@@ -92,54 +93,39 @@ def test_price_call_parts() -> None:
         price_call(m, 1, {8: 1}, set(), {}, {})
 
 
-def _te(e: int, resident: bool, calc: float, pcie: float, dram: float, dimm: int = -1) -> TriExpert:
-    lay = Layout.LOCALISED if dimm >= 0 else Layout.STRIPED
-    return TriExpert(ExpertKey(0, e), 1, resident, lay, dimm, calc, 1.0, 0.5, pcie, dram, 0.1)
-
-
-def test_klotski_pipelines_transfers_under_compute() -> None:
-    ex = [_te(0, True, 3.0, 1.0, 0.5), _te(1, False, 1.0, 2.0, 0.5), _te(2, False, 0.5, 1.5, 2.5, dimm=1)]
-    doms, t, g, moves = schedule_call(SYSTEMS["klotski"], ex, 2, frozenset(), 0)
-    assert set(doms.values()) == {Domain.ACCEL} and moves == 0 and t == g
-    # compute 3 + 1 + 0.5 = 4.5; streams max(2, .5) + max(1.5, 2.5) = 4.5; DIMM 1: .5 striped + 2.5 local = 3
-    assert t.gpu_s == pytest.approx(4.5) and t.dimm_s == pytest.approx((0.5, 3.0)) and t.makespan == pytest.approx(4.5)
-
-
-def test_ktransformers_puts_misses_on_cpu_but_hot_on_gpu() -> None:
-    ex = [_te(0, True, 3.0, 1.0, 0.5), _te(1, False, 1.0, 2.0, 0.5), _te(2, False, 0.5, 1.5, 0.5)]
-    doms, t, _, _ = schedule_call(SYSTEMS["ktransformers-plus"], ex, 2, frozenset({2}), 0)
-    assert [doms[e.key] for e in ex] == [Domain.ACCEL, Domain.HOST, Domain.ACCEL]
-    assert t.gpu_s == pytest.approx(3.0 + 1.5) and t.cpu_s == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("name", sorted(SYSTEMS))
+@pytest.mark.parametrize("name", sorted(TRI_SCHEDULERS))
 def test_conservation_and_domains(name: str) -> None:
     calls = _calls()
-    r = simulate_tri(SPEC, calls, TriSimConfig(scheduler=name, n_dimms=4, hbm_ratio=0.25, context=64))
+    sched = make_tri_scheduler(name)
+    r = simulate_tri(SPEC, calls, TriSimConfig(scheduler=name, ndp_count=4, hbm_ratio=0.25, context=64))
     routed = sum(len(np.unique(c.ids)) for c in calls)
     assert r.routed == routed == sum(r.experts.values())  # every routed expert computed once per call
-    allowed = {"gpu"} | ({"cpu"} if Domain.HOST in SYSTEMS[name].domains else set()) | (
-        {"ndp"} if Domain.NDP in SYSTEMS[name].domains else set())  # fmt: skip
+    allowed = {"gpu"} | ({"cpu"} if Domain.HOST in sched.domains else set()) | (
+        {"ndp"} if Domain.NDP in sched.domains else set())  # fmt: skip
     assert all(r.experts[d] == 0 for d in set(r.experts) - allowed)
     assert r.steps == 6 and r.calls == 12 and r.moe_s > 0 and r.throughput_tok_s > 0
     assert r.moe_s <= r.greedy_moe_s * (1 + 1e-9)
     assert r.migration["pcie_s"] <= r.migration["window_s"] + 1e-12
     assert r.migration["dimm_link_s"] <= r.migration["window_s"] + 1e-12
-    if not SYSTEMS[name].relayout:
-        assert r.migration["relayout"] == r.migration["migrate"] == 0
+    if not sched.relayouts:
+        assert r.migration["relayout"] == 0
+    if not sched.rebalances:
+        assert r.migration["migrate"] == 0
+    if not sched.refines:
+        assert r.moves == 0
     assert 0 <= r.predictor["accuracy"] <= 1 and r.predictor["calls"] == 10
 
 
 def test_ablation_flags() -> None:
     calls = _calls(steps=4, T=64)
-    base = TriSimConfig(n_dimms=4, hbm_ratio=0.125, context=64)
+    base = TriSimConfig(ndp_count=4, hbm_ratio=0.125, context=64)
     full = simulate_tri(SPEC, calls, base)
-    no_ref = simulate_tri(SPEC, calls, TriSimConfig(n_dimms=4, hbm_ratio=0.125, context=64, refinement=False))
-    no_rel = simulate_tri(SPEC, calls, TriSimConfig(n_dimms=4, hbm_ratio=0.125, context=64, relayout=False))
+    no_ref = simulate_tri(SPEC, calls, TriSimConfig(ndp_count=4, hbm_ratio=0.125, context=64, refinement=False))
+    no_rel = simulate_tri(SPEC, calls, TriSimConfig(ndp_count=4, hbm_ratio=0.125, context=64, relayout=False))
     assert no_ref.moves == 0 and no_ref.moe_s == pytest.approx(no_ref.greedy_moe_s)
     assert no_rel.migration["relayout"] == no_rel.migration["migrate"] == 0
     assert full.experts["cpu"] > 0  # +CPU: the trimoe system uses the AMX CPU
-    gn = simulate_tri(SPEC, calls, TriSimConfig(scheduler="gpu-ndp", n_dimms=4, hbm_ratio=0.125, context=64))
+    gn = simulate_tri(SPEC, calls, TriSimConfig(scheduler="gpu-ndp", ndp_count=4, hbm_ratio=0.125, context=64))
     assert gn.experts["cpu"] == 0 and gn.experts["ndp"] > 0
     # pure function of its inputs
     again = simulate_tri(SPEC, calls, base)
@@ -148,8 +134,8 @@ def test_ablation_flags() -> None:
 
 def test_cpu_scale_and_dimms_change_prices() -> None:
     calls = _calls(steps=2, T=64)
-    slow = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_scale=0.125, context=64))
-    fast = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_scale=2.0, context=64))
+    slow = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_tflops_scale=0.125, context=64))
+    fast = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_tflops_scale=2.0, context=64))
     assert slow.moe_s > fast.moe_s
 
 
@@ -158,8 +144,13 @@ def test_bad_input() -> None:
         TriSimConfig(scheduler="nope")
     with pytest.raises(ConfigError, match="hbm_ratio"):
         TriSimConfig(hbm_ratio=1.5)
-    with pytest.raises(ConfigError, match="n_dimms"):
-        TriSimConfig(n_dimms=0)
+    with pytest.raises(ConfigError, match="ndp_count must be an int >= 1"):
+        TriSimConfig(ndp_count=0)
+    with pytest.raises(ConfigError, match="cpu_tflops_scale must be a number > 0"):
+        TriSimConfig(cpu_tflops_scale=0.0)
+    for name, bad in (("refinement", 1), ("relayout", "yes"), ("context", -1), ("max_iters", 1.5), ("seed", None)):
+        with pytest.raises(ConfigError, match=name):
+            TriSimConfig(**{name: bad})
     with pytest.raises(ConfigError, match="no layer calls"):
         simulate_tri(SPEC, [], TriSimConfig())
     ids = np.array([[0, 9]])

@@ -1,4 +1,4 @@
-"""Eq. 6's two contention readings (sim/ndp.py `busy_s`, schedule_trimoe's TriExpert.busy_s) and the
+"""Eq. 6's two contention readings (sim/ndp.py `busy_s`, schedule_tri_base's TriExpert.busy_s) and the
 synthetic trace's drift knob and the compute-time utilisation of sim/tri.py."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from moetier.errors import ConfigError
-from moetier.policies.schedule_trimoe import TriExpert, schedule_trimoe
+from moetier.policies.schedule_tri_base import TriExpert
+from moetier.policies.schedule_trimoe import schedule_trimoe
 from moetier.sim.ndp import NdpMachine, NdpParams, price_call
-from moetier.sim.tri import TriSimConfig, simulate_tri, synthetic_calls
+from moetier.sim.tri import TriSimConfig, simulate_tri
 from moetier.specs import ModelSpec, load_spec
+from moetier.studies.sweep_tri import synthetic_calls
 from moetier.types import Domain, ExpertKey, Layout
 
 H, I = 64, 32  # noqa: E741
@@ -52,7 +54,7 @@ def test_refinement_moves_off_a_dimm_only_when_the_host_read_is_cheaper_there() 
     for busy, want in ((None, 2.0 + 6.0), (0.5, 0.5 + 6.0)):
         s = schedule_trimoe([_localised(e, 3.0, busy) for e in range(3)], 2)
         assert s.greedy.makespan == pytest.approx(9.0)
-        assert s.moves == 1 and sum(d == Domain.HOST for d in s.domains.values()) == 1
+        assert s.moves == 1 and sum(d == Domain.HOST for d in s.plan.domains.values()) == 1
         assert s.totals.dimm_s[0] == pytest.approx(want) and s.makespan == pytest.approx(want)
     # cheap on NDP (0.1 each): the CPU (4) never pays, nothing moves
     tiny = [_localised(e, 0.1, 0.5) for e in range(3)]

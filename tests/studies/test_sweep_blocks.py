@@ -3,6 +3,7 @@ block) and a study's own figures (`figures = "trimoe"`, sweep_figures_tri.py) dr
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetier.errors import ConfigError
+from moetier.sim.config import SimConfig
+from moetier.sim.tri import TriSimConfig
+from moetier.studies import sweep_simulate, sweep_tri
 from moetier.studies.sweep import REQUIRED, Point, load_grid, parse_grid, point_key, register_point, run_sweep
 
 
@@ -79,7 +83,8 @@ def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
         "fig6_moe_speedup.png",
         "fig7_e2e_speedup.png",
         "robustness_batch.png",
-        "fig8_ablation.png", "fig8_ablation-drift.png",
+        "fig8_ablation.png",
+        "fig8_ablation-drift.png",
         "fig9a_ndp_count.png",
         "fig9b_cpu_tflops.png",
         "drift_relayout.png",
@@ -99,3 +104,42 @@ def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
     ):
         assert title in md, title
     assert "| glm-4.5-air | 64 | 1.00 |" in md  # klotski over itself
+
+
+# The simulator points' parameters are their config dataclasses' fields; the configs check the values -------------
+def test_point_parameters_are_the_config_fields() -> None:
+    tri = {f.name: f.default for f in fields(TriSimConfig)}
+    assert {"model": REQUIRED, **tri} == sweep_tri.DEFAULTS
+    sim = {f.name for f in fields(SimConfig)} - {"prefetch_accuracy", "timeline_steps", "timeline_layers"}
+    assert set(sweep_simulate.DEFAULTS) == sim | {"model", "profile", "stats", "cpu_tflops"}
+    assert (sweep_simulate.DEFAULTS["steps"], sweep_simulate.DEFAULTS["batch_size"]) == (64, 1)
+    assert sweep_simulate.DEFAULTS["prompt_len"] == 32 and sweep_simulate.DEFAULTS["cache_ratio"] == 0.25
+    assert {"ndp_count", "hbm_ratio", "max_iters"} <= set(sweep_simulate.REFUSED)
+    assert {"cache_ratio", "prefetch", "warmup_steps", "stats"} <= set(sweep_tri.REFUSED)
+
+
+SIM = {"profile": "a6000-5220r", "model": "deepseek-v2-lite"}
+TRI = {"model": "deepseek-v2-lite", "batch_size": 16, "steps": 1}
+
+
+@pytest.mark.parametrize(
+    ("point", "params", "grid", "match"),
+    [
+        ("simulate", SIM, {"prefetch_depths": [0]}, "prefetch_depth must be an integer >= 1, got 0"),
+        ("simulate", SIM, {"steps": [0]}, "steps must be an integer >= 1, got 0"),
+        ("simulate", SIM, {"batch_sizes": [0]}, "batch_size must be an integer >= 1, got 0"),
+        ("simulate", SIM, {"prompt_lens": [-1]}, "prompt_len must be an integer >= 0, got -1"),
+        ("simulate", SIM, {"warmup_steps": [-2]}, "warmup_steps must be an integer >= 0, got -2"),
+        ("simulate", SIM, {"prefetch_maxs": [0]}, "prefetch_max must be an integer >= 1, got 0"),
+        ("simulate", SIM, {"cache_ratios": [1.5]}, r"cache_ratio must be in \[0, 1\]"),
+        ("simulate", SIM, {"schedulers": ["trimoe"]}, "unknown scheduler 'trimoe'"),
+        ("simulate", SIM, {"max_iters": [3]}, "cannot use max_iters"),
+        ("tri", TRI, {"max_iters": [-1]}, "max_iters must be an int >= 0, got -1"),
+        ("tri", TRI, {"contexts": [-1]}, "context must be an int >= 0, got -1"),
+        ("tri", TRI, {"ndp_counts": [0]}, "ndp_count must be an int >= 1, got 0"),
+        ("tri", TRI, {"prefill_admit": [True]}, "cannot use prefill_admit"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_key(point: str, params: dict[str, Any], grid: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_grid({"point": point, "params": params, "grid": grid}, "g.toml")

@@ -14,7 +14,6 @@ from moetier.errors import ConfigError, TraceError
 from moetier.studies.synthetic import (
     HYBRIMOE_LRU25,
     SynthParams,
-    fit,
     generate,
     preset,
     routing,
@@ -22,6 +21,7 @@ from moetier.studies.synthetic import (
     shares,
     with_skew,
 )
+from moetier.studies.synthetic_fit import fit_params
 from moetier.studies.synthetic_stats import class_shares, sorted_profile, stats_of, trace_stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_speed_batch1_1000_steps():
 def test_fit_reproduces_a_recorded_trace():
     rec = traces.load(RECORDED)
     obs = trace_stats(rec)
-    p = fit(rec)
+    p = fit_params(rec)
     assert (p.num_layers, p.num_experts, p.top_k, p.batch_size) == (4, 32, 4, 1)
     prompt = obs["prefill_tokens"]
     sims = [trace_stats(generate(replace(p, seed=s), obs["decode_steps"], prompt)) for s in (1, 2, 3)]
@@ -124,7 +124,7 @@ def test_fit_reproduces_a_recorded_trace():
 
 def test_fit_recovers_known_knobs():
     truth = replace(SMALL, temporal=0.6, layer_corr=0.5, sharpness=2.5, batch_size=8, seed=7)
-    p = fit(generate(truth, 150, 4))
+    p = fit_params(generate(truth, 150, 4))
     assert p.temporal == pytest.approx(0.6, abs=0.1)
     assert p.layer_corr == pytest.approx(0.5, abs=0.1)
     assert p.sharpness == pytest.approx(2.5, rel=0.15)
@@ -134,19 +134,19 @@ def test_fit_recovers_known_knobs():
 
 
 def test_fit_without_scores_keeps_default_sharpness():
-    p = fit(generate(replace(SMALL, sharpness=5.0), 30, with_scores=False))
+    p = fit_params(generate(replace(SMALL, sharpness=5.0), 30, with_scores=False))
     assert p.sharpness == SynthParams().sharpness
 
 
 def test_fit_refuses_short_or_ragged_traces():
     with pytest.raises(TraceError, match="decode steps"):
-        fit(generate(SMALL, 2))
+        fit_params(generate(SMALL, 2))
     t = generate(SMALL, 5)
     ragged = traces.Trace(
         t.table.filter(~((t.table["step"].to_numpy() == 2) & (t.table["layer"].to_numpy() == 1))), t.metadata
     )
     with pytest.raises(TraceError, match="step 2 has layers"):
-        fit(ragged)
+        fit_params(ragged)
 
 
 def test_preset_reproduces_trimoe_classes():

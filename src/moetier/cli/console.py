@@ -1,8 +1,8 @@
-"""Console side of the command line (cli.py): reading text and trace files, one-line errors, the
+"""Console side of the command line (cli/): reading text and trace files, one-line errors, the
 report and stderr consoles, progress bars, the --json line, streaming generated text, and
-registering a command module's command on the app (cli_profile/replay/synth/simulate.py).
+registering a command module's command on the app (each command module's `register`).
 
-Invariants (see cli.py): every MoetierError and any OSError on a file named by a flag becomes
+Invariants (see cli/app.py): every MoetierError and any OSError on a file named by a flag becomes
 `error: <message>` on stderr with exit 2; with --json, stdout holds exactly one JSON line.
 """
 

@@ -6,8 +6,7 @@ always close.
 `engine_flags` decorator replaces a command's `flags: EngineFlags` parameter by one option per field and
 calls the command with one EngineFlags built from them, so generate, eval and serve share one list.
 
-Invariants: the engine (torch, transformers) is imported only when a command loads one, so
-`moetier --help` stays fast; `engine_session` closes the engine on every exit, which also writes
+Invariants: `engine_session` closes the engine on every exit, which also writes
 the trace; `--trace-scores` without `--trace` and `--warmup` without `--precision dynamic` are
 ConfigErrors (one-line errors through cli_io.user_errors), raised by `EngineFlags.config` /
 `session` inside the command, never by the decorator.
@@ -19,10 +18,11 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import Annotated, Any, get_type_hints
 
+import typer
 from rich.console import Console
 
 from moetier.cli.console import read_text
@@ -62,9 +62,20 @@ from moetier.cli.options import (
 )
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
+from moetier.runtime.engine import Engine
+from moetier.runtime.wire import load
 
-if TYPE_CHECKING:
-    from moetier.runtime.engine import Engine
+# RuntimeConfig.native_kernels / kernel_cache; their environment variables are the defaults, shown in --help
+Native = Annotated[
+    bool,
+    typer.Option("--native/--no-native", envvar="MOETIER_NATIVE", rich_help_panel="Engine",
+                 help="Build and use the C sparse kernel (kernels/native.py); --no-native runs its math as torch ops."),
+]  # fmt: skip
+KernelCache = Annotated[
+    Path | None,
+    typer.Option("--kernel-cache", metavar="DIR", envvar="MOETIER_CACHE", rich_help_panel="Engine",
+                 help="Folder of native kernel builds and measured tipping profiles (default ~/.cache/moetier)."),
+]  # fmt: skip
 
 
 def run_warmup(engine: Engine, warmup: Path | None, err: Console) -> None:
@@ -86,8 +97,6 @@ def engine_session(
     if scores and trace is None:
         raise ConfigError("--trace-scores needs --trace FILE")
     with err.status(f"loading {model}"):
-        from moetier.runtime.engine import load
-
         engine = load(model, config)
     try:
         if trace is not None:
@@ -130,10 +139,12 @@ class EngineFlags:
     prefetch_max: PrefetchMax = 4
     scheduler: Scheduler = None
     profile: Profile = None
+    native: Native = True
+    kernel_cache: KernelCache = None
 
     def config(self) -> EngineConfig:
         """The EngineConfig these flags ask for; ConfigError names a bad value or combination."""
-        return engine_config(
+        cfg = engine_config(
             self.host_expert_mem, self.gpu_expert_mem, self.device, self.dtype, self.cache_policy,
             self.max_seq_len, self.no_lean,
             precision_config(self.precision, self.hi, self.lo, self.group, self.quant_dir, self.warmup_tokens,
@@ -142,6 +153,8 @@ class EngineFlags:
             prefetch_config(self.prefetch, self.prefetch_depth, self.prefetch_max),
             scheduler_config(self.scheduler, self.profile),
         )  # fmt: skip
+        cache = str(self.kernel_cache) if self.kernel_cache is not None else None
+        return replace(cfg, runtime=replace(cfg.runtime, native_kernels=self.native, kernel_cache=cache))
 
     @contextmanager
     def session(self, model: Path, config: EngineConfig, err: Console, trace: Path | None) -> Iterator[Engine]:

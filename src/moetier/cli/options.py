@@ -1,9 +1,9 @@
 """Command-line flags: the typed options of `moetier` and their mapping onto the config dataclasses.
 
-Declarations only (typer `Annotated` option types shared by the commands of cli.py; the engine ones
-are gathered into cli_engine.EngineFlags) and
+Declarations only (typer `Annotated` option types shared by the command modules of cli/; the engine ones
+are gathered into engine_flags.EngineFlags) and
 the pure functions that turn flag values into EngineConfig / PrecisionConfig. Bad values
-raise typer.BadParameter or ConfigError, which cli.py reports in one line with exit 2.
+raise typer.BadParameter or ConfigError, which console.user_errors reports in one line with exit 2.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from moetier.config import (
 )
 from moetier.errors import ConfigError
 from moetier.policies import CACHE_POLICIES
+from moetier.policies.costmodel import load_profile
+from moetier.policies.schedulers import SCHEDULERS
 
 
 # -- flag parsing ------------------------------------------------------------------
@@ -93,8 +95,9 @@ Scheduler = Annotated[
 Profile = Annotated[
     str | None,
     typer.Option(metavar="NAME|FILE", rich_help_panel=_SCHED,
-                 help="Hardware profile for the cost model (a name in profiles/ or a .json path); default "
-                      "profiles/this-machine.json if present, else a built-in conservative CPU profile."),
+                 help="Hardware profile for the cost model: a name (yours, written by `moetier profile`, else a "
+                      "shipped one) or a .json path; default this-machine if present, else a built-in conservative "
+                      "CPU profile."),
 ]  # fmt: skip
 MaxSeqLen = Annotated[
     int,
@@ -240,9 +243,6 @@ def prefetch_config(enabled: bool, depth: int, max_experts: int) -> PrefetchConf
 
 def scheduler_config(name: str | None, profile: str | None) -> SchedulerConfig:
     """--scheduler and --profile; an unknown scheduler or profile is a ConfigError naming the known ones."""
-    from moetier.policies.costmodel import load_profile
-    from moetier.policies.schedulers import SCHEDULERS
-
     if name is not None and name not in SCHEDULERS:
         raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(sorted(SCHEDULERS))}")
     if profile is not None:

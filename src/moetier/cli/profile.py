@@ -1,8 +1,11 @@
-"""`moetier profile`: measure this machine into a hardware profile (profiles/NAME.json).
+"""`moetier profile`: measure this machine into a hardware profile, by default the user's
+$XDG_CONFIG_HOME/moetier/profiles/NAME.json (~/.config/moetier/profiles/NAME.json), where `--profile NAME`
+finds it before the shipped profiles (policies/hwprofile.py).
 
-cli.py calls `register(app)`. The measurement is runtime/profile.py's; this module maps flags onto
+cli/app.py calls `register(app)`. The measurement is runtime/profile.py's; this module maps flags onto
 ProfileOptions, shows a progress bar on stderr, prints a table and writes the JSON file.
-Invariants (cli.py's): errors are one line `error: ...` with exit 2; with --json, stdout holds one JSON line.
+Invariants (cli/app.py's): errors are one line `error: ...` with exit 2; with --json, stdout holds one JSON line;
+nothing is written inside the installed package.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ from rich.table import Table
 from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
 from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError
+from moetier.policies.costmodel import profile_to_dict, save_profile
+from moetier.policies.hwprofile import user_profiles_dir
+from moetier.runtime.profile import ProfileOptions, measure, n_steps
 
 
 def profile(
     out: Annotated[
-        Path | None, typer.Option(metavar="FILE", help="Where to write; default profiles/NAME.json.")
+        Path | None,
+        typer.Option(metavar="FILE", help="Where to write; default $XDG_CONFIG_HOME/moetier/profiles/NAME.json "
+                                          "(~/.config/moetier/profiles/NAME.json), where --profile NAME finds it."),
     ] = None,
     name: Annotated[str, typer.Option(help="Profile name (also the default file name).")] = "this-machine",
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads to measure with; default torch's.")] = None,
@@ -35,15 +43,12 @@ def profile(
     copies where CUDA exists) and write a hardware profile for the cost model and the simulator."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier.policies.costmodel import PROFILES_DIR, profile_to_dict, save_profile
-        from moetier.runtime.profile import ProfileOptions, measure, n_steps
-
         if not name or "/" in name:
             raise ConfigError(f"--name must be a plain file stem, got {name!r}")
         if tmp_dir is not None and not tmp_dir.is_dir():
             raise ConfigError(f"--tmp-dir {tmp_dir} is not a folder")
         opts = ProfileOptions(name=name, threads=threads, quick=quick, tmp_dir=tmp_dir).resolved()
-        path = out if out is not None else PROFILES_DIR / f"{name}.json"
+        path = out if out is not None else user_profiles_dir() / f"{name}.json"
         with progress_bar(err) as progress:
             task = progress.add_task("profiling", total=n_steps(opts))
             started = [False]

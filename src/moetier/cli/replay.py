@@ -1,11 +1,11 @@
 """`moetier replay`: hit rates of cache policies on a recorded or synthetic routing trace.
 
-Registered on the main app by cli.py (`cli_replay.register(app)`). Thin: it parses the flags,
+Registered on the main app by cli/app.py (`register(app)`). Thin: it parses the flags,
 calls moetier.sim.cache_replay (one policy after another, a progress bar on stderr) and prints a
 rich table (per layer, overall, decode only; one hit-rate column per policy) or, with --json, one
 JSON line.
 
-Invariants (as cli.py): bad input (a missing or non-trace file, a ratio outside (0, 1], an
+Invariants (as cli/app.py): bad input (a missing or non-trace file, a ratio outside (0, 1], an
 unknown policy, --alpha/--top-p without mrs) is one line `error: ...` on stderr and exit 2;
 with --json stdout holds exactly one JSON line.
 """
@@ -18,9 +18,11 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from moetier import traces
 from moetier.cli.console import consoles, emit_json, progress_bar, register_command, require_trace, user_errors
 from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError, TraceError
+from moetier.sim.cache_replay import parse_policies, replay, slots_for, trace_layers
 
 PolicyOpt = Annotated[
     str,
@@ -68,9 +70,6 @@ def replay_cmd(
     """Replay a routing trace through cache policies: hit rate per layer, overall and in decode."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier import traces
-        from moetier.sim.cache_replay import parse_policies, replay, slots_for, trace_layers
-
         # 1. flags
         policies = parse_policies(cache_policy)
         slots_for(cache_ratio, 1)  # range check before reading the trace

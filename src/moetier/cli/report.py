@@ -2,10 +2,10 @@
 of a run directory (`generate/eval --run-dir`), a simulation directory (`simulate --run-dir`) or a
 routing trace (.parquet); the work is moetier.report's (build.py).
 
-Registered on the main app by cli.py (`cli_report.register(app)`). Default OUT: INPUT/report for a
+Registered on the main app by cli/app.py (`register(app)`). Default OUT: INPUT/report for a
 directory, ./report-NAME for a trace file.
 
-Invariants (as cli.py): bad input (a missing path, a file that is not a trace, a directory that is
+Invariants (as cli/app.py): bad input (a missing path, a file that is not a trace, a directory that is
 neither kind, a ratio outside (0, 1], an unknown policy) is one line `error: ...` on stderr and exit 2;
 the replay's progress bar and the summary go to stderr with --json, whose stdout is one JSON line.
 """
@@ -20,7 +20,9 @@ import typer
 from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
 from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError
-from moetier.report.record import RunDirOpt, RunRecorder, run_trace  # re-exported for cli.py's --run-dir
+from moetier.report.build import TITLES, build_report
+from moetier.report.load import default_out, load_input
+from moetier.sim.cache_replay import parse_policies, slots_for
 
 DEFAULT_RATIOS = "0.05,0.1,0.25,0.5,0.75"
 InputArg = Annotated[Path, typer.Argument(metavar="RUN_OR_TRACE",
@@ -37,8 +39,6 @@ PoliciesOpt = Annotated[
 
 def parse_ratios(text: str) -> list[float]:
     """'0.1,0.25' -> [0.1, 0.25], each in (0, 1], ascending, without repeats."""
-    from moetier.sim.cache_replay import slots_for
-
     try:
         ratios = sorted({float(x) for x in text.split(",") if x.strip()})
     except ValueError:
@@ -60,10 +60,6 @@ def report_cmd(
     """Figures (PNG) and an HTML index of a run, a simulation or a routing trace."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier.report.build import TITLES, build_report
-        from moetier.report.load import default_out, load_input
-        from moetier.sim.cache_replay import parse_policies
-
         # 1. flags, 2. the input
         ratios = parse_ratios(cache_ratios)
         names = parse_policies(policies)
@@ -92,4 +88,4 @@ def register(app: typer.Typer) -> None:
     register_command(app, "report", report_cmd)
 
 
-__all__ = ["RunDirOpt", "RunRecorder", "parse_ratios", "register", "report_cmd", "run_trace"]
+__all__ = ["parse_ratios", "register", "report_cmd"]

@@ -1,12 +1,12 @@
 """`moetier serve`: the OpenAI-compatible HTTP server (moetier.serve) on uvicorn.
 
-Registered on the main app by cli.py (`cli_serve.register(app)`). Thin: it takes the same engine
-flags as `moetier generate` (cli_engine.EngineFlags, mapped by `engine_config`), loads the engine
+Registered on the main app by cli/app.py (`register(app)`). Thin: it takes the same engine
+flags as `moetier generate` (engine_flags.EngineFlags, mapped by `engine_config`), loads the engine
 through EngineFlags.session, builds the app with moetier.serve.create_app and runs uvicorn, which
 logs to stderr. Ctrl-C stops uvicorn gracefully (requests in flight end, the worker stops), then
 the engine is closed (writing --trace if asked) and the command exits 0.
 
-Invariants (as cli.py): bad flags or a bad checkpoint are one line `error: ...` on stderr and exit
+Invariants (as cli/app.py): bad flags or a bad checkpoint are one line `error: ...` on stderr and exit
 2 before anything listens; a port already in use is the same.
 """
 
@@ -17,11 +17,13 @@ import socket
 from typing import Annotated
 
 import typer
+import uvicorn
 
 from moetier.cli.console import consoles, register_command, user_errors
 from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
 from moetier.cli.options import Model
 from moetier.errors import ConfigError
+from moetier.serve import create_app
 
 _SERVER = "Server"
 Host = Annotated[str, typer.Option(rich_help_panel=_SERVER, help="Address to listen on.")]
@@ -72,10 +74,6 @@ def serve_cmd(
         _check_port(host, port)
         # 2. load, build the app, serve until Ctrl-C
         with flags.session(model, config, err, flags.trace) as engine:
-            import uvicorn
-
-            from moetier.serve import create_app
-
             app = create_app(engine, model_name=model_name, max_batch=max_batch, max_queue=max_queue)
             err.print(f"serving {app.state.model_name!r} on http://{host}:{port}/v1", highlight=False)
             with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled gracefully

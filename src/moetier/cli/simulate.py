@@ -1,12 +1,13 @@
-"""`moetier simulate`: replay a routing trace (recorded, or synthetic for a spec) on a simulated
-machine (moetier.sim) and report TTFT, TBT, throughput, MoE layer time, hit rate, utilisation per
-domain, bytes per link and prefetch statistics; optionally draw the timeline of a window.
+"""`moetier simulate`: replay a routing trace (recorded, or synthetic for a spec) on a simulated two-domain
+(GPU + CPU) machine (moetier.sim) and report TTFT, TBT, throughput, MoE layer time, hit rate, utilisation per
+domain, bytes per link and prefetch statistics; optionally draw the timeline of a window. The three-domain
+TriMoE machine is `moetier simulate-tri` (simulate_tri.py).
 
-Registered on the main app by cli.py (`cli_simulate.register(app)`). Thin: flags -> SimConfig,
-trace -> calls, simulate -> a rich table or, with --json, one JSON line; `--run-dir DIR` also writes
-DIR/result.json and DIR/timeline.jsonl for `moetier report` (report/record.py).
+Registered on the main app by cli/app.py (`register(app)`). Thin: flags -> SimConfig (which checks them),
+trace -> calls (sim_inputs.py), simulate -> a rich table or, with --json, one JSON line; `--run-dir DIR` also
+writes DIR/result.json and DIR/timeline.jsonl for `moetier report` (report/record.py).
 
-Invariants (as cli.py): bad input (unknown spec, profile, scheduler or policy; both or neither of
+Invariants (as cli/app.py): bad input (unknown spec, profile, scheduler or policy; both or neither of
 --trace and --synthetic; a trace of another model; a ratio outside [0, 1]; more steps than the
 trace holds) is one line `error: ...` on stderr and exit 2; with --json stdout holds one JSON line.
 """
@@ -19,42 +20,32 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from moetier.cli.console import consoles, emit_json, register_command, require_trace, user_errors
+from moetier import traces
+from moetier.cli.console import consoles, emit_json, register_command, user_errors
 from moetier.cli.options import JsonOut
-from moetier.cli.simulate_tri import (
-    ContentionOpt,
-    CpuScaleOpt,
-    DriftOpt,
-    HbmOpt,
-    NdpCountOpt,
-    NoRefineOpt,
-    NoRelayoutOpt,
-)
+from moetier.cli.sim_inputs import PANEL, SeedOpt, SpecOpt, SyntheticOpt, TraceOpt, source_spec, trace_calls
 from moetier.cli.tables import metric_table
-from moetier.errors import ConfigError, TraceError
+from moetier.errors import ConfigError
+from moetier.policies.costmodel import load_profile
+from moetier.policies.schedulers import SCHEDULERS
 from moetier.report.record import SimRunDirOpt, write_simulation
+from moetier.sim import SimConfig, simulate
+from moetier.sim.timeline import draw_timeline
+from moetier.specs import ModelSpec
+from moetier.studies.synthetic import generate, preset
 
-_SIM = "Simulation"
-SpecOpt = Annotated[str | None, typer.Option("--spec", rich_help_panel=_SIM,
-                    help="Model spec: a name in specs/, a spec .json, or a checkpoint folder "
-                         "(default: the trace's).")]  # fmt: skip
+_SIM = PANEL
 ProfileOpt = Annotated[str | None, typer.Option("--profile", rich_help_panel=_SIM,
-                       help="Hardware profile: a name in profiles/ or a profile .json (required by the two-domain "
-                            "schedulers; three-domain default h100-8470).")]  # fmt: skip
-TraceOpt = Annotated[Path | None, typer.Option("--trace", rich_help_panel=_SIM, help="Routing trace (.parquet).")]
-SyntheticOpt = Annotated[bool, typer.Option("--synthetic", rich_help_panel=_SIM,
-                         help="Generate a synthetic trace from the spec's preset (studies.synthetic).")]  # fmt: skip
+                       help="Hardware profile: a profile name (yours or a shipped one) or a profile .json (required).")]  # fmt: skip
 StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, rich_help_panel=_SIM,
                      help="Decode steps to simulate (synthetic default 64; trace default: all).")]  # fmt: skip
-SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel=_SIM, help="Synthetic trace and prediction seed.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", min=1, rich_help_panel=_SIM,
                      help="Sequences per step (synthetic default 1; trace: its decode rows).")]  # fmt: skip
 PromptOpt = Annotated[int | None, typer.Option("--prompt-len", min=0, rich_help_panel=_SIM,
                       help="Prompt tokens per sequence (synthetic default 32; trace: its step-0 rows).")]  # fmt: skip
 SchedOpt = Annotated[str, typer.Option("--scheduler", rich_help_panel=_SIM,
-                     help="Two-domain (moetier.sim): hybrimoe, ktransformers, llamacpp, gpu-lru, fiddler; "
-                          "three-domain (moetier.sim.tri, cli_simulate_tri.py): trimoe, klotski, "
-                          "ktransformers-plus, monde, gpu-ndp.")]  # fmt: skip
+                     help=f"{', '.join(SCHEDULERS)}; the three-domain schedulers run with "
+                          "`moetier simulate-tri`.")]  # fmt: skip
 PolicyOpt = Annotated[str | None, typer.Option("--cache-policy", rich_help_panel=_SIM,
                       help="lru, lfu, mrs (default: the scheduler's).")]  # fmt: skip
 RatioOpt = Annotated[float, typer.Option("--cache-ratio", rich_help_panel=_SIM,
@@ -102,47 +93,17 @@ def _accuracy(text: str | None) -> tuple[float, ...] | None:
         raise ConfigError(f"--prefetch-accuracy must be comma-separated numbers, got {text!r}") from None
 
 
-def source_spec(spec_name: str | None, trace: Path | None, synthetic: bool) -> Any:
-    """Checks that exactly one of --trace and --synthetic is given; the --spec a synthetic trace needs, else None."""
-    from moetier.specs import load_spec
-
-    if (trace is None) == (not synthetic):
-        raise ConfigError("give exactly one of --trace TRACE and --synthetic")
-    if not synthetic:
-        return None
-    if spec_name is None:
-        raise ConfigError("--synthetic needs --spec")
-    return load_spec(spec_name)
-
-
 def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: int | None, seed: int,
-           batch: int | None, prompt: int | None, stats: str = "trimoe",
-           warmup: int = 0) -> tuple[Any, list[Any], str]:  # fmt: skip
-    """(spec, calls, source) from the flags."""
-    from moetier import traces
-    from moetier.specs import load_spec, spec_from_trace_metadata
-
-    synthetic_spec = source_spec(spec_name, trace, synthetic)
-    if synthetic_spec is not None:
-        from moetier.studies.synthetic import generate, preset
-
-        spec = synthetic_spec
-        n = (steps or 64) + warmup
+           batch: int | None, prompt: int | None, stats: str,
+           warmup: int) -> tuple[ModelSpec, list[traces.Call], str]:  # fmt: skip
+    """(spec, calls, source) from the flags: a synthetic trace of (steps or 64) + warmup decode steps, or --trace."""
+    spec = source_spec(spec_name, trace, synthetic)
+    if spec is not None:
         params = preset(spec, batch_size=batch or 1, seed=seed, stats=stats)
-        t = generate(params, n, prompt_len=32 if prompt is None else prompt)
+        t = generate(params, (steps or 64) + warmup, prompt_len=32 if prompt is None else prompt)
         return spec, traces.iter_calls(t), f"synthetic {spec.name} preset ({stats} statistics), seed {seed}"
     assert trace is not None
-    require_trace(trace)
-    loaded = traces.load(trace)
-    found = load_spec(spec_name) if spec_name else spec_from_trace_metadata(loaded.metadata)
-    if found is None:
-        raise ConfigError(f"{trace}: no spec matches the trace's metadata; name one with --spec")
-    spec = found
-    meta = loaded.metadata
-    if int(meta["num_experts"]) != spec.num_experts or int(meta["top_k"]) != spec.top_k:
-        raise TraceError(f"{trace}: trace has {meta['num_experts']} experts, top-{meta['top_k']}; spec "
-                         f"{spec.name!r} has {spec.num_experts}, top-{spec.top_k}")  # fmt: skip
-    return spec, traces.iter_calls(loaded), str(trace)
+    return trace_calls(spec_name, trace)
 
 
 def result_table(d: dict[str, Any], source: str) -> Table:
@@ -169,7 +130,6 @@ def result_table(d: dict[str, Any], source: str) -> Table:
 
 
 def simulate_cmd(
-    ctx: typer.Context,
     profile: ProfileOpt = None,
     spec: SpecOpt = None,
     trace: TraceOpt = None,
@@ -191,37 +151,12 @@ def simulate_cmd(
     timeline: TimelineOpt = None,
     timeline_steps: WinOpt = "1:2",
     timeline_layers: WinOpt = "0:4",
-    ndp_count: NdpCountOpt = 16,
-    cpu_tflops_scale: CpuScaleOpt = 1.0,
-    hbm_ratio: HbmOpt = 0.1,
-    no_refinement: NoRefineOpt = False,
-    no_relayout: NoRelayoutOpt = False,
-    drift: DriftOpt = None,
-    contention: ContentionOpt = None,
     run_dir: SimRunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Simulate a trace on a machine profile: TTFT, TBT, utilisation, hit rate, link bytes."""
+    """Simulate a trace on a two-domain (GPU + CPU) machine profile: TTFT, TBT, utilisation, hit rate, link bytes."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier.cli import simulate_tri as tri
-
-        tri.check_flags(ctx, tri.is_tri(scheduler))
-        if tri.is_tri(scheduler):  # the three-domain machine (moetier.sim.tri)
-            payload, source = tri.run_tri(
-                scheduler=scheduler, profile=profile, spec=spec, trace=trace, synthetic=synthetic, steps=steps,
-                seed=seed, batch_size=batch_size, ndp_count=ndp_count, cpu_tflops_scale=cpu_tflops_scale,
-                hbm_ratio=hbm_ratio, no_refinement=no_refinement, no_relayout=no_relayout, drift=drift,
-                contention=contention,
-            )  # fmt: skip
-            report.print(tri.tri_table(payload, source))
-            write_simulation(run_dir, payload, source, trace)
-            if json_out:
-                emit_json(payload)
-            return
-        from moetier.policies.costmodel import load_profile
-        from moetier.sim import SimConfig, simulate
-
         # 1. flags -> config (checked before any trace work)
         acc = _accuracy(prefetch_accuracy)
         cfg = SimConfig(
@@ -233,9 +168,6 @@ def simulate_cmd(
             timeline_steps=_range(timeline_steps, "--timeline-steps"),
             timeline_layers=_range(timeline_layers, "--timeline-layers"),
         )  # fmt: skip
-        from moetier.policies.schedulers import make_scheduler
-
-        make_scheduler(scheduler)
         if profile is None:
             raise ConfigError(f"--profile is required with the two-domain scheduler {scheduler!r}")
         hw = load_profile(profile)
@@ -246,8 +178,6 @@ def simulate_cmd(
         result = simulate(model, hw, calls, cfg)
         payload = result.as_dict()
         if timeline is not None:
-            from moetier.sim.timeline import draw_timeline
-
             draw_timeline(result.timeline, timeline, f"{model.name} on {hw.name}, {scheduler}, cache {cache_ratio:g}")
             payload["timeline"] = str(timeline)
             err.print(f"timeline written to {timeline}", highlight=False)

@@ -1,14 +1,15 @@
-"""`moetier simulate --scheduler trimoe|klotski|ktransformers-plus|monde|gpu-ndp`: the three-domain (GPU + AMX
-CPU + DIMM-NDP) branch of `moetier simulate`, running moetier.sim.tri instead of the two-domain simulator.
+"""`moetier simulate-tri`: replay decode calls (a recorded trace's decode steps, or synthetic for a spec) on the
+three-domain (GPU + AMX CPU + DIMM-NDP) TriMoE machine (moetier.sim.tri) under one of its schedulers
+(policies.schedulers.TRI_SCHEDULERS: trimoe, klotski, ktransformers-plus, monde, gpu-ndp). The two-domain
+machine is `moetier simulate` (simulate.py).
 
-cli_simulate.simulate_cmd dispatches here when the scheduler is one of sim.tri.SYSTEMS. Thin: flags ->
-TriSimConfig, trace or synthetic calls -> simulate_tri -> a rich table or, with --json, one JSON line (the
-TriSimResult's fields plus moe_step_s, the config and the source).
+Registered on the main app by cli/app.py (`register(app)`). Thin: flags -> TriSimConfig (which checks them),
+trace or synthetic calls (sim_inputs.py, studies.sweep_tri.synthetic_calls) -> simulate_tri -> a rich table
+or, with --json, one JSON line (the TriSimResult's fields plus moe_step_s, the config and the source).
 
-Invariants (as cli_simulate): a flag of the other simulator, given on the command line, is one line
-`error: ...` naming every such flag (exit 2), checked before any trace work; the JSON line is the
-TriSimResult's fields, flattened only as dataclasses.asdict does (busy, flop_util, experts, predictor,
-migration stay objects).
+Invariants (as cli/app.py): bad input is one line `error: ...` on stderr and exit 2, checked before any
+trace work where it can be; the JSON line is the TriSimResult's fields, flattened only as dataclasses.asdict
+does (busy, flop_util, experts, predictor, migration stay objects).
 """
 
 from __future__ import annotations
@@ -20,16 +21,37 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from moetier import traces
+from moetier.cli.console import consoles, emit_json, register_command, user_errors
+from moetier.cli.options import JsonOut
+from moetier.cli.sim_inputs import PANEL, SeedOpt, SpecOpt, SyntheticOpt, TraceOpt, source_spec, trace_calls
 from moetier.cli.tables import metric_table
 from moetier.errors import ConfigError
+from moetier.policies.schedulers import TRI_SCHEDULERS
+from moetier.report.record import SimRunDirOpt, write_simulation
+from moetier.sim.ndp import load_ndp
+from moetier.sim.tri import TriSimConfig, simulate_tri
+from moetier.specs import ModelSpec
+from moetier.studies.sweep_tri import synthetic_calls
 
-_TRI = "Three-domain simulation (trimoe, klotski, ktransformers-plus, monde, gpu-ndp)"
-NdpCountOpt = Annotated[int, typer.Option("--ndp-count", min=1, rich_help_panel=_TRI,
-                        help="NDP DIMMs (three-domain schedulers).")]  # fmt: skip
+_TRI = "Three-domain machine"
+_BASE = TriSimConfig()
+SchedOpt = Annotated[str, typer.Option("--scheduler", rich_help_panel=PANEL,
+                     help=f"{', '.join(TRI_SCHEDULERS)} (policies.schedulers.TRI_SCHEDULERS).")]  # fmt: skip
+ProfileOpt = Annotated[str, typer.Option("--profile", rich_help_panel=PANEL,
+                       help="Hardware profile with an NDP section: a profile name or a profile "
+                            ".json.")]  # fmt: skip
+StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, rich_help_panel=PANEL,
+                     help=f"Decode steps to simulate (synthetic default {_BASE.steps}; trace default: "
+                          "all).")]  # fmt: skip
+BatchOpt = Annotated[int | None, typer.Option("--batch-size", min=1, rich_help_panel=PANEL,
+                     help=f"Sequences per step of a synthetic trace (default {_BASE.batch_size}; a trace's calls "
+                          "keep their own).")]  # fmt: skip
+NdpCountOpt = Annotated[int, typer.Option("--ndp-count", min=1, rich_help_panel=_TRI, help="NDP DIMMs.")]
 CpuScaleOpt = Annotated[float, typer.Option("--cpu-tflops-scale", rich_help_panel=_TRI,
-                        help="AMX CPU TFLOPS relative to the profile's (three-domain schedulers).")]  # fmt: skip
+                        help="AMX CPU TFLOPS relative to the profile's.")]  # fmt: skip
 HbmOpt = Annotated[float, typer.Option("--hbm-ratio", rich_help_panel=_TRI,
-                   help="Fraction in [0, 1] of each layer's routed experts HBM holds (three-domain).")]  # fmt: skip
+                   help="Fraction in [0, 1] of each layer's routed experts HBM holds.")]  # fmt: skip
 NoRefineOpt = Annotated[bool, typer.Option("--no-refinement", rich_help_panel=_TRI,
                         help="Skip the bottleneck-aware refinement (greedy start only; trimoe, gpu-ndp).")]  # fmt: skip
 NoRelayoutOpt = Annotated[bool, typer.Option("--no-relayout", rich_help_panel=_TRI,
@@ -39,46 +61,17 @@ DriftOpt = Annotated[float | None, typer.Option("--drift", min=0.0, rich_help_pa
 ContentionOpt = Annotated[str | None, typer.Option("--contention", rich_help_panel=_TRI,
                           help="Eq. 6 contention reading: array (default) or channel (docs/trimoe.md).")]  # fmt: skip
 
-# Parameters (simulate_cmd's names) that only one simulator uses; --spec, --trace, --synthetic, --steps,
-# --seed, --batch-size, --profile and --json are shared.
-TRI_ONLY = ("ndp_count", "cpu_tflops_scale", "hbm_ratio", "no_refinement", "no_relayout", "drift", "contention")
-TWO_ONLY = (
-    "prompt_len", "cache_policy", "cache_ratio", "prefetch", "prefetch_depth", "prefetch_accuracy", "precision",
-    "stats", "warmup_steps", "prefill_admit", "timeline", "timeline_steps", "timeline_layers",
-)  # fmt: skip
 
-
-def is_tri(scheduler: str) -> bool:
-    """Whether `scheduler` names a three-domain system (sim.tri.SYSTEMS)."""
-    from moetier.sim.tri import SYSTEMS
-
-    return scheduler in SYSTEMS
-
-
-def check_flags(ctx: typer.Context, tri: bool) -> None:
-    """ConfigError naming every flag given on the command line that the chosen simulator cannot use."""
-    flags = {p.name: p.opts[0] for p in ctx.command.params if p.opts}
-    sources = {n: getattr(ctx.get_parameter_source(n), "name", "DEFAULT") for n in flags}  # typer may vendor click
-    given = {n for n, src in sources.items() if src not in ("DEFAULT", "DEFAULT_MAP")}
-    bad = [flags[n] for n in (TWO_ONLY if tri else TRI_ONLY) if n in given]
-    if bad:
-        which = "the three-domain schedulers (trimoe, klotski, ktransformers-plus, monde, gpu-ndp)" if tri else (
-            "the two-domain schedulers (hybrimoe, ktransformers, llamacpp, gpu-lru, fiddler)")  # fmt: skip
-        raise ConfigError(f"{', '.join(bad)} cannot be used with {which}")
-
-
-def _tri_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: Any,
-               steps: int | None, batch: int | None) -> tuple[Any, list[Any], str]:  # fmt: skip
-    """(spec, decode calls, source): synthetic (sim.tri.synthetic_calls) or a trace's first `steps` decode steps."""
-    from moetier.cli.simulate import _calls, source_spec
-    from moetier.sim.tri import synthetic_calls
-
+def _decode_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: TriSimConfig,
+                  steps: int | None, batch: int | None) -> tuple[ModelSpec, list[traces.Call], str]:  # fmt: skip
+    """(spec, decode calls, source): synthetic (sweep_tri.synthetic_calls) or a trace's first `steps` decode steps."""
     spec = source_spec(spec_name, trace, synthetic)
     if spec is not None:
         return spec, synthetic_calls(spec, cfg), f"synthetic {spec.name} preset (trimoe statistics), seed {cfg.seed}"
+    assert trace is not None
     if batch is not None:
         raise ConfigError("--batch-size applies to --synthetic only (a trace's calls keep their own tokens)")
-    spec, calls, source = _calls(spec_name, trace, False, None, 0, None, None)
+    spec, calls, source = trace_calls(spec_name, trace)
     decode = [c for c in calls if c.step > 0]  # step 0 is the prefill chunk
     kept = sorted({c.step for c in decode})[: steps or None]
     if not kept:
@@ -109,34 +102,56 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
     return metric_table(title, rows, source)
 
 
-def run_tri(
-    *, scheduler: str, profile: str | None, spec: str | None, trace: Path | None, synthetic: bool,
-    steps: int | None, seed: int, batch_size: int | None, ndp_count: int, cpu_tflops_scale: float,
-    hbm_ratio: float, no_refinement: bool, no_relayout: bool, drift: float | None = None,
-    contention: str | None = None,
-) -> tuple[dict[str, Any], str]:  # fmt: skip
-    """Flags -> (the JSON payload, the source line) of one three-domain simulation."""
-    from moetier.sim.ndp import load_ndp
-    from moetier.sim.tri import TriSimConfig, simulate_tri
+def simulate_tri_cmd(
+    scheduler: SchedOpt = _BASE.scheduler,
+    profile: ProfileOpt = _BASE.profile,
+    spec: SpecOpt = None,
+    trace: TraceOpt = None,
+    synthetic: SyntheticOpt = False,
+    steps: StepsOpt = None,
+    seed: SeedOpt = _BASE.seed,
+    batch_size: BatchOpt = None,
+    ndp_count: NdpCountOpt = _BASE.ndp_count,
+    cpu_tflops_scale: CpuScaleOpt = _BASE.cpu_tflops_scale,
+    hbm_ratio: HbmOpt = _BASE.hbm_ratio,
+    no_refinement: NoRefineOpt = False,
+    no_relayout: NoRelayoutOpt = False,
+    drift: DriftOpt = None,
+    contention: ContentionOpt = None,
+    run_dir: SimRunDirOpt = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Simulate decode on the three-domain GPU + AMX CPU + DIMM-NDP machine (TriMoE): MoE and step time, busy
+    time and FLOP utilisation per domain, predictor accuracy, background migrations."""
+    report, _ = consoles(json_out)
+    with user_errors():
+        # 1. flags -> config (checked before any trace work)
+        cfg = TriSimConfig(
+            scheduler=scheduler, ndp_count=ndp_count, cpu_tflops_scale=cpu_tflops_scale, hbm_ratio=hbm_ratio,
+            batch_size=batch_size or _BASE.batch_size, steps=steps or _BASE.steps, seed=seed,
+            refinement=not no_refinement, relayout=not no_relayout, profile=profile, drift=drift,
+            contention=contention,
+        )  # fmt: skip
+        if drift is not None and not synthetic:
+            raise ConfigError("--drift applies to --synthetic traces only")
+        load_ndp(cfg.profile)  # an unknown profile fails before any trace work
+        # 2. the calls, 3. the run
+        model, calls, source = _decode_calls(spec, trace, synthetic, cfg, steps, batch_size)
+        result = simulate_tri(model, calls, cfg)
+        payload = asdict(result)
+        payload.update(moe_step_s=result.moe_s / result.steps, profile=cfg.profile, ndp_count=cfg.ndp_count,
+                       cpu_tflops_scale=cfg.cpu_tflops_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
+                       relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift,
+                       contention=cfg.contention or "array")  # fmt: skip
+        report.print(tri_table(payload, source))
+        write_simulation(run_dir, payload, source, trace)
+        if json_out:
+            emit_json(payload)
 
-    base = TriSimConfig()
-    cfg = TriSimConfig(
-        scheduler=scheduler, n_dimms=ndp_count, cpu_scale=cpu_tflops_scale, hbm_ratio=hbm_ratio,
-        batch_size=batch_size or base.batch_size, steps=steps or base.steps, seed=seed,
-        refinement=not no_refinement, relayout=not no_relayout, profile=profile or base.profile, drift=drift,
-        contention=contention,
-    )  # fmt: skip
-    if drift is not None and not synthetic:
-        raise ConfigError("--drift applies to --synthetic traces only")
-    load_ndp(cfg.profile)  # an unknown profile fails before any trace work
-    model, calls, source = _tri_calls(spec, trace, synthetic, cfg, steps, batch_size)
-    result = simulate_tri(model, calls, cfg)
-    payload = asdict(result)
-    payload.update(moe_step_s=result.moe_s / result.steps, profile=cfg.profile, ndp_count=cfg.n_dimms,
-                   cpu_tflops_scale=cfg.cpu_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
-                   relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift,
-                   contention=cfg.contention or "array")  # fmt: skip
-    return payload, source
+
+def register(app: typer.Typer) -> None:
+    """Add `moetier simulate-tri` to `app` (once)."""
+    register_command(app, "simulate-tri", simulate_tri_cmd)
 
 
-__all__ = ["TRI_ONLY", "TWO_ONLY", "check_flags", "is_tri", "run_tri", "tri_table"]
+__all__ = ["register", "simulate_tri_cmd", "tri_table"]

@@ -1,10 +1,10 @@
 """`moetier sweep GRID.toml`: run every point of a grid (moetier.studies.sweep) in a process pool or on a Ray
 cluster, with a progress bar, into OUT/points.jsonl (resume), OUT/results.parquet and OUT/*.png.
 
-Registered on the main app by cli.py (`cli_sweep.register(app)`). Thin: flags -> run_sweep -> a summary
+Registered on the main app by cli/app.py (`register(app)`). Thin: flags -> run_sweep -> a summary
 table or, with --json, one JSON line.
 
-Invariants (as cli.py): bad input (a missing or malformed grid, an unknown point, parameter or metric, a
+Invariants (as cli/app.py): bad input (a missing or malformed grid, an unknown point, parameter or metric, a
 bad value, --ray without ray installed) is one line `error: ...` on stderr and exit 2, before any point
 runs; a point that fails is an error row, not an exit; with --json stdout holds one JSON line.
 """
@@ -19,6 +19,7 @@ from rich.table import Table
 
 from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
 from moetier.cli.options import JsonOut
+from moetier.studies.sweep import load_grid, run_sweep
 
 _SW = "Sweep"
 GridArg = Annotated[Path, typer.Argument(
@@ -66,8 +67,6 @@ def sweep_cmd(
     """Run a grid of simulations in parallel (processes or Ray), resumable; write Parquet results and plots."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier.studies.sweep import load_grid, run_sweep
-
         g = load_grid(grid)  # 1. the whole grid checked before any point runs
         folder = out if out is not None else Path("runs") / f"sweep-{grid.stem}"
         bar = progress_bar(err)

@@ -1,11 +1,11 @@
 """`moetier synth`: write a synthetic routing trace (moetier.studies.synthetic) and print its statistics.
 
-Registered on the main app by cli.py (`cli_synth.register(app)`). The knobs come from a model spec's
+Registered on the main app by cli/app.py (`register(app)`). The knobs come from a model spec's
 preset (`--spec NAME`, TriMoE 3.1 statistics) or from a fit to a recorded trace (`--fit TRACE`); the
 trace has `--steps` decode steps of `--batch-size` tokens after a prefill chunk of `--prompt-len`
 tokens per sequence, and carries all router scores.
 
-Invariants (as cli.py): bad input (neither or both of --spec/--fit, an unknown spec, a missing or
+Invariants (as cli/app.py): bad input (neither or both of --spec/--fit, an unknown spec, a missing or
 malformed trace, non-positive steps) is one line `error: ...` on stderr and exit 2; with --json stdout
 holds exactly one JSON line.
 """
@@ -19,11 +19,18 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from moetier import traces
 from moetier.cli.console import consoles, emit_json, register_command, require_trace, user_errors
 from moetier.cli.options import JsonOut
 from moetier.errors import ConfigError
+from moetier.specs import load_spec
+from moetier.studies import synthetic
+from moetier.studies.synthetic_fit import fit_params
+from moetier.studies.synthetic_stats import trace_stats
 
-SpecOpt = Annotated[str | None, typer.Option("--spec", help="Model spec name (specs/) or .json path: its preset.")]
+SpecOpt = Annotated[
+    str | None, typer.Option("--spec", help="Model spec name (a shipped spec) or .json path: its preset.")
+]
 FitOpt = Annotated[
     Path | None, typer.Option("--fit", help="Recorded trace (.parquet, with scores) to fit the knobs to.")
 ]
@@ -50,8 +57,6 @@ STAT_ROWS = (
 
 def _load_spec(name: str) -> Any:
     """The spec named on the command line (moetier.specs)."""
-    from moetier.specs import load_spec
-
     return load_spec(name)
 
 
@@ -97,10 +102,6 @@ def synth_cmd(
     """Write a synthetic routing trace from a model's preset or a fit to a recorded trace."""
     report, err = consoles(json_out)
     with user_errors():
-        from moetier import traces
-        from moetier.studies import synthetic
-        from moetier.studies.synthetic_stats import trace_stats
-
         # 1. flags
         if (spec is None) == (fit is None):
             raise ConfigError("give exactly one of --spec NAME or --fit TRACE")
@@ -114,7 +115,7 @@ def synth_cmd(
         if fit is not None:
             require_trace(fit)
             with err.status(f"fitting to {fit}"):
-                params = synthetic.fit(traces.load(fit))
+                params = fit_params(traces.load(fit))
         else:
             params = synthetic.preset(_load_spec(str(spec)))
         params = replace(params, seed=seed, batch_size=batch_size or params.batch_size)

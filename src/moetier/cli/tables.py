@@ -1,4 +1,4 @@
-"""Rich tables for the command line (cli.py): generation and eval statistics, model info, and the
+"""Rich tables for the command line (cli/): generation and eval statistics, model info, and the
 metric / value table of `moetier simulate` (cli_simulate.py, cli_simulate_tri.py).
 
 Pure formatting: every function takes plain values (an Engine.stats() dict, a ModelInfo

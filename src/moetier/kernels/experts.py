@@ -2,7 +2,11 @@
 
 Each function takes tokens x [N, H] and one expert's slot views and returns [N, H].
 They reproduce the families' reference expert code (transformers), reading the
-canonical layout of store/layout.py.
+canonical layout of formats/layout.py.
+
+Invariants: the matmuls go through qformat.linear (plain weights: matmul.linear, whose kernel
+for 1-2 bf16 rows is chosen per call), so an expert's result does not depend on process-wide
+flags or on which thread runs it; the functions are stateless (frozen dataclasses).
 """
 
 from __future__ import annotations

@@ -5,11 +5,16 @@ experts and fuses gate, mask, up, down and the weighted combine into one call; c
 ops the same math costs a dozen dispatches per expert (~5 us each), more than the skipped rows save
 at decode. The kernel is plain C the compiler vectorises (AVX512-BF16 dot products where the CPU
 has them); it is built once per source, compiler (path and version), flags and CPU into the cache
-folder ($MOETIER_CACHE, else $XDG_CACHE_HOME/moetier, else ~/.cache/moetier) and loaded with
-ctypes, so no Python headers are needed. Compilers are tried in order ($CC, cc, gcc, clang); a
-failed build leaves a `.failed` note with its error, so later starts skip that compiler at once.
-Where none works, `load()` returns None with the reasons in `load_error()` and callers fall back
-to torch ops. MOETIER_NATIVE=0 turns the kernel off.
+folder (`cache_dir(root)`: ROOT/kernels, ROOT = RuntimeConfig.kernel_cache, default
+~/.cache/moetier) and loaded with ctypes, so no Python headers are needed. Compilers are tried in
+order (cc, gcc, clang); a failed build leaves a `.failed` note with its error, so later starts skip
+that compiler at once. Where none works, `load()` returns None with the reasons in `load_error()`
+and callers fall back to torch ops.
+
+Invariants: every switch is an argument (`enabled` = RuntimeConfig.native_kernels, `cache_dir` =
+RuntimeConfig.kernel_cache); nothing here reads the environment. `load` is cached per argument
+pair, so one process builds or opens a library once per cache folder; a build is written to a temp
+file and renamed, so a concurrent reader never sees half a library.
 """
 
 from __future__ import annotations
@@ -47,20 +52,24 @@ _QUANT_ARGTYPES: list[Any] = [
     _P, ctypes.c_int, _P,  # out, accumulate, mask_out
     _P, _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, wbuf, nthreads
 ]  # fmt: skip
-_state: dict[str, str | None] = {"error": None, "key": None}
+_errors: dict[tuple[bool, Path], str] = {}  # (enabled, root) -> why load() returned None
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("MOETIER_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    base = Path(root) if root else Path.home() / ".cache"
-    return (base if os.environ.get("MOETIER_CACHE") else base / "moetier") / "kernels"
+def cache_root(root: Path | str | None = None) -> Path:
+    """The cache folder: `root` (RuntimeConfig.kernel_cache) or, when None, ~/.cache/moetier."""
+    return Path(root) if root is not None else Path.home() / ".cache" / "moetier"
+
+
+def cache_dir(root: Path | str | None = None) -> Path:
+    """Where kernel builds live: ROOT/kernels (see `cache_root`)."""
+    return cache_root(root) / "kernels"
 
 
 def _compilers() -> list[str]:
     """Paths of the compilers to try, in order, without duplicates."""
     out: list[str] = []
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        path = shutil.which(name) if name else None
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
         if path and os.path.realpath(path) not in {os.path.realpath(p) for p in out}:
             out.append(path)
     return out
@@ -116,26 +125,31 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def load(enabled: bool = True, cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernel library (built on first use into `cache_dir`/kernels, see `cache_root`), or
+    None when it cannot be had or `enabled` is False (RuntimeConfig.native_kernels)."""
+    return _load(bool(enabled), cache_root(cache_dir))
+
+
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library (built on first use), or None when it cannot be had."""
-    if os.environ.get("MOETIER_NATIVE", "1") == "0":
-        _state["error"] = "turned off by MOETIER_NATIVE=0"
+def _load(enabled: bool, root: Path) -> ctypes.CDLL | None:
+    key = (enabled, root)
+    if not enabled:
+        _errors[key] = "turned off (native_kernels = False, --no-native)"
         return None
     compilers = _compilers()
     if not compilers:
-        _state["error"] = "no C compiler found (set CC, or install cc/gcc/clang)"
+        _errors[key] = "no C compiler found (install cc, gcc or clang)"
         return None
     torch.zeros(1).add_(1)  # torch's libgomp is loaded before ours binds to it
     errors = []
     try:
         source = SOURCE.read_bytes()
     except OSError as exc:
-        _state["error"] = f"kernel source missing: {exc}"
+        _errors[key] = f"kernel source missing: {exc}"
         return None
     for cc in compilers:
-        key = _key(source, cc)
-        target = cache_dir() / f"sparse_swiglu-{key}.so"
+        target = root / "kernels" / f"sparse_swiglu-{_key(source, cc)}.so"
         failed = target.with_suffix(".failed")
         try:
             if not target.exists():
@@ -151,17 +165,29 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             errors.append(f"{cc}: {exc}")
             continue
-        _state["key"], _state["error"] = key, None
+        _errors.pop(key, None)
         return lib
-    _state["error"] = "; ".join(errors)
+    _errors[key] = "; ".join(errors)
     return None
 
 
-def load_error() -> str | None:
-    """Why `load()` returned None (None if it has not failed)."""
-    return _state["error"]
+def clear_cache() -> None:
+    """Forget loaded libraries and errors (tests; a later `load` opens or builds again)."""
+    _load.cache_clear()
+    _errors.clear()
 
 
-def build_key() -> str:
-    """The key of the loaded kernel build (source, compiler, flags, CPU), or "none"."""
-    return (_state["key"] or "none") if load() is not None else "none"
+def load_error(enabled: bool = True, cache_dir: Path | str | None = None) -> str | None:
+    """Why `load(enabled, cache_dir)` returned None (None if it has not failed)."""
+    return _errors.get((bool(enabled), cache_root(cache_dir)))
+
+
+def build_key_of(lib: ctypes.CDLL) -> str:
+    """The key of a loaded kernel build (source, compiler, flags, CPU), read from its file name."""
+    return Path(lib._name).stem.removeprefix("sparse_swiglu-")
+
+
+def build_key(enabled: bool = True, cache_dir: Path | str | None = None) -> str:
+    """The key of the kernel build `load(enabled, cache_dir)` gives, or "none"."""
+    lib = load(enabled, cache_dir)
+    return build_key_of(lib) if lib is not None else "none"

@@ -21,7 +21,7 @@ Formats (per matrix; `kind` of QLinearWeight), W = (q - zero) * scale in canonic
   (s, (8 - zero) * s); then the int4 kernel as above. The unfold splits its work over threads
   the way the kernel does (by row block), so each thread reads back what it wrote.
 - "generic" (anything else: fp32/fp16 models, CUDA, shapes the kernels refuse, int8 with g < K):
-  the canonical q/scale/zero; dequantised to x's dtype per call, then F.linear.
+  the canonical q/scale/zero; dequantised to x's dtype per call, then matmul.linear.
 
 Measured on this project's CPU (torch 2.13, AVX-512): _weight_int8pack_mm needs K % 16 == 0,
 and, for bf16, x rows 32-byte aligned and q8 rows 16-byte aligned (aligned vector loads; a
@@ -42,11 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moetier.errors import CheckpointError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
+from moetier.kernels import matmul
 from moetier.types import Precision
 
 ALIGN = 64
@@ -207,14 +207,15 @@ _KERNELS: dict[str, Callable[[torch.Tensor, QLinearWeight], torch.Tensor]] = {
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: F.linear for a plain weight, the format's kernel for a QLinearWeight.
-    Kernel formats compute in bf16 (another x dtype is converted there and back)."""
+    """x [..., K] -> [..., N]: matmul.linear (F.linear's math, kernel chosen per call) for a plain
+    weight, the format's kernel for a QLinearWeight. Kernel formats compute in bf16 (another x dtype is
+    converted there and back)."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        return matmul.linear(x, w, bias)
     if w.kind == "generic":  # unverified on GPU (no CUDA device here)
         wd = torch.empty((w.n, w.k), dtype=x.dtype, device=x.device)  # [N, K]
         assert w.zero is not None
-        return F.linear(x, dequantize_into(w.q, w.scale, w.zero, w.bits, wd), bias)
+        return matmul.linear(x, dequantize_into(w.q, w.scale, w.zero, w.bits, wd), bias)
     if x.shape[-1] != w.k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the {w.kind} weight [{w.n}, {w.k}] wants {w.k}")
     x2 = x.reshape(-1, w.k)  # [M, K]

@@ -14,6 +14,10 @@ table from another checkpoint is refused.
 - `masked_dense`: the dense matmuls with the mask applied, for calls with many tokens, where
   contiguous matmuls beat gathers (the dense/sparse switch never changes the result's math).
 
+The torch paths' products with the weight as [out, in] rows go through `matmul.linear` (the
+small-row kernel chosen per call); the down product of the gather path (x @ rows [k, H]) is a plain
+matmul.
+
 A kernel call accumulates in fp32 and writes its output once; when a layer call is split into
 chunks (a compute tier that cannot pin all its experts at once), chunks add up in the output's
 dtype.
@@ -36,12 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from moetier.config import SPARSITY_BLOCKS
 from moetier.errors import ConfigError
 from moetier.formats.quant import dequantize_into
-from moetier.kernels import native
+from moetier.kernels import matmul, native
 from moetier.kernels.qformat import QExpertViews
 from moetier.policies.sparsity import TARGETS, interpolate
 
@@ -175,11 +178,11 @@ def masked_dense(
     threshold: float, block: int,
 ) -> tuple[torch.Tensor, int]:  # fmt: skip
     """x [N, H], w13 [2I, H], w2 [H, I] (any strides) -> (y [N, H], active (token, neuron) pairs)."""
-    h = F.linear(x, w13)  # [N, 2I]
+    h = matmul.linear(x, w13)  # [N, 2I]
     gate, up = h.chunk(2, dim=-1)
     a = act(gate)  # [N, I]
     m = block_mask(a, threshold, block)
-    return F.linear(a * m * up, w2), int(m.sum())
+    return matmul.linear(a * m * up, w2), int(m.sum())
 
 
 def sparse_torch(
@@ -188,10 +191,10 @@ def sparse_torch(
 ) -> tuple[torch.Tensor, int]:  # fmt: skip
     """The gather path in torch ops: x [N, H], w13 [2I, H], down_rows [I, H] -> (y [N, H], pairs)."""
     i = down_rows.shape[0]
-    a = act(F.linear(x, w13[:i]))  # [N, I], gate rows only
+    a = act(matmul.linear(x, w13[:i]))  # [N, I], gate rows only
     m = block_mask(a, threshold, block)
     idx = m.any(0).nonzero().squeeze(1)  # [k] union of active neurons over the tokens
-    u = F.linear(x, w13[i:].index_select(0, idx))  # [N, k], gathered up rows
+    u = matmul.linear(x, w13[i:].index_select(0, idx))  # [N, k], gathered up rows
     h = (a * m).index_select(1, idx) * u  # [N, k]
     return h @ down_rows.index_select(0, idx), int(m.sum())  # [N, H]
 
@@ -247,6 +250,7 @@ class NativeSparse:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"the native sparse kernel takes bf16 or fp32 weights, not {dtype}")
         self.fn = lib.moetier_sparse_moe_bf16 if dtype == torch.bfloat16 else lib.moetier_sparse_moe_f32
+        self.build_key = native.build_key_of(lib)  # which build computes (tipping profiles are keyed by it)
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self._scratch = _Scratch()
 
@@ -289,6 +293,7 @@ class NativeSparseQuant:
         if bits not in (8, 4, 2) or group < 1 or hidden % group or group % (8 // bits):
             raise ValueError(f"native sparse: {bits}-bit groups of {group} do not fit rows of {hidden}")
         self.fn = lib.moetier_sparse_moe_quant
+        self.build_key = native.build_key_of(lib)
         self.hidden, self.inter, self.dtype, self.bits, self.group = hidden, inter, dtype, bits, group
         self._scratch = _Scratch()
 
@@ -337,13 +342,16 @@ def dense_weights(views: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 
 def native_kernel(
-    hidden: int, inter: int, dtype: torch.dtype, device: torch.device, quant: tuple[int, int] | None = None
-) -> NativeSparse | NativeSparseQuant | None:
+    hidden: int, inter: int, dtype: torch.dtype, device: torch.device, quant: tuple[int, int] | None = None,
+    enabled: bool = True, cache_dir: Path | str | None = None,
+) -> NativeSparse | NativeSparseQuant | None:  # fmt: skip
     """The native kernel for this shape: for full-precision slots, or for quantized rows when `quant` =
-    (bits, group); None on CUDA, for other dtypes, or without a compiler (see native.load_error())."""
+    (bits, group); None on CUDA, for other dtypes, when `enabled` (RuntimeConfig.native_kernels) is
+    False, or without a compiler (see native.load_error(enabled, cache_dir)). `cache_dir` is
+    RuntimeConfig.kernel_cache (None: ~/.cache/moetier)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
-    lib = native.load()
+    lib = native.load(enabled, cache_dir)
     if lib is None:
         return None
     if quant is None:

@@ -1,4 +1,4 @@
-"""Cost model: a HardwareProfile (data in profiles/) and a ModelSpec turned into per-domain time functions.
+"""Cost model: a HardwareProfile (data in moetier/data/profiles/) and a ModelSpec turned into per-domain time functions.
 
 Torch-free; the engine, the schedulers and the simulator price work with the same functions.
 

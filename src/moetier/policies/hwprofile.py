@@ -1,26 +1,34 @@
 """Hardware profiles: the measured machine data the cost model (policies/costmodel.py) prices work with,
 as frozen dataclasses (ComputeProfile per compute domain, LinkProfile per link, HardwareProfile for
-the machine), and their JSON files in profiles/ (`moetier profile` writes them, runtime/profile.py).
+the machine), and their JSON files: shipped ones inside the package (moetier/data/profiles/, read through
+importlib.resources) and the user's own in `user_profiles_dir()` ($XDG_CONFIG_HOME/moetier/profiles, default
+~/.config/moetier/profiles), where `moetier profile` writes (runtime/profile.py measures).
 
 Torch-free. Invariants: every profile is checked on construction (times, bandwidths and LUT points
 finite and >= 0; peak_flops, mem_bw and bandwidths > 0; LUTs only for known precisions and with the
 shape they were measured on; a GPU comes with its memory and a PCIe link), so a bad file is one
-ConfigError naming the field; profiles round-trip through save_profile/load_profile unchanged.
+ConfigError naming the field; profiles round-trip through save_profile/load_profile unchanged; a profile
+NAME is looked up in the user's folder first, then among the shipped ones (a user file shadows a shipped one).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.types import PRECISION_BITS
 
-PROFILES_DIR = Path(__file__).resolve().parents[3] / "profiles"
-PRECISIONS = ("full", "int8", "int4", "int2")
+SHIPPED_PROFILES: Traversable = resources.files("moetier") / "data" / "profiles"
+PROFILES_DIR = Path(str(SHIPPED_PROFILES))  # the shipped profiles as a folder (the package is installed as files)
+PRECISIONS = tuple(PRECISION_BITS)  # full, int8, int4, int2
 Points = tuple[tuple[int, float], ...]
 
 
@@ -186,15 +194,38 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "profile") -> HardwareP
     )  # fmt: skip
 
 
+def user_profiles_dir() -> Path:
+    """The user's profiles: $XDG_CONFIG_HOME/moetier/profiles (an unset or relative XDG_CONFIG_HOME means
+    ~/.config). `moetier profile` writes here; a profile name is looked up here first."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".config") / "moetier" / "profiles"
+
+
+def _json_names(folder: Traversable) -> set[str]:
+    if not folder.is_dir():
+        return set()
+    return {e.name[: -len(".json")] for e in folder.iterdir() if e.name.endswith(".json") and e.is_file()}
+
+
 def profile_names() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.json")) if PROFILES_DIR.is_dir() else []
+    """Names of the profiles found by name: the user's and the shipped ones."""
+    return sorted(_json_names(user_profiles_dir()) | _json_names(SHIPPED_PROFILES))
+
+
+def find_profile(name: str) -> Path | None:
+    """The file of profile NAME: the user's NAME.json, else the shipped one; None when neither exists."""
+    for folder in (user_profiles_dir(), SHIPPED_PROFILES):
+        entry = folder / f"{name}.json"
+        if entry.is_file():
+            return Path(str(entry))
+    return None
 
 
 def read_profile_json(name_or_path: str | Path) -> tuple[Path, Any]:
-    """(path, parsed JSON) of a shipped profile by name (profiles/NAME.json) or of a profile .json path."""
+    """(path, parsed JSON) of a profile by name (`find_profile`) or of a profile .json path."""
     s = str(name_or_path)
-    named = PROFILES_DIR / f"{s}.json"
-    path = named if ("/" not in s and not s.endswith(".json") and named.is_file()) else Path(s)
+    named = find_profile(s) if ("/" not in s and not s.endswith(".json")) else None
+    path = named if named is not None else Path(s)
     if not path.is_file():
         raise ConfigError(f"unknown hardware profile {s!r}; known: {', '.join(profile_names())} (or a .json path)")
     try:
@@ -204,7 +235,7 @@ def read_profile_json(name_or_path: str | Path) -> tuple[Path, Any]:
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A shipped profile by name (profiles/NAME.json) or a path to a profile .json."""
+    """A profile by name (the user's, else a shipped one: `find_profile`) or a path to a profile .json."""
     path, d = read_profile_json(name_or_path)
     if not isinstance(d, dict):
         raise ConfigError(f"profile {path}: expected a JSON object")
@@ -247,6 +278,7 @@ def save_profile(profile: HardwareProfile, path: str | Path, notes: Mapping[str,
 
 
 __all__ = [
-    "PRECISIONS", "PROFILES_DIR", "ComputeProfile", "HardwareProfile", "LinkProfile", "Points", "load_profile",
-    "profile_from_dict", "profile_names", "profile_to_dict", "save_profile",
+    "PRECISIONS", "PROFILES_DIR", "SHIPPED_PROFILES", "ComputeProfile", "HardwareProfile", "LinkProfile", "Points",
+    "find_profile", "load_profile", "profile_from_dict", "profile_names", "profile_to_dict", "save_profile",
+    "user_profiles_dir",
 ]  # fmt: skip

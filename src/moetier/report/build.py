@@ -18,6 +18,7 @@ from typing import Any
 from moetier.report import data, plots
 from moetier.report.html import Figure, write_index
 from moetier.report.load import ReportInput
+from moetier.sim.timeline import draw_timeline
 
 TITLES = {
     "activation": "Expert activation per layer",
@@ -34,8 +35,6 @@ def _timeline(inp: ReportInput, path: Path) -> Path | data.Skip:
     if not inp.timeline:
         return data.Skip("no timeline: the simulation recorded no ops (a three-domain scheduler, or a "
                          "--timeline-steps/--timeline-layers window outside the run)")  # fmt: skip
-    from moetier.sim.timeline import draw_timeline
-
     res = inp.run.get("result", {})
     title = f"{res.get('spec', '?')} on {res.get('profile', '?')}, {res.get('scheduler', '?')}, " \
             f"cache {res.get('cache_ratio', '?')}"  # fmt: skip

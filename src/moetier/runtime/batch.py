@@ -21,6 +21,9 @@ Invariants:
   the runner uses the engine's decoder itself, which generate() resets (the running sequence is
   then lost).
 
+Every prefill and decode step is one Engine.step (trace step index, precision switching), with the
+slot decoder's call as its forward in batched mode.
+
 Modes: "batched" when the engine's decoder is the LeanDecoder (runtime/lean.py); otherwise
 "serial": one sequence holds the one slot until it finishes, through the engine's decoder
 (reset + forward), behind the same interface.
@@ -45,7 +48,6 @@ import torch.nn.functional as F
 
 from moetier.config import SamplingConfig
 from moetier.errors import ConfigError
-from moetier.kernels.small_rows import small_rows
 from moetier.runtime.engine import Engine, sample
 from moetier.runtime.lean import LeanDecoder
 
@@ -156,7 +158,7 @@ class SlotDecoder:
         # 2. layers: attention per sequence, the MLP/MoE over all B rows at once
         x = F.embedding(torch.tensor(tokens, device=lean.device), lean.embed)  # [B, H]
         for i, L in enumerate(lean.layers):
-            q, k, v = lean.qkv(L, lean._norm(x, L.in_norm), cos, sin)  # [B, nh, hd], [B, nkv, hd] x2
+            q, k, v = lean.qkv(L, lean.norm(x, L.in_norm), cos, sin)  # [B, nh, hd], [B, nkv, hd] x2
             for b, (kc, vc) in enumerate(caches):
                 kc[i, :, pos[b]] = k[b]  # [nkv, hd] into [nkv, cap, hd] at the row's position
                 vc[i, :, pos[b]] = v[b]
@@ -240,7 +242,7 @@ class BatchRunner:
         if not isinstance(req.sampling, SamplingConfig):
             raise ConfigError(f"sampling must be a SamplingConfig, got {type(req.sampling).__name__}")
         self.engine.check_fits(len(ids), req.max_new_tokens)
-        stop = frozenset(self.engine._eos_ids) if req.stop_ids is None else frozenset(req.stop_ids)
+        stop = frozenset(self.engine.eos_ids) if req.stop_ids is None else frozenset(req.stop_ids)
         seed = req.sampling.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         seq = _Seq(self._next_id, req, stop, gen)
@@ -309,38 +311,28 @@ class BatchRunner:
         return StepEvent(seq.seq_id, tok, seq.done is not None, seq.done)
 
     def _prefill(self, seq: _Seq) -> torch.Tensor:
-        """seq's prompt into its slot -> logits [V] of the last position. The slot's cache is sized for the
-        prompt and every generated token but the last (which is never fed back)."""
+        """seq's prompt into its slot -> logits [V] of the last position (one Engine.step). The slot's cache is
+        sized for the prompt and every generated token but the last (which is never fed back)."""
         engine, ids = self.engine, seq.req.prompt_ids
         self._n["prefill_tokens"] += len(ids)
-        engine._set_step(0)
-        with small_rows(len(ids), engine.dtype, engine.device):
-            if self._slots is not None:
-                out = self._slots.prefill(seq.slot, ids, reserve=len(ids) + seq.req.max_new_tokens - 1)
-            else:
-                engine.decoder.reset()
-                with torch.inference_mode():
-                    out = engine.decoder.forward(torch.tensor([ids], device=engine.device))[-1]
-        self._after_forward()
-        return out
+        slots = self._slots
+        if slots is not None:
+            reserve = len(ids) + seq.req.max_new_tokens - 1
+            return engine.step(_row(ids, engine), index=0, run=lambda _: slots.prefill(seq.slot, ids, reserve=reserve))
+        engine.decoder.reset()
+        with torch.inference_mode():
+            return engine.step(_row(ids, engine), index=0)[-1]
 
     def _decode(self, batch: list[_Seq]) -> torch.Tensor:
-        """One token for each sequence of `batch` -> logits [B, V]."""
-        engine = self.engine
-        engine._set_step(self._n["decode_steps"] + 1)
+        """One token for each sequence of `batch` -> logits [B, V] (one Engine.step)."""
+        engine, slots = self.engine, self._slots
         tokens = [s.produced[-1] for s in batch]
-        with small_rows(len(batch), engine.dtype, engine.device):
-            if self._slots is not None:
-                out = self._slots.decode([s.slot for s in batch], tokens)
-            else:  # serial: one sequence owns the engine's decoder
-                with torch.inference_mode():
-                    out = engine.decoder.forward(torch.tensor([tokens], device=engine.device))[-1:]
-        self._after_forward()
-        return out
-
-    def _after_forward(self) -> None:
-        if self.engine.switching is not None:
-            self.engine.switching.after_forward()
+        index = self._n["decode_steps"] + 1
+        if slots is not None:
+            rows = [s.slot for s in batch]
+            return engine.step(_row(tokens, engine), index=index, run=lambda _: slots.decode(rows, tokens))
+        with torch.inference_mode():  # serial: one sequence owns the engine's decoder
+            return engine.step(_row(tokens, engine), index=index)[-1:]
 
     def stats(self) -> dict[str, Any]:
         n = self._n
@@ -356,3 +348,8 @@ class BatchRunner:
             "pending": self.pending,
             "kv_cache_bytes": self._slots.cache_bytes() if self._slots is not None else 0,
         }
+
+
+def _row(ids: list[int], engine: Engine) -> torch.Tensor:
+    """Token ids as the [1, T] row Engine.step takes (T tokens of one sequence, or one of each of T)."""
+    return torch.tensor([ids], device=engine.device)

@@ -1,13 +1,14 @@
 """Calibration of intra-expert sparsity: text through the model, a threshold table out.
 
-`calibrate` runs text through the engine's dense path with recording expert functions and
+`calibrate` runs text through the engine with dense executors (runtime/executors/dense.py) whose
+expert functions record, attached for the run, and
 returns the ThresholdTable (store/sparse.py): per MoE layer and mask block size, the quantiles
 of |act(gate x)| of routed experts, from streaming log2 histograms (policies/sparsity.py).
 `table_summary` is what `moetier info` shows of a table; `model_identity` is what a table
 records of its model.
 
 Invariants: only SwiGLU-type experts and texts of at least a few hundred tokens are calibrated
-(ConfigError otherwise); the engine's expert functions are restored afterwards, also on error.
+(ConfigError otherwise); the engine's pipelines are restored afterwards, also on error.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from moetier.kernels.experts import SwiGLU
 from moetier.kernels.qformat import linear
 from moetier.kernels.sparse import ThresholdTable
 from moetier.policies.sparsity import LogHistogram, thresholds_for
+from moetier.runtime.executors.base import ResidentFirst
+from moetier.runtime.executors.dense import DenseExecutor
+from moetier.runtime.moe_block import Pipeline
+from moetier.runtime.observers import ObserverList
 
 
 class _Recording:
-    """A layer's expert function during calibration: the dense SwiGLU of runtime/experts.py, recording
+    """A layer's expert function during calibration: the dense SwiGLU of kernels/experts.py, recording
     |act(gate x)| of every (token, neuron) in histograms (per block size: the block's largest magnitude).
     It runs inside the engine's own dense expert path, so calibration sees what serving computes."""
 
@@ -62,9 +67,11 @@ def calibrate(
     if len(ids) < 2:
         raise ConfigError(f"calibration text has {len(ids)} tokens; give at least a few hundred")
     recorders = {b.layer: _Recording(engine.info.expert_intermediate, fn.act) for b in blocks}
-    saved = [(b.sparse, b.expert_fn) for b in blocks]
-    for b in blocks:  # the dense path, with recording expert functions
-        b.sparse, b.expert_fn = None, recorders[b.layer]
+    saved: dict[int, Pipeline | None] = {}
+    for b in blocks:  # the dense executor, with recording expert functions; the engine's observers
+        observers = b.pipeline.observers if b.pipeline is not None else ObserverList()
+        dense = Pipeline(ResidentFirst(b.store), DenseExecutor(b.store, recorders[b.layer], b.num_experts), observers)
+        saved[b.layer] = b.attach(dense)
     try:
         starts = list(range(0, len(ids), window))
         for n, s in enumerate(starts):
@@ -72,8 +79,10 @@ def calibrate(
             if on_window is not None:
                 on_window(n + 1, len(starts))
     finally:
-        for b, (sparse, fn_) in zip(blocks, saved, strict=True):
-            b.sparse, b.expert_fn = sparse, fn_
+        for b in blocks:
+            previous = saved.get(b.layer)
+            if previous is not None:
+                b.attach(previous)
     thresholds = {layer: {b: thresholds_for(r.hist[b]) for b in r.blocks} for layer, r in recorders.items()}
     calibration = dict(text_meta) | {"tokens": len(ids), "window": window,
                                      "pairs": {str(k): r.pairs for k, r in recorders.items()}}  # fmt: skip

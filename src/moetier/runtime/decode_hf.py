@@ -1,6 +1,9 @@
 """Decoder over the transformers modules themselves (every family; the fallback path).
 
 Attention, norms and embeddings are transformers' own; only the MoE blocks are ours.
+
+Invariants: the cache is transformers' DynamicCache, fresh after `reset`; logits equal the reference
+model's for the same ids (the MoE blocks are exact, everything else is the reference code).
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""Engine: a loaded model plus generation, perplexity and statistics.
+"""Engine: a wired model plus generation, perplexity, tracing and statistics.
 
-`moetier.load(path, config)` returns one. The engine picks its decoder: the lean
-decoder (runtime/lean.py) for families whose attention it implements, else the
-transformers modules with TieredMoE blocks (runtime/decode_hf.py). Both produce the
-reference model's logits.
+`moetier.load(path, config)` (runtime/wire.py) builds one: wire.py chooses the decoder (the lean
+decoder of runtime/lean.py for families whose attention it implements, else the transformers
+modules with TieredMoE blocks, runtime/decode_hf.py; both produce the reference model's logits),
+the executor and the route observers; the engine only runs them.
 
-Wiring beyond the decoder: router scores to the cache policy and cross-layer prefetch
-(runtime/prefetch.py), hybrid CPU-GPU execution when a scheduler is set on CUDA
-(runtime/hybrid.py), precision switching (runtime/precision.py).
+`Engine.step` is the one forward step: every forward of generate, warmup, logits / perplexity and
+the batch runner (runtime/batch.py) goes through it, so the trace's step index and precision
+switching's `after_forward` follow every forward alike.
+
+Invariants: one user at a time (not thread-safe); `close` stops the background threads (precision
+switching's mover, the hybrid worker), writes the trace and closes the store, also after a failure.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +31,16 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.small_rows import small_rows
-from moetier.runtime.decode_hf import HFDecoder
-from moetier.runtime.loader import LoadedModel, ModelInfo, open_model
+from moetier.models.open import ModelInfo
+from moetier.runtime.executors.base import ExecutorState
+from moetier.runtime.loader import LoadedModel
+from moetier.runtime.observers import ObserverList, TraceObserver
 from moetier.runtime.precision import Switching
-from moetier.store.dynamic import DynamicStore
+from moetier.runtime.prefetch import Prefetcher
 from moetier.traces import TraceRecorder
+
+if TYPE_CHECKING:
+    from moetier.runtime.executors.sparse import SparsityState
 
 
 class Decoder(Protocol):
@@ -59,48 +67,34 @@ class EvalResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
-    """Open a local Hugging Face MoE checkpoint folder with tiered experts."""
-    cfg = config or EngineConfig()
-    loaded = open_model(path, cfg)
-    try:
-        return Engine(loaded, cfg)
-    except BaseException:
-        loaded.store.close()  # release the checkpoint's file descriptors
-        raise
+@dataclass
+class Wired:
+    """What runtime/wire.py hands the engine: the model and everything chosen for it."""
+
+    loaded: LoadedModel
+    config: EngineConfig
+    decoder: Decoder
+    observers: ObserverList  # shared by every block's pipeline
+    executor: str  # the name of the executor variant (runtime/executors EXECUTORS)
+    executor_state: ExecutorState | None = None
+    sparsity: SparsityState | None = None
+    switching: Switching | None = None
+    prefetcher: Prefetcher | None = None
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.loaded, self.config = loaded, config
-        self.info: ModelInfo = loaded.info
-        self.store = loaded.store
-        self.device, self.dtype = loaded.device, loaded.dtype
-        self.decoder: Decoder = self._pick_decoder()
-        self.switching: Switching | None = None
-        if isinstance(self.store, DynamicStore):
-            self.switching = Switching(
-                self.store, self.store.per_layer, self.info.num_experts, config.precision, loaded.blocks
-            )
-        from moetier.runtime.prefetch import wire
-
-        self.prefetcher = wire(loaded, config)
-        self.hybrid = None
-        if config.scheduler.name is not None and self.device.type == "cuda":
-            from moetier.runtime.hybrid import wire_hybrid
-
-            self.hybrid = wire_hybrid(loaded, config, self.prefetcher.pricing if self.prefetcher else None)
+    def __init__(self, wired: Wired) -> None:
+        self.loaded, self.config = wired.loaded, wired.config
+        self.info: ModelInfo = wired.loaded.info
+        self.store = wired.loaded.store
+        self.device, self.dtype = wired.loaded.device, wired.loaded.dtype
+        self.decoder: Decoder = wired.decoder
+        self.observers = wired.observers
+        self.executor, self.executor_state = wired.executor, wired.executor_state
+        self.sparsity, self.switching, self.prefetcher = wired.sparsity, wired.switching, wired.prefetcher
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None
-
-    def _pick_decoder(self) -> Decoder:
-        if self.config.runtime.lean and self.loaded.family.lean_attention:
-            from moetier.runtime.lean import LeanDecoder, lean_supported
-
-            if lean_supported(self.loaded):
-                return LeanDecoder(self.loaded, self.config.runtime.max_seq_len)
-        return HFDecoder(self.loaded.model, self.loaded.config)
 
     # -- tokenizer -------------------------------------------------------------
     @property
@@ -136,44 +130,42 @@ class Engine:
         }  # fmt: skip
         self.recorder = TraceRecorder(meta, with_scores=with_scores)
         self._trace_path = Path(path)
-        scoring = self.loaded.family.scoring
-        recorder = self.recorder
-
-        def hook(layer: int, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> None:
-            scores = None
-            if recorder.with_scores:
-                probs = torch.sigmoid(logits.float()) if scoring == "sigmoid" else torch.softmax(logits.float(), -1)
-                scores = probs.tolist()
-            recorder.record(layer, ids.tolist(), weights.float().tolist(), scores)
-
-        for block in self.loaded.blocks:
-            block.route_hooks.append(hook)
+        self.observers.add(TraceObserver(self.recorder))
 
     def save_trace(self) -> Path | None:
         if self.recorder is None or self._trace_path is None:
             return None
         return self.recorder.save(self._trace_path)
 
-    def _set_step(self, step: int) -> None:
-        if self.recorder is not None:
-            self.recorder.step = step
-
     # -- compute ---------------------------------------------------------------
+    def step(
+        self, ids: torch.Tensor, index: int | None = None, all_logits: bool = False,
+        run: Callable[[torch.Tensor], torch.Tensor] | None = None, force_switch: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """The forward step: ids [1, T] (T tokens of one sequence, or one token of each of T sequences
+        when `run` is a batch's) -> logits [T, V] (all_logits) or [1, V] (last) of the decoder, or what
+        `run(ids)` returns (runtime/batch.py: a slot's prefill or a batch's decode step).
+        1. the trace's step index (when `index` is given);
+        2. the forward, with the matmul kernel chosen for its row count;
+        3. precision switching: this forward's routing to the controller (`force_switch`: decide now)."""
+        if index is not None and self.recorder is not None:
+            self.recorder.step = index
+        with small_rows(ids.shape[1], self.dtype, self.device):
+            out = self.decoder.forward(ids, all_logits) if run is None else run(ids)
+        if self.switching is not None:
+            self.switching.after_forward(force=force_switch)
+        return out
+
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-sequence logits [1, T, V] for a fresh sequence (no cache kept)."""
+        return self._eval_logits(input_ids, None)
+
+    def _eval_logits(self, input_ids: torch.Tensor, index: int | None) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ConfigError(f"logits() takes input_ids of shape [1, T], got {list(input_ids.shape)}")
         self.decoder.reset()
-        return self._forward(input_ids.to(self.device), all_logits=True).unsqueeze(0)
-
-    def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """One decoder call, with the matmul kernel chosen for its row count (runtime/kernels.py)."""
-        with small_rows(ids.shape[1], self.dtype, self.device):
-            out = self.decoder.forward(ids, all_logits)
-        if self.switching is not None:
-            self.switching.after_forward()
-        return out
+        return self.step(input_ids.to(self.device), index, all_logits=True).unsqueeze(0)
 
     @torch.inference_mode()
     def warmup(self, text: str | list[int], max_tokens: int | None = None) -> int:
@@ -187,9 +179,7 @@ class Engine:
         if not ids:
             raise ConfigError("warmup text is empty after tokenization")
         self.decoder.reset()
-        with small_rows(len(ids), self.dtype, self.device):
-            self.decoder.forward(torch.tensor([ids], device=self.device))
-        self.switching.after_forward(force=True)
+        self.step(torch.tensor([ids], device=self.device), force_switch=True)
         self.switching.mover.drain()
         return len(ids)
 
@@ -211,12 +201,11 @@ class Engine:
             raise ConfigError("the prompt is empty after tokenization")
         self.check_fits(len(ids), max_new_tokens)
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        eos = self._eos_ids if stop_at_eos else set()
+        eos = self.eos_ids if stop_at_eos else set()
         out: list[int] = []
         self.decoder.reset()
         t0 = time.perf_counter()
-        self._set_step(0)
-        logits = self._forward(torch.tensor([ids], device=self.device))[-1]  # [V]
+        logits = self.step(torch.tensor([ids], device=self.device), index=0)[-1]  # [V]
         ttft = 0.0
         t_first = t0
         for step in range(max_new_tokens):
@@ -229,8 +218,7 @@ class Engine:
                 on_token(tok, str(self.tokenizer.decode([tok])) if self._has_tokenizer() else "")
             if tok in eos or step == max_new_tokens - 1:
                 break
-            self._set_step(step + 1)
-            logits = self._forward(torch.tensor([[tok]], device=self.device))[-1]
+            logits = self.step(torch.tensor([[tok]], device=self.device), index=step + 1)[-1]
         elapsed = time.perf_counter() - t_first
         decode_tok_s = (len(out) - 1) / elapsed if len(out) > 1 and elapsed > 0 else 0.0
         text = str(self.tokenizer.decode(out, skip_special_tokens=True)) if self._has_tokenizer() else ""
@@ -261,8 +249,7 @@ class Engine:
             chunk = ids[start : start + window + 1]
             if len(chunk) < 2:
                 break
-            self._set_step(start // window)
-            logits = self.logits(torch.tensor([chunk[:-1]]))[0].float()  # [T, V]
+            logits = self._eval_logits(torch.tensor([chunk[:-1]]), start // window)[0].float()  # [T, V]
             target = torch.tensor(chunk[1:], device=logits.device)
             nll += F.cross_entropy(logits, target, reduction="sum").item()
             count += len(chunk) - 1
@@ -271,7 +258,7 @@ class Engine:
         return EvalResult(ppl=math.exp(nll / count), tokens=count, nll=nll / count, stats=self.stats())
 
     @functools.cached_property
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
         """EOS ids of config.json and generation_config.json (transformers stops on the latter's list)."""
         found: set[int] = set()
         sources: list[Any] = [self.loaded.config]
@@ -320,7 +307,8 @@ class Engine:
             "hit_rate": compute["hits"] / accesses if accesses else 0.0,
             "cache_policy": self.config.cache.policy,
             "scheduler": self.config.scheduler.name,
-            "hybrid": self.hybrid is not None,
+            "executor": self.executor,
+            "hybrid": self.executor == "hybrid",
             "disk_bytes": s["disk_bytes"],
             "h2d_bytes": s["h2d_bytes"],
             "peak_host_expert_bytes": s["host"]["peak_resident_bytes"],
@@ -334,17 +322,15 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (
-            {"sparsity": self.loaded.sparsity.stats()} if self.loaded.sparsity is not None else {}
-        ) | ({"prefetch": self.prefetcher.summary()} if self.prefetcher is not None else {}) | (
-            {"hybrid_stats": self.hybrid.stats()} if self.hybrid is not None else {}
-        )
+            {self.executor_state.stats_key: self.executor_state.stats()} if self.executor_state is not None else {}
+        ) | ({"prefetch": self.prefetcher.summary()} if self.prefetcher is not None else {})
 
     def close(self) -> None:
         self.save_trace()
         if self.switching is not None:
             self.switching.close()
-        if self.hybrid is not None:
-            self.hybrid.executor.close()
+        if self.executor_state is not None:
+            self.executor_state.close()
         self.store.close()
 
     def __enter__(self) -> Engine:

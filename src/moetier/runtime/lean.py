@@ -11,6 +11,9 @@ Supported variants: q/k/v and output biases (Qwen2-MoE, attention_bias), per-hea
 RMSNorm (Qwen3-MoE), whole-projection q/k RMSNorm then qkv clipping (OLMoE), every rope
 type whose table depends only on the position. Sliding-window attention and longrope are
 refused by `lean_supported`, and the engine falls back to the transformers modules.
+
+Invariants: logits equal the transformers modules' (fp32 exact up to rounding; `norm` is the same math
+as transformers' RMSNorm); `run` never writes past a cache's max_len (ConfigError first).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
+from moetier.kernels import matmul
 from moetier.runtime.loader import LoadedModel
 
 
@@ -108,7 +112,8 @@ class LeanDecoder:
     def reset(self) -> None:
         self.pos = 0
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [..., H] with weight w [H] (the layers' norms; batch.py uses it too)."""
         # one fused call; same math as transformers' RMSNorm (equal in fp32, rounding-level in bf16)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
@@ -134,7 +139,7 @@ class LeanDecoder:
             mask = torch.ones(T, p0 + T, dtype=torch.bool, device=self.device).tril(p0)
         x = F.embedding(ids[0], self.embed)  # [T, H]
         for i, L in enumerate(self.layers):
-            q, k, v = self.qkv(L, self._norm(x, L.in_norm), cos, sin)  # [T, nh, hd], [T, nkv, hd] x2
+            q, k, v = self.qkv(L, self.norm(x, L.in_norm), cos, sin)  # [T, nh, hd], [T, nkv, hd] x2
             kc, vc = k_cache[i], v_cache[i]  # [nkv, max_len, hd]
             kc[:, p0 : p0 + T] = k.transpose(0, 1)
             vc[:, p0 : p0 + T] = v.transpose(0, 1)
@@ -154,15 +159,15 @@ class LeanDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed rows h [T, H], rotary cos/sin [T, 1, hd] -> q [T, nh, hd], k and v [T, nkv, hd]."""
         T, nh, nkv, hd = h.shape[0], self.nh, self.nkv, self.hd
-        qkv = F.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
+        qkv = matmul.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         if L.q_norm is not None and L.k_norm is not None and not self.per_head_norm:
-            q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)  # OLMoE: whole projection
+            q, k = self.norm(q, L.q_norm), self.norm(k, L.k_norm)  # OLMoE: whole projection
         if self.clip is not None:  # OLMoE: clamp after the norm, v too
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
         if L.q_norm is not None and L.k_norm is not None and self.per_head_norm:
-            q, k = self._norm(q, L.q_norm), self._norm(k, L.k_norm)
+            q, k = self.norm(q, L.q_norm), self.norm(k, L.k_norm)
         q = q * cos + _rotate_half(q) * sin  # [T, nh, hd]
         k = k * cos + _rotate_half(k) * sin  # [T, nkv, hd]
         return q, k, v
@@ -170,14 +175,14 @@ class LeanDecoder:
     def finish_layer(self, L: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Residual x [T, H] + output projection of att [T, nh * hd], then the MLP/MoE on all T rows at
         once ([1, T, H]: rows are independent, so T may be T tokens of one sequence or one of T sequences)."""
-        x = x + F.linear(att, L.wo, L.bo)
-        h = self._norm(x, L.post_norm)
+        x = x + matmul.linear(att, L.wo, L.bo)
+        h = self.norm(x, L.post_norm)
         y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
         return x + (y[0] if isinstance(y, tuple) else y)[0]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: x [T, H] -> logits [T, V]."""
-        return F.linear(self._norm(x, self.final_norm), self.lm_head)
+        return matmul.linear(self.norm(x, self.final_norm), self.lm_head)
 
 
 def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:

@@ -1,83 +1,73 @@
 """TieredMoE: the MoE block every family's block is swapped for.
 
-One call runs the pipeline once: route -> plan -> move -> compute -> combine.
+One call runs the pipeline once, and this file says all of it:
+1. route: the family's own router module (kept from the reference block) gives top-k ids and
+   weights per token (and the router logits);
+2. observe: the model's route observers (runtime/observers.py: trace recorder, precision
+   controller, cache scores, prefetcher) see the call's routing, before any expert is touched;
+3. plan: the executor groups the tokens by expert, the scheduler turns the counts into a Plan
+   (tasks in run order, the domain of each);
+4. move + compute + combine: the executor pins each task's expert where its domain computes,
+   computes and sums the weighted outputs in ascending expert id (runtime/executors/);
+5. shared experts (dense, from the reference block) are added.
 
-1. route: the family's own router module (kept from the reference block) gives
-   top-k ids and weights per token; `on_logits` (score-aware caching) gets the router
-   logits and `after_route` (the prefetcher, runtime/prefetch.py) the block's input and
-   ids, both before any expert of the call is touched;
-2. plan: policies.plan.plan_layer orders the experts (resident first);
-3. move: ExpertStore.acquire loads a missing expert into a slot (evicting per policy);
-4. compute: the family's expert function on the slot's views, only for active experts;
-5. combine: weighted outputs summed in token order, plus shared experts. Experts are
-   summed in ascending expert id (as the transformers reference does), never in plan
-   order, so the result does not depend on residency, cache policy or prefetch timing
-   (bit-identical runs in bf16).
-
-With intra-expert sparsity on, steps 2-5 of the routed experts are `sparse`'s
-(runtime/sparsity.py); with hybrid CPU-GPU execution they are `hybrid`'s
-(runtime/hybrid.py); shared experts stay dense.
-
-Decode (one token) takes a short path with no sort and no scatter; prefill groups
-tokens by expert with one argsort (`group_tokens`). Neither loops over all E experts or over tokens.
+The scheduler, the executor and the observers are one `Pipeline`, given once by the wiring
+(runtime/wire.py) with `attach`; nothing else decides what a call runs.
+Invariants: the output does not depend on the plan's order, the residency or the domains (the
+executors combine in expert order), so with full-precision experts and sparsity off it equals
+the reference block's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from moetier.errors import MoetierError
 from moetier.kernels.experts import ExpertFn
-from moetier.kernels.small_rows import small_rows
 from moetier.models.families import Family
-from moetier.policies.plan import plan_layer
-from moetier.types import ExpertKey
-
-RouteHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # layer, ids, weights, logits
-LogitsHook = Callable[[int, torch.Tensor], None]  # layer, logits [T, E]
-AfterRoute = Callable[["TieredMoE", torch.Tensor, torch.Tensor], None]  # block, x [T, H], ids [T, k]
+from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler
+from moetier.runtime.observers import ObserverList, Route
 
 
-class Store(Protocol):
-    """What a block needs of ExpertStore / DynamicStore."""
+@dataclass(frozen=True)
+class Pipeline:
+    """What one block's calls run: its scheduler, its executor, the model's route observers."""
 
-    @property
-    def index(self) -> Collection[ExpertKey]: ...
-
-    def acquire(self, key: ExpertKey) -> Any: ...
-
-    def release(self, key: ExpertKey) -> None: ...
+    scheduler: LayerScheduler
+    executor: Executor
+    observers: ObserverList
 
 
 class TieredMoE(nn.Module):
     def __init__(
-        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: Store, expert_fn: ExpertFn
-    ) -> None:
+        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: ExpertStoreLike,
+        expert_fn: ExpertFn,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.family, self.layer, self.num_experts = family, layer, num_experts
-        self.store, self.expert_fn = store, expert_fn
+        self.store, self.expert_fn = store, expert_fn  # what the wiring builds this layer's executor on
         self.router_name = family.router_attr
         self.add_module(family.router_attr, getattr(block, family.router_attr))
         for attr in (family.shared_attr, family.shared_gate_attr):
             if attr:
                 self.add_module(attr, getattr(block, attr))
-        self.route_hooks: list[RouteHook] = []  # trace recorder, precision controller
-        self.sparse: Any = None  # runtime.sparsity.SparseExperts: replaces compute
-        self.hybrid: Any = None  # runtime.hybrid.HybridExperts: replaces plan + compute (CUDA)
-        self.on_logits: LogitsHook | None = None  # router scores to the cache policy (MRS)
-        self.after_route: AfterRoute | None = None  # the prefetcher
+        self.pipeline: Pipeline | None = None  # set once by the wiring (runtime/wire.py)
+
+    def attach(self, pipeline: Pipeline) -> Pipeline | None:
+        """Give this block its pipeline; returns the previous one (calibration swaps it for a while)."""
+        previous, self.pipeline = self.pipeline, pipeline
+        return previous
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k])."""
+        """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k]): the router alone, no observer."""
         logits, weights, ids = getattr(self, self.router_name)(x)
-        for hook in self.route_hooks:
-            hook(self.layer, ids, weights, logits)
         return logits, weights, ids
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [T, H] -> the shared experts' output [T, H] (gated where the family gates it), or None."""
         fam = self.family
         if not fam.shared_attr:
             return None
@@ -87,14 +77,23 @@ class TieredMoE(nn.Module):
         return out
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [..., H] -> the block's output [..., H] (and the gate weights, for families returning them)."""
+        p = self._pipeline()
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        logits, weights, ids = self.route(x)
-        if self.on_logits is not None:
-            self.on_logits(self.layer, logits)
-        if self.after_route is not None:
-            self.after_route(self, x, ids)
-        out = self.experts_forward(x, ids, weights)
+        # 1. route
+        logits, weights, ids = self.route(x)  # [T, E], [T, k], [T, k]
+        # 2. observe, before any expert is touched
+        if p.observers:
+            route = Route(self.layer, x, ids, weights, logits, self.family.scoring)
+            for obs in p.observers:
+                obs.observe(route)
+        # 3. plan
+        grouped = p.executor.group(ids, weights)
+        plan = p.scheduler.plan(self.layer, grouped.counts)
+        # 4. move + compute + combine
+        out = p.executor.execute(x, plan, grouped)  # [T, H]
+        # 5. shared experts
         shared = self.shared(x)
         if shared is not None:
             out = out + shared
@@ -102,63 +101,13 @@ class TieredMoE(nn.Module):
         return (out, weights) if self.family.returns_router_scores else out
 
     def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]."""
-        if self.sparse is not None:
-            out: torch.Tensor = self.sparse.forward(self, x, ids, weights)
-            return out
-        if self.hybrid is not None:
-            mixed: torch.Tensor = self.hybrid.forward(self, x, ids, weights)
-            return mixed
-        store, layer, fn = self.store, self.layer, self.expert_fn
-        out = torch.zeros_like(x)
-        if x.shape[0] == 1:  # decode: k experts, one token each
-            id_list = ids[0].tolist()
-            w_of = dict(zip(id_list, weights[0].tolist(), strict=True))
-            plan = plan_layer(layer, dict.fromkeys(id_list, 1), store.index)
-            ys: dict[int, torch.Tensor] = {}
-            for task in plan.tasks:
-                views = store.acquire(task.key)
-                try:
-                    ys[task.key.expert] = fn(x, views)  # [1, H]
-                finally:
-                    store.release(task.key)
-            for e in sorted(ys):  # combine in expert order, whatever the residency
-                out.add_(ys[e], alpha=w_of[e])  # [1, H] += w * expert(x)
-            return out
-        active, groups = group_tokens(ids, weights, self.num_experts)
-        plan = plan_layer(layer, active, store.index)
-        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for task in plan.tasks:
-            e, c = task.key.expert, task.tokens
-            tok, w = groups[e]  # [c], [c]
-            views = store.acquire(task.key)
-            try:
-                with small_rows(c, x.dtype, x.device):  # an expert with 1-2 of the call's tokens: native GEMV
-                    y = fn(x[tok], views)  # [c, H]
-                outs[e] = (tok, (y * w[:, None]).to(out.dtype))
-            finally:
-                store.release(task.key)
-        for e in sorted(outs):  # combine in expert order, whatever the residency (as the reference does)
-            out.index_add_(0, *outs[e])
-        return out
+        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]: steps 3-4 of `forward` alone."""
+        p = self._pipeline()
+        grouped = p.executor.group(ids, weights)
+        plan = p.scheduler.plan(self.layer, grouped.counts)
+        return p.executor.execute(x, plan, grouped)
 
-
-def group_tokens(
-    ids: torch.Tensor, weights: torch.Tensor, num_experts: int
-) -> tuple[dict[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """ids/weights [T, k] -> (expert -> tokens, expert -> (token indices [c], weights [c])), both in ascending
-    expert id, active experts only: the prefill grouping of TieredMoE and of runtime/hybrid.py."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)  # [T*k]
-    order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    hit = counts.nonzero().flatten()  # [A]
-    active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
-    token_of = order // k  # [T*k]
-    w_sorted = weights.reshape(-1)[order]  # [T*k]
-    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    start = 0
-    for e, c in active.items():  # ascending expert id, as argsort grouped them
-        groups[e] = (token_of[start : start + c], w_sorted[start : start + c])
-        start += c
-    return active, groups
+    def _pipeline(self) -> Pipeline:
+        if self.pipeline is None:
+            raise MoetierError(f"MoE layer {self.layer} has no pipeline: open models with moetier.load")
+        return self.pipeline

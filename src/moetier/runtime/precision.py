@@ -6,11 +6,19 @@
 - dynamic: a DynamicStore whose hi and lo pools are sized by `split_budget` (paper 3.5)
   from the compute tier's expert budget, every expert resident at lo to begin with.
 
-`Switching` is the control loop (paper 3.2-3.3): a route hook collects each MoE layer's
-routing during a forward; `after_forward` feeds it to the PrecisionController, and every
+`store_capabilities` is what the config's store declares (runtime/wire.py refuses from it
+before any pool is allocated).
+
+`Switching` is the control loop (paper 3.2-3.3): a route observer (runtime/observers.py) collects
+each MoE layer's routing during a forward; `after_forward` (Engine.step) feeds it to the
+PrecisionController, and every
 `period` tokens enqueues the decided demotions, then promotions, on the Mover. The
 forward pass never waits for them (unless `sync`), and always computes with the last
 registered version of each expert.
+
+Invariants: the controller's plan never has more experts at hi than there are hi slots (demotions are
+enqueued before the promotions they free room for); a failed switch leaves the expert at its registered
+precision and the controller is told so.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from moetier.formats.quant import QuantSpec
 from moetier.formats.safetensors import ExpertReader
 from moetier.kernels.qformat import ExpertFormat
 from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
+from moetier.runtime.observers import Route, Stage
 from moetier.store.dynamic import DynamicStore
 from moetier.store.mover import Mover
 from moetier.store.source import ExpertSource, FullSource, QuantSource
@@ -97,11 +106,17 @@ def build_store(
         raise
 
 
-class Switching:
-    """The precision control loop around one DynamicStore and the engine's MoE blocks."""
+def store_capabilities(cfg: EngineConfig) -> frozenset[str]:
+    """The capabilities of the store `build_store` gives this config (known before it is built)."""
+    return DynamicStore.capabilities if cfg.precision.mode == "dynamic" else ExpertStore.capabilities
 
-    def __init__(self, store: DynamicStore, n_hot: dict[int, int], num_experts: int, cfg: PrecisionConfig,
-                 blocks: list[Any]) -> None:  # fmt: skip
+
+class Switching:
+    """The precision control loop around one DynamicStore; the route observer of its model's blocks."""
+
+    stage = Stage.RECORD
+
+    def __init__(self, store: DynamicStore, n_hot: dict[int, int], num_experts: int, cfg: PrecisionConfig) -> None:
         self.store, self.cfg = store, cfg
         # every expert resident from the start: the first n_hot of each layer at hi until the
         # first decision (after the warmup) picks the hot ones
@@ -114,12 +129,11 @@ class Switching:
         self.planned_hi = self.hi_slots  # experts at hi once every queued move has run
         self.mover = Mover(self._run, lambda move, exc: self._failures.put(move))
         self._failures: queue.SimpleQueue[Move] = queue.SimpleQueue()  # from the mover thread
-        self._seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        for block in blocks:
-            block.route_hooks.append(self._hook)
+        self._seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, ids [T, k], weights [T, k])
 
-    def _hook(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> None:
-        self._seen.append((layer, ids, weights))
+    def observe(self, route: Route) -> None:
+        """Keep the call's routing for `after_forward`."""
+        self._seen.append((route.layer, route.ids, route.weights))
 
     def after_forward(self, force: bool = False) -> None:
         """Feed this forward's routing to the controller and enqueue what it decides."""

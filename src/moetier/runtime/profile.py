@@ -5,7 +5,8 @@ What is measured, in order (one progress step each):
    synthetic experts of a reference shape (default the benchmark model's H=1024, I=256), and again on a
    small 128x128 expert (the fixed per-call cost; see costmodel's small_luts), in the engine's
    own layouts (SlotPool rows for full precision, ExpertFormat/QuantPool slots for int8/int4) through
-   the engine's expert function (runtime/experts.SwiGLU) and `small_rows`, rotating over enough experts
+   the engine's expert function (kernels/experts.SwiGLU, whose matmuls pick their kernel per call),
+   rotating over enough experts
    to leave the CPU caches, as the engine's decode path does -> `luts`, `lut_shape`;
 2. streaming bandwidth of a GEMV over a large bf16 matrix (dense weights) -> `mem_bw`, `dense_bw`;
 3. the engine's own overheads beyond the weights it reads, from its decode time on tiny random
@@ -19,7 +20,8 @@ What is measured, in order (one progress step each):
    unverified: the machine this was written on has no GPU).
 `peak_flops` is the best expert FLOP rate measured in step 1 and `overhead_s` the small expert's
 1-token time. Timing is the best of rounds of a mean over a minimum duration.
-Invariants: the temp file is removed; torch's thread count and oneDNN state are restored.
+Invariants: the temp file is removed; torch's thread count is restored; no process-wide flag is
+changed (the projections use kernels/matmul.linear, as the engine does).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from moetier.errors import ConfigError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, quantize_expert
 from moetier.kernels.experts import SwiGLU
+from moetier.kernels.matmul import linear
 from moetier.kernels.qformat import ExpertFormat
-from moetier.kernels.small_rows import small_rows
 from moetier.policies.costmodel import ComputeProfile, HardwareProfile, LinkProfile
 from moetier.runtime.profile_disk import disk_bandwidth
 from moetier.runtime.profile_engine import EngineOverheads, engine_overheads
@@ -169,8 +171,7 @@ def expert_lut(
 
             def call(x: torch.Tensor = x, acc: torch.Tensor = acc) -> None:
                 it[0] = (it[0] + 1) % len(experts)
-                with small_rows(x.shape[0], x.dtype, x.device):
-                    acc.add_(fn(x, experts[it[0]]), alpha=0.5)
+                acc.add_(fn(x, experts[it[0]]), alpha=0.5)
 
             out.append((c, best_time(call, device, opts.min_s, opts.rounds)))
     return tuple(out)
@@ -183,8 +184,8 @@ def gemv_bandwidth(opts: ProfileOptions, device: torch.device) -> float:
     n = max(64, (opts.gemv_mb << 20) // (2 * k))
     w = torch.randn(n, k, device=device).to(torch.bfloat16)  # [N, K]
     x = torch.randn(1, k, device=device).to(torch.bfloat16)  # [1, K]
-    with torch.inference_mode(), small_rows(1, torch.bfloat16, device):
-        t = best_time(lambda: F.linear(x, w), device, opts.min_s, opts.rounds)
+    with torch.inference_mode():
+        t = best_time(lambda: linear(x, w), device, opts.min_s, opts.rounds)
     return w.numel() * w.element_size() / t
 
 
@@ -205,16 +206,16 @@ def layer_overhead(opts: ProfileOptions, device: torch.device, context: int = 16
 
     def step() -> torch.Tensor:
         a = F.rms_norm(x, (h,), n1)
-        q = F.linear(a, wq).view(1, 1, nh, -1).transpose(1, 2)  # [B, nh, 1, hd]
-        k = torch.cat([kc, F.linear(a, wk).view(1, 1, nh, -1).transpose(1, 2)], dim=2)  # [B, nh, S+1, hd]
-        v = torch.cat([vc, F.linear(a, wv).view(1, 1, nh, -1).transpose(1, 2)], dim=2)
+        q = linear(a, wq).view(1, 1, nh, -1).transpose(1, 2)  # [B, nh, 1, hd]
+        k = torch.cat([kc, linear(a, wk).view(1, 1, nh, -1).transpose(1, 2)], dim=2)  # [B, nh, S+1, hd]
+        v = torch.cat([vc, linear(a, wv).view(1, 1, nh, -1).transpose(1, 2)], dim=2)
         o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, 1, h)  # [B, 1, H]
-        y = x + F.linear(o, wo)
-        r = torch.softmax(F.linear(F.rms_norm(y, (h,), n2), wr).float(), dim=-1)  # [B, 1, E]
+        y = x + linear(o, wo)
+        r = torch.softmax(linear(F.rms_norm(y, (h,), n2), wr).float(), dim=-1)  # [B, 1, E]
         torch.topk(r, 2, dim=-1)
         return y
 
-    with torch.inference_mode(), small_rows(1, torch.bfloat16, device):
+    with torch.inference_mode():
         return best_time(step, device, opts.min_s, opts.rounds)
 
 

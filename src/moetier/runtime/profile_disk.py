@@ -16,10 +16,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from moetier.runtime.profile import ProfileOptions
+
+class DiskOptions(Protocol):
+    """What the disk step reads of runtime/profile.ProfileOptions (a protocol: no import of profile.py)."""
+
+    @property
+    def disk_mb(self) -> int: ...
+    @property
+    def tmp_dir(self) -> Path | None: ...
+    @property
+    def rounds(self) -> int: ...
 
 
 def _read_all(fd: int, buf: mmap.mmap, size: int) -> int:
@@ -32,7 +40,7 @@ def _read_all(fd: int, buf: mmap.mmap, size: int) -> int:
     return done
 
 
-def disk_bandwidth(opts: ProfileOptions) -> dict[str, Any]:
+def disk_bandwidth(opts: DiskOptions) -> dict[str, Any]:
     """Cold read (O_DIRECT, else fadvise DONTNEED) and page-cache read of a temp file: bytes/s, method, and the
     latency of a 4 KiB page-cache read. The file is removed afterwards."""
     size, chunk = opts.disk_mb << 20, 4 << 20

@@ -26,8 +26,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from moetier.config import Budgets, EngineConfig, RuntimeConfig, SamplingConfig
 from moetier.policies.costmodel import CostModel, HardwareProfile
+from moetier.runtime.wire import load
 from moetier.specs import load_spec
 
 LAYERS = (2, 6)  # depths; top-k 4 and 8
@@ -39,8 +42,6 @@ SHAPE = dict(
 
 
 def _checkpoint(folder: Path, layers: int, top_k: int) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     torch.manual_seed(layers)
     cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, **{**SHAPE, "num_experts_per_tok": top_k})
     out = folder / f"l{layers}k{top_k}"
@@ -51,17 +52,14 @@ def _checkpoint(folder: Path, layers: int, top_k: int) -> Path:
 def _decode_s(path: Path, tokens: int, rounds: int, budget_frac: float | None = None) -> tuple[float, float]:
     """(best seconds per decoded token, compute-tier misses per decoded token) of the engine on `path`; every
     expert resident, or a host expert budget of `budget_frac` of the expert bytes."""
-    import moetier
-    from moetier.config import Budgets, EngineConfig, RuntimeConfig, SamplingConfig
-
     rt = RuntimeConfig(device="cpu", dtype="bf16")
     budget = None
     if budget_frac is not None:
-        with moetier.load(path, EngineConfig(runtime=rt)) as probe:
+        with load(path, EngineConfig(runtime=rt)) as probe:
             budget = int(probe.info.total_expert_bytes * budget_frac) + probe.store.staging_bytes
     best, misses = float("inf"), 0.0
     sampling = SamplingConfig(temperature=1.0, seed=0)  # varied routing: greedy text of a random model loops
-    with moetier.load(path, EngineConfig(budgets=Budgets(host_expert_bytes=budget), runtime=rt)) as engine:
+    with load(path, EngineConfig(budgets=Budgets(host_expert_bytes=budget), runtime=rt)) as engine:
         engine.store.preload()
         prompt = list(range(3, 19))
         engine.generate(prompt, 4, stop_at_eos=False)  # warm the kernels

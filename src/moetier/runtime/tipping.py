@@ -4,7 +4,7 @@
 on synthetic experts of the model's shape, dtype and quantization, at token counts 1..64;
 `policies.sparsity.tipping_point` reads the switch from it. `load_or_measure_tipping` caches
 profiles per machine, threads, shape, dtype, quantization, target, block, kernel build and torch
-in CACHE/sparse-profiles.json.
+in CACHE/sparse-profiles.json (CACHE: RuntimeConfig.kernel_cache, default ~/.cache/moetier).
 
 Invariants: the cache file is replaced atomically (temp file, then os.replace); an unreadable or
 unwritable cache only costs a re-measure, never an error.
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from moetier.config import SparsityConfig
 from moetier.kernels import native
 from moetier.kernels.qformat import QExpertViews, QLinearWeight
-from moetier.kernels.small_rows import small_rows
 from moetier.kernels.sparse import NativeSparse, NativeSparseQuant, dense_weights, masked_dense, sparse_torch
 from moetier.policies.sparsity import tipping_point
 
@@ -36,16 +35,16 @@ PROFILE_VERSION = 2
 
 
 def _profile_key(
-    hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: bool,
+    hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: str,
     quant: tuple[int, int] | None = None,
 ) -> str:  # fmt: skip
     """Everything a measured profile depends on: CPU (model and flags), threads, shape, dtype, target,
-    block, which kernel (the native build's key: source, compiler, flags) and torch."""
+    block, which kernel (`kernel`: the native build's key (source, compiler, flags) or "torch") and torch."""
     cpu = hashlib.sha256(native._cpu_id().encode()).hexdigest()[:16]
     return json.dumps(
         {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
          "dtype": str(dtype), "target": round(target, 4), "block": block, "quant": list(quant or ()),
-         "kernel": native.build_key() if kernel else "torch", "version": PROFILE_VERSION,
+         "kernel": kernel, "version": PROFILE_VERSION,
          "torch": torch.__version__}, sort_keys=True,
     )  # fmt: skip
 
@@ -124,8 +123,7 @@ def tipping_profile(
 
         def dense(x: torch.Tensor = x) -> None:
             w13, w2, _ = dense_weights(pick(), dtype)
-            with small_rows(x.shape[0], dtype, x.device):
-                masked_dense(x, w13, w2, act, thr, block)
+            masked_dense(x, w13, w2, act, thr, block)  # 1-2 rows: matmul.linear picks the kernel per call
 
         def sparse(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
             v = pick()
@@ -147,11 +145,14 @@ def tipping_profile(
 def load_or_measure_tipping(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], cfg: SparsityConfig,
     kernel: NativeSparse | NativeSparseQuant | None, cache: Path | None = None, quant: tuple[int, int] | None = None,
+    kernel_cache: Path | str | None = None,
 ) -> tuple[int, dict[int, tuple[float, float]], bool]:  # fmt: skip
     """(tipping point, profile, from cache). A profile is cached per machine, threads, shape, dtype,
-    target and block in CACHE/sparse-profiles.json; an unwritable cache only costs the re-measure."""
-    path = cache or native.cache_dir().parent / "sparse-profiles.json"
-    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, kernel is not None, quant)
+    target and block in `cache`, by default KERNEL_CACHE/sparse-profiles.json (`kernel_cache`:
+    RuntimeConfig.kernel_cache, None: ~/.cache/moetier); an unwritable cache only costs the re-measure."""
+    path = cache or native.cache_root(kernel_cache) / "sparse-profiles.json"
+    build = kernel.build_key if kernel is not None else "torch"
+    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, build, quant)
     stored: dict[str, Any] = {}
     try:
         stored = json.loads(path.read_text()) if path.exists() else {}

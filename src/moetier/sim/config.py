@@ -1,8 +1,9 @@
 """What one simulation run is asked (`SimConfig`) and what it reports (`SimResult`).
 
 Invariants: SimConfig is frozen and validated on construction (bad values raise ConfigError
-naming the field); SimResult.as_dict() is JSON-serialisable and holds at least ttft_s, tbt_s,
-throughput_tok_s, moe_layer_s, hit_rate, utilization (per domain / link), link_bytes and prefetch.
+naming the field; the field names are the sweep's "simulate" point parameters); SimResult.as_dict() is
+JSON-serialisable and holds at least ttft_s, tbt_s, throughput_tok_s, moe_layer_s, hit_rate, utilization
+(per domain / link), link_bytes and prefetch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.policies.schedulers import SCHEDULERS
 from moetier.sim.machine import TimelineOp
 from moetier.sim.predict import DEFAULT_ACCURACY, check_accuracy
 
@@ -40,19 +42,27 @@ class SimConfig:
     timeline_layers: tuple[int, int] = (0, 4)  # [first, last) decoder layers drawn
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.cache_ratio, int | float) and math.isfinite(self.cache_ratio)
-                and 0.0 <= self.cache_ratio <= 1.0):  # fmt: skip
-            raise ConfigError(f"cache ratio must be in [0, 1], got {self.cache_ratio!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(SCHEDULERS)}")
+        if not (_number(self.cache_ratio) and math.isfinite(self.cache_ratio) and 0.0 <= self.cache_ratio <= 1.0):
+            raise ConfigError(f"cache_ratio must be in [0, 1], got {self.cache_ratio!r}")
+        for name in ("prefetch", "fill", "prefill_admit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not _int(self.prefetch_depth) or self.prefetch_depth < 1:
+            raise ConfigError(f"prefetch_depth must be an integer >= 1, got {self.prefetch_depth!r}")
         check_accuracy(tuple(self.prefetch_accuracy), self.prefetch_depth if self.prefetch else 0)
         object.__setattr__(self, "prefetch_accuracy", tuple(float(a) for a in self.prefetch_accuracy))
         for name in ("batch_size", "steps", "prefetch_max"):
             v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be >= 1, got {v}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"warmup steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.prompt_len is not None and self.prompt_len < 0:
-            raise ConfigError(f"prompt length must be >= 0, got {self.prompt_len}")
+            if v is not None and (not _int(v) or v < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if not _int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.prompt_len is not None and (not _int(self.prompt_len) or self.prompt_len < 0):
+            raise ConfigError(f"prompt_len must be an integer >= 0, got {self.prompt_len!r}")
+        if not _int(self.seed):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         for name in ("timeline_steps", "timeline_layers"):
             a, b = getattr(self, name)
             if not 0 <= a <= b:
@@ -67,6 +77,14 @@ class SimConfig:
             "warmup_steps": self.warmup_steps, "prefill_admit": self.prefill_admit, "seed": self.seed,
             "precision": self.precision,
         }  # fmt: skip
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 @dataclass

@@ -5,16 +5,16 @@
 DIMM-Link 25 GB/s per link; host DRAM of 8 channels at 307.2 GB/s. `links` is how many DIMM-Link transfers
 run at once (DIMM-Link is host-free and parallel, paper 5.5); 0 means n_dimms // 2 (disjoint DIMM pairs), an
 ESTIMATE that makes "four experts in ~0.63 ms" (5.5) about right for the paper's expert sizes.
-`load_ndp` reads the optional "ndp" section of a profile JSON (profiles/*.json), defaults otherwise; the
+`load_ndp` reads the optional "ndp" section of a profile JSON (moetier/data/profiles/*.json), defaults otherwise; the
 profile loader in policies/hwprofile.py ignores that section, so old profiles stay valid.
 
-`NdpMachine` = a HardwareProfile (GPU, CPU, PCIe: profiles/h100-8470.json holds Table 1's numbers) +
+`NdpMachine` = a HardwareProfile (GPU, CPU, PCIe: the shipped profile h100-8470 holds Table 1's numbers) +
 NdpParams + a CPU TFLOPS scale (the sensitivity sweep of paper 5.4.2). Compute time against token load
 (the paper's lookup tables): f_calc(n) = 6*H*I*n / (peak * eff(n)) + overhead for the GPU and CPU, eff(n)
 the profile's efficiency curve (flat beyond its ends: about 30% at 256 tokens per expert on an H100);
 for an NDP unit f_calc = 6*H*I*n / ndp_flops (a GEMV unit, no batching gain) plus the activations moved
 to and from the DIMM (2 * n * H * dtype bytes at one DIMM's share of host bandwidth, MoNDE's
-"activation migration"). Weight reads: T_PCIe = latency + W / pcie_bw, T_DRAM = schedule_trimoe.dram_read_s,
+"activation migration"). Weight reads: T_PCIe = latency + W / pcie_bw, T_DRAM = schedule_tri_base.dram_read_s,
 T_Internal = W / ndp_bw; DIMM-Link moves of one expert (relayout or migration): W / link_bw.
 
 Eq. 6 contention, `busy_s` (how long a host read of an expert keeps each DIMM it touches busy), has two
@@ -29,7 +29,7 @@ readings, picked by NdpParams.contention:
   lower a DIMM's time; docs/trimoe.md measures both.
 
 `price_call` turns one layer call (expert -> tokens), the HBM residency, layouts and home DIMMs into
-schedule_trimoe.TriExpert costs (eq. 1-4); shared experts (ids -1, -2, ...) are resident and GPU-only
+schedule_tri_base.TriExpert costs (eq. 1-4); shared experts (ids -1, -2, ...) are resident and GPU-only
 (their CPU cost is `GPU_ONLY`, a finite stand-in for "never").
 
 Invariants: every time is finite and >= 0; more tokens never cost less; a striped expert has no home DIMM.
@@ -54,7 +54,7 @@ from moetier.policies.hwprofile import (
     section_from_dict,
 )
 from moetier.policies.predictor import PathTimes
-from moetier.policies.schedule_trimoe import TriExpert, dram_read_s
+from moetier.policies.schedule_tri_base import TriExpert, dram_read_s
 from moetier.specs import ModelSpec
 from moetier.types import ExpertKey, Layout
 

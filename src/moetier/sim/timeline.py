@@ -32,7 +32,7 @@ def draw_timeline(ops: Sequence[TimelineOp], path: str | Path, title: str = "") 
     if not ops:
         raise ConfigError("the timeline window holds no ops; choose steps/layers the run covers")
     plt = pyplot()
-    from matplotlib.patches import Patch
+    patch = plt.matplotlib.patches.Patch  # pyplot imported matplotlib.patches (moetier.plotting keeps it lazy)
 
     # 1. lanes and time origin
     lanes = [lane for lane in LANE_ORDER if any(op.lane == lane for op in ops)]
@@ -55,7 +55,7 @@ def draw_timeline(ops: Sequence[TimelineOp], path: str | Path, title: str = "") 
     ax.set_xlim(0, max(span * 1e3, 1e-6))
     kinds = [k for k in COLORS if any(op.kind == k for op in ops)]
     ax.legend(
-        handles=[Patch(color=COLORS[k], label=k) for k in kinds],
+        handles=[patch(color=COLORS[k], label=k) for k in kinds],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.28 if len(lanes) > 2 else -0.45),
         ncol=len(kinds),

@@ -1,32 +1,29 @@
 """Decode simulation on the three-domain TriMoE machine (GPU + AMX CPU + DIMM-NDP), paper 4-5.
 
-`simulate_tri(spec, calls, config)` replays MoE layer calls (traces.Call, in order) through one system,
-named in `SYSTEMS`:
-- "klotski": GPU only. Resident (HBM) experts are hits; every other routed expert streams over PCIe while
-  the GPU computes (pipelined across experts: GPU time = max(sum of compute, sum over misses of
-  max(T_PCIe, T_DRAM))); hot experts prefetched in the background.
-- "ktransformers-plus": GPU + AMX CPU. Resident experts and predicted-hot misses (on-demand load) on the
-  GPU, every other routed expert on the CPU; hot prefetch.
-- "monde": GPU + NDP. Each expert to the cheaper of weight migration (GPU, eq. 1-2) and activation
-  migration (NDP on its home DIMM, eq. 4): the greedy start of schedule_trimoe over {GPU, NDP}; hot prefetch.
-- "gpu-ndp": the ablation's first point: TriMoE's pipeline restricted to {GPU, NDP} (honours the flags).
-- "trimoe": all three domains, greedy start + bottleneck-aware refinement (config.refinement), hot
-  prefetch + relayout and cold rebalancing over the DIMM-Link (config.relayout).
-Systems with NDP start from an offline layout ("localising cold experts onto single DIMMs", 4.3): the experts
-cold in the first call of each layer are localised, spread over DIMMs by longest-processing-time first; the
-others are striped. Systems without NDP keep every expert striped. All start with the same HBM set: per layer
+`simulate_tri(spec, calls, config)` replays MoE layer calls (traces.Call, in order) through one three-domain
+scheduler, named in policies.schedulers.TRI_SCHEDULERS (klotski, ktransformers-plus, monde, gpu-ndp, trimoe;
+one file each in policies/). The simulator reads what a scheduler may do from its declared capabilities
+(schedule_tri_base.TriScheduler), never from its name:
+- `domains`: where it computes; with NDP among them the machine starts from the offline layout below;
+- `refines`: it gets config.max_iters refinement moves when config.refinement is on, else 0;
+- `prefetches`: hot experts prefetched into HBM over PCIe in the background;
+- `relayouts` / `rebalances`: relayouts / cold migrations over the DIMM-Link, when config.relayout is on.
+Schedulers with NDP start from an offline layout ("localising cold experts onto single DIMMs", 4.3): the
+experts cold in the first call of each layer are localised, spread over DIMMs by longest-processing-time first;
+the others are striped. Schedulers without NDP keep every expert striped. All start with the same HBM set: per layer
 the floor(hbm_ratio * E) most loaded experts of its first call (the offline trace analysis stand-in).
 
-Per call: (1) price it (sim/ndp.py, eq. 1-4, shared experts on the GPU); (2) assign domains, makespan
-(eq. 5-7) = the call's MoE time; (3) score and update the EMA predictor (eq. 8); (4) plan background actions
-(policies/predictor.plan_actions) hidden by the layer's attention/dense time (the window), the DIMM-Link
-priced at its aggregate bandwidth (NdpParams.n_links parallel links); (5) apply them: prefetches enter HBM
+Per call: (1) price it (sim/ndp.py, eq. 1-4, shared experts on the GPU); (2) the scheduler assigns domains
+(its Plan), makespan (eq. 5-7) = the call's MoE time; (3) score and update the EMA predictor (eq. 8); (4) plan
+background actions (policies/predictor.plan_actions) hidden by the layer's attention/dense time (the window),
+the DIMM-Link priced at its aggregate bandwidth (NdpParams.n_links parallel links); (5) apply them: the
+actions the scheduler declares (prefetches, relayouts, rebalancing migrations): prefetches enter HBM
 (evicting the least-predicted non-hot resident when the layer's HBM share is full), relayouts change layout
 and home DIMM, migrations change the home DIMM. A decode step = sum of its calls' MoE time + every decoder
 layer's attention/dense time (batched: non-expert weights read once, KV cache of `context` tokens per
 sequence read from HBM, an ESTIMATE) + the LM head; throughput = batch / step time.
 
-Invariants (tests/sim/test_tri.py): every routed expert of a call is assigned exactly once; a system only
+Invariants (tests/sim/test_tri.py): every routed expert of a call is assigned exactly once; a scheduler only
 uses its domains; HBM residency per layer never exceeds its share; link time per call never exceeds its
 window; the run is a pure function of (spec, calls, config).
 """
@@ -44,49 +41,26 @@ from moetier.errors import ConfigError
 from moetier.policies.costmodel import CostModel
 from moetier.policies.hwprofile import load_profile
 from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
-from moetier.policies.schedule_trimoe import (
-    ALL_DOMAINS,
-    MAX_ITERS,
-    DomainTotals,
-    TriExpert,
-    domain_totals,
-    schedule_trimoe,
-)
+from moetier.policies.schedule_trimoe import MAX_ITERS
+from moetier.policies.schedulers import TRI_SCHEDULERS, make_tri_scheduler
 from moetier.sim.ndp import CONTENTION, DEFAULT_PROFILE, NdpMachine, load_ndp, price_call
 from moetier.specs import ModelSpec
 from moetier.types import Domain, ExpertKey, Layout
 
-NEVER = 1e30  # a finite action cost that never fits a window (actions a system does not have)
+NEVER = 1e30  # a finite action cost that never fits a window (actions a scheduler does not have)
 _G, _C, _N = Domain.ACCEL, Domain.HOST, Domain.NDP
 
 
 @dataclass(frozen=True)
-class System:
-    """What a named system may do: its compute domains, how it assigns, which background actions it has."""
-
-    domains: frozenset[Domain]
-    assign: str  # "klotski" | "ktrans" | "schedule"
-    ndp_layout: bool  # offline layout localises cold experts
-    refine: bool  # may run the bottleneck-aware refinement (with config.refinement)
-    relayout: bool  # may relayout / rebalance over the DIMM-Link (with config.relayout)
-
-
-SYSTEMS: dict[str, System] = {
-    "klotski": System(frozenset({_G}), "klotski", False, False, False),
-    "ktransformers-plus": System(frozenset({_G, _C}), "ktrans", False, False, False),
-    "monde": System(frozenset({_G, _N}), "schedule", True, False, False),
-    "gpu-ndp": System(frozenset({_G, _N}), "schedule", True, True, True),
-    "trimoe": System(ALL_DOMAINS, "schedule", True, True, True),
-}
-
-
-@dataclass(frozen=True)
 class TriSimConfig:
-    scheduler: str = "trimoe"
-    n_dimms: int = 16
-    cpu_scale: float = 1.0  # CPU TFLOPS relative to the profile's AMX (paper 5.4.2)
+    """One three-domain run. Frozen and checked on construction: a bad value is a ConfigError naming the field
+    (the field names are the sweep's "tri" point parameters and the `moetier simulate-tri` flags)."""
+
+    scheduler: str = "trimoe"  # a name in policies.schedulers.TRI_SCHEDULERS
+    ndp_count: int = 16  # NDP DIMMs
+    cpu_tflops_scale: float = 1.0  # CPU TFLOPS relative to the profile's AMX (paper 5.4.2)
     hbm_ratio: float = 0.1  # fraction of each layer's routed experts HBM holds
-    batch_size: int = 512  # for synthetic_calls; the simulation uses the calls' own token counts
+    batch_size: int = 512  # for synthetic calls; the simulation uses the calls' own token counts
     steps: int = 8
     seed: int = 0
     refinement: bool = True
@@ -94,28 +68,44 @@ class TriSimConfig:
     context: int = 1024  # KV length per sequence for the attention time
     profile: str = DEFAULT_PROFILE
     max_iters: int = MAX_ITERS
-    drift: float | None = None  # synthetic_calls: popularity rank swaps per layer per step (None: the preset's)
+    drift: float | None = None  # synthetic calls: popularity rank swaps per layer per step (None: the preset's)
     contention: str | None = None  # eq. 6 reading, "array" or "channel" (None: the profile's NDP section)
 
     def __post_init__(self) -> None:
-        if self.drift is not None and (isinstance(self.drift, bool) or not isinstance(self.drift, int | float)
-                                       or not math.isfinite(self.drift) or self.drift < 0):  # fmt: skip
+        if self.scheduler not in TRI_SCHEDULERS:
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(TRI_SCHEDULERS)}")
+        if self.drift is not None and not (_number(self.drift) and math.isfinite(self.drift) and self.drift >= 0):
             raise ConfigError(f"TriSimConfig: drift must be a number >= 0, got {self.drift!r}")
         if self.contention is not None and self.contention not in CONTENTION:
             raise ConfigError(f"TriSimConfig: contention must be one of {', '.join(CONTENTION)}, "
                               f"got {self.contention!r}")  # fmt: skip
-        if self.scheduler not in SYSTEMS:
-            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(SYSTEMS)}")
-        for name in ("n_dimms", "batch_size", "steps"):
+        for name in ("ndp_count", "batch_size", "steps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not _int(v) or v < 1:
                 raise ConfigError(f"TriSimConfig: {name} must be an int >= 1, got {v!r}")
-        if not (math.isfinite(self.cpu_scale) and self.cpu_scale > 0):
-            raise ConfigError(f"TriSimConfig: cpu_scale must be > 0, got {self.cpu_scale!r}")
-        if not 0.0 <= self.hbm_ratio <= 1.0:
+        for name in ("context", "max_iters"):
+            v = getattr(self, name)
+            if not _int(v) or v < 0:
+                raise ConfigError(f"TriSimConfig: {name} must be an int >= 0, got {v!r}")
+        if not _int(self.seed):
+            raise ConfigError(f"TriSimConfig: seed must be an int, got {self.seed!r}")
+        for name in ("refinement", "relayout"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"TriSimConfig: {name} must be true or false, got {getattr(self, name)!r}")
+        if not (_number(self.cpu_tflops_scale) and math.isfinite(self.cpu_tflops_scale) and self.cpu_tflops_scale > 0):
+            raise ConfigError(f"TriSimConfig: cpu_tflops_scale must be a number > 0, got {self.cpu_tflops_scale!r}")
+        if not (_number(self.hbm_ratio) and 0.0 <= self.hbm_ratio <= 1.0):
             raise ConfigError(f"TriSimConfig: hbm_ratio must be in [0, 1], got {self.hbm_ratio!r}")
-        if self.context < 0 or self.max_iters < 0:
-            raise ConfigError("TriSimConfig: context and max_iters must be >= 0")
+        if not isinstance(self.profile, str):
+            raise ConfigError(f"TriSimConfig: profile must be a profile name or path, got {self.profile!r}")
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -126,7 +116,7 @@ class TriSimResult:
     calls: int
     batch: float  # mean tokens per call
     moe_s: float  # sum of the calls' makespans
-    greedy_moe_s: float  # the same with the greedy start's makespans (schedule systems; else = moe_s)
+    greedy_moe_s: float  # the same with the greedy start's makespans (refining schedulers; else = moe_s)
     dense_s: float  # attention/dense/head time of all steps
     step_s: float  # mean decode step time
     throughput_tok_s: float
@@ -139,27 +129,6 @@ class TriSimResult:
     migration: Mapping[str, float]
     moves: int  # refinement moves
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def schedule_call(
-    system: System, experts: Sequence[TriExpert], n_dimms: int, hot: frozenset[int], max_iters: int
-) -> tuple[dict[ExpertKey, Domain], DomainTotals, DomainTotals, int]:
-    """Domains of one priced call under `system`: (domains, totals, greedy-start totals, refinement moves).
-    `hot`: expert ids the predictor calls hot (ktransformers-plus loads those on demand); max_iters 0 = greedy."""
-    if system.assign == "schedule":
-        s = schedule_trimoe(experts, n_dimms, domains=system.domains, max_iters=max_iters)
-        return dict(s.domains), s.totals, s.greedy, s.moves
-    if system.assign == "ktrans":
-        doms = [_G if (e.resident or e.key.expert < 0 or e.key.expert in hot) else _C for e in experts]
-        t = domain_totals(experts, doms, n_dimms)
-        return {e.key: d for e, d in zip(experts, doms, strict=True)}, t, t, 0
-    doms = [_G] * len(experts)  # klotski: all on the GPU, transfers pipelined under compute
-    t = domain_totals(experts, doms, n_dimms)
-    calc = sum(e.gpu_calc_s for e in experts)
-    stream = sum(max(e.pcie_s, e.dram_s) for e in experts if not e.resident)
-    gpu = max(calc, stream)
-    t = replace(t, gpu_s=gpu, makespan=max(gpu, t.cpu_s, max(t.dimm_s, default=0.0)))
-    return {e.key: _G for e in experts}, t, t, 0
 
 
 def _dense_s(cm: CostModel, spec: ModelSpec, batch: int, context: int, moe: bool) -> float:
@@ -191,29 +160,33 @@ def _initial(
 
 def _states(
     m: NdpMachine, layer: int, pred: np.ndarray, cls: np.ndarray, resident: set[int],
-    layouts: Mapping[ExpertKey, Layout], homes: Mapping[ExpertKey, int], relayout: bool,
+    layouts: Mapping[ExpertKey, Layout], homes: Mapping[ExpertKey, int], actions: tuple[bool, bool, bool],
 ) -> list[ExpertState]:  # fmt: skip
-    """Planner inputs for the non-resident experts of one layer (resident ones take no action)."""
-    link = m.link_s() / m.ndp.n_links if relayout else NEVER
-    pcie = m.pcie_s()
-    ids = [e for e in range(pred.shape[0]) if not (e in resident or (not relayout and cls[e] != Heat.HOT))]
+    """Planner inputs for the non-resident experts of one layer (resident ones take no action); `actions`:
+    (prefetch, relayout, rebalance) allowed. Without DIMM-Link actions only hot experts (prefetch candidates)."""
+    prefetch, relayout, rebalance = actions
+    link = m.link_s() / m.ndp.n_links
+    pcie = m.pcie_s() if prefetch else NEVER
+    relayout_s, migrate_s = (link if relayout else NEVER), (link if rebalance else NEVER)
+    dimm_link = relayout or rebalance
+    ids = [e for e in range(pred.shape[0]) if not (e in resident or (not dimm_link and cls[e] != Heat.HOT))]
     out = []
     for e, times in zip(ids, m.path_times(pred[ids]), strict=True):
         key = ExpertKey(layer, e)
         lay = layouts.get(key, Layout.STRIPED)
         out.append(ExpertState(key, Heat(int(cls[e])), False, lay, homes.get(key, -1) if lay == Layout.LOCALISED
-                               else -1, times, pcie, link, link))  # fmt: skip
+                               else -1, times, pcie, relayout_s, migrate_s))  # fmt: skip
     return out
 
 
 def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> TriSimResult:
     """Replay `calls` (traces.Call: step, layer, ids [T, k]) through config.scheduler; see the module docstring."""
-    # 1. Machine, cost model, checks
-    cfg, system = config, SYSTEMS[config.scheduler]
+    # 1. Machine, cost model, scheduler, checks
+    cfg, sched = config, make_tri_scheduler(config.scheduler)
     profile = load_profile(cfg.profile)
-    ndp = replace(load_ndp(cfg.profile), n_dimms=cfg.n_dimms)
+    ndp = replace(load_ndp(cfg.profile), n_dimms=cfg.ndp_count)
     m = NdpMachine(spec, profile, ndp if cfg.contention is None else replace(ndp, contention=cfg.contention),
-                   cfg.cpu_scale)  # fmt: skip
+                   cfg.cpu_tflops_scale)  # fmt: skip
     cm = CostModel(profile, spec)
     if not calls:
         raise ConfigError("simulate_tri: no layer calls to replay")
@@ -224,8 +197,9 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
             raise ConfigError(f"simulate_tri: call of layer {c.layer}, not an MoE layer of {spec.name!r}")
         if ids.ndim != 2 or ids.shape[0] == 0 or ids.min() < 0 or ids.max() >= E:
             raise ConfigError(f"simulate_tri: layer {c.layer} step {c.step}: ids must be [T > 0, k] in [0, {E})")
-    refine = cfg.max_iters if (system.refine and cfg.refinement) else 0
-    relayout = system.relayout and cfg.relayout
+    refine = cfg.max_iters if (sched.refines and cfg.refinement) else 0
+    actions = (sched.prefetches, sched.relayouts and cfg.relayout, sched.rebalances and cfg.relayout)
+    ndp_layout = Domain.NDP in sched.domains
     cap = int(cfg.hbm_ratio * E)
     pred = LoadPredictor(sorted(layers), E)
     # 2. State: HBM set per layer, layouts and homes (offline placement at a layer's first call)
@@ -245,13 +219,14 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         T, layer = int(ids.shape[0]), int(c.layer)
         loads = np.bincount(ids.ravel(), minlength=E).astype(np.float64)  # [E]
         if layer not in resident:
-            resident[layer] = _initial(m, loads, cap, system.ndp_layout, layer, layouts, homes)
+            resident[layer] = _initial(m, loads, cap, ndp_layout, layer, layouts, homes)
         res = resident[layer]
         # 3. Price and assign
         counts = {int(e): int(loads[e]) for e in np.flatnonzero(loads)}
         experts = price_call(m, layer, counts, {ExpertKey(layer, e) for e in res}, layouts, homes, shared_tokens=T)
         hot = frozenset(int(e) for e in np.flatnonzero(pred.classes(layer) == Heat.HOT))  # none before a first call
-        doms, tot, gtot, mv = schedule_call(system, experts, cfg.n_dimms, hot, refine)
+        out = sched.schedule(experts, cfg.ndp_count, hot, refine)
+        doms, tot, gtot, mv = out.plan.domains, out.totals, out.greedy, out.moves
         moe, greedy_moe = moe + tot.makespan, greedy_moe + gtot.makespan
         moves, routed = moves + mv, routed + len(counts)
         busy["gpu"] += tot.gpu_s
@@ -261,16 +236,16 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         for e in experts:
             d = name[doms[e.key]]
             flops[d] += e.tokens * (m.shared_flops_tok if e.key.expert < 0 else m.flops_tok)
-            calc[d] += e.gpu_calc_s if d == "gpu" else e.cpu_calc_s if d == "cpu" else e.ndp_calc_s / cfg.n_dimms
+            calc[d] += e.gpu_calc_s if d == "gpu" else e.cpu_calc_s if d == "cpu" else e.ndp_calc_s / cfg.ndp_count
             n_exp[d] += e.key.expert >= 0
         # 4. Predictor, then background actions hidden by this layer's attention/dense window
         pred.update(layer, loads)
         window = _dense_s(cm, spec, T, cfg.context, True)
         win_total += window
         p, cls = pred.predict(layer), pred.classes(layer)
-        states = _states(m, layer, p, cls, res, layouts, homes, relayout)
+        states = _states(m, layer, p, cls, res, layouts, homes, actions)
         evictable = sorted((e for e in res if cls[e] != Heat.HOT), key=lambda e: (p[e], e))
-        plan = plan_actions(states, cfg.n_dimms, window, dimm_base_s=tot.contention_s or None,
+        plan = plan_actions(states, cfg.ndp_count, window, dimm_base_s=tot.contention_s or None,
                             hbm_free_slots=max(0, cap - len(res)) + len(evictable))  # fmt: skip
         # 5. Apply them
         for a in plan.actions:
@@ -294,8 +269,8 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     dense_layer = [_dense_s(cm, spec, b, cfg.context, i in layers) for i in range(spec.num_layers)]
     dense = steps * (sum(dense_layer) + cm.head_s("gpu", b))
     step_s = (moe + dense) / steps
-    peak = {"gpu": m.gpu.peak_flops, "cpu": m.cpu.peak_flops * cfg.cpu_scale,
-            "ndp": m.ndp.ndp_flops * cfg.n_dimms}  # fmt: skip
+    peak = {"gpu": m.gpu.peak_flops, "cpu": m.cpu.peak_flops * cfg.cpu_tflops_scale,
+            "ndp": m.ndp.ndp_flops * cfg.ndp_count}  # fmt: skip
     link_s = mig["pcie_s"] + mig["dimm_link_s"]
     mig.update(pcie_bytes=mig["prefetch"] * m.nbytes, dimm_link_bytes=(mig["relayout"] + mig["migrate"]) * m.nbytes,
                window_s=win_total, link_frac=link_s / max(moe + dense, 1e-30))  # fmt: skip
@@ -308,16 +283,4 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     )  # fmt: skip
 
 
-def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Any]:
-    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps,
-    with config.drift rank swaps per layer per step when given."""
-    from moetier.studies import synthetic
-    from moetier.traces import iter_calls
-
-    p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
-    if config.drift is not None:
-        p = replace(p, drift=float(config.drift))
-    return iter_calls(synthetic.generate(p, config.steps, with_scores=False))
-
-
-__all__ = ["SYSTEMS", "System", "TriSimConfig", "TriSimResult", "schedule_call", "simulate_tri", "synthetic_calls"]
+__all__ = ["TriSimConfig", "TriSimResult", "simulate_tri"]

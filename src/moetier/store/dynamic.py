@@ -28,7 +28,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -60,6 +60,9 @@ class _PoolState:
 
 
 class DynamicStore:
+    # what the runtime may wire on this store (runtime/executors/base.py names them)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"precision_switching"})
+
     def __init__(
         self,
         hi: ExpertSource,

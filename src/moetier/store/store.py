@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from numpy.typing import ArrayLike
@@ -51,6 +51,9 @@ from moetier.types import ExpertKey, Precision, Tier
 
 
 class ExpertStore:
+    # what the runtime may wire on this store (runtime/executors/base.py names them)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"static_precision", "prefetch", "route_scores", "domains"})
+
     def __init__(
         self,
         source: ExpertSource,

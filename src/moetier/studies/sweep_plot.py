@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.plotting import pyplot, save_figure
-from moetier.studies.sweep import Grid, point_key
+from moetier.studies.sweep_grid import Grid, point_key
 
 SPLIT = ("model", "scheduler")  # one figure per model, one line per scheduler
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moetier.studies.sweep import Grid
+from moetier.studies.sweep_grid import Grid
 
 RESULTS = "results.parquet"
 FIXED_COLUMNS = ("status", "error", "seconds")

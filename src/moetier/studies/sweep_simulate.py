@@ -1,31 +1,46 @@
 """The "simulate" sweep point: one synthetic-trace simulation of the two-domain (GPU + CPU) machine of
 moetier.sim, as `moetier simulate --synthetic` runs it, returned as flat result columns.
 
-Parameters (grid keys may be plural): model and profile (required), scheduler, cache_policy, cache_ratio,
-prefetch, prefetch_depth, fill, precision, warmup_steps, steps, batch_size, prompt_len, seed, stats, and
+Parameters (grid keys may be plural): model and profile (required); every scalar field of sim.config.SimConfig
+under its own name and default (scheduler, cache_policy, cache_ratio, prefetch, prefetch_depth, prefetch_max,
+fill, batch_size, prompt_len, steps, warmup_steps, prefill_admit, seed, precision; their meaning is documented
+there), except that the synthetic trace's sizes default as `moetier simulate --synthetic` does (steps 64,
+batch_size 1, prompt_len 32); stats (the synthetic trace's statistics, studies.synthetic.preset) and
 cpu_tflops (the profile's CPU peak bf16 TFLOPS; refused where the profile prices CPU experts from measured
-LUTs at that precision, since the peak would then not be used). ndp_count is refused: this machine has no
-NDP DIMMs (the three-domain TriMoE machine is another point).
+LUTs at that precision, since the peak would then not be used). Not parameters: prefetch_accuracy (a list,
+not a grid scalar) and the timeline window (sweeps draw no timeline). The three-domain machine's parameters
+(sim.tri.TriSimConfig's other fields) are refused: this machine has no NDP DIMMs. SimConfig checks every value
+of its fields (a ConfigError naming the field); this module restates no check.
 
-Invariants: registered in sweep.POINTS as "simulate" on import; a point is a pure function of its
+Invariants: listed in sweep_grid.POINTS as "simulate"; a point is a pure function of its
 parameters (the trace is generated from the seed); `check` validates a point without generating a trace;
 every returned column is a number or a string (one Parquet column each).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.studies.sweep import REQUIRED, Point, register_point
+from moetier.policies.costmodel import CostModel, HardwareProfile, load_profile
+from moetier.sim import SimConfig, simulate
+from moetier.sim.tri import TriSimConfig
+from moetier.specs import ModelSpec, load_spec
+from moetier.studies.point import REQUIRED, Point
+from moetier.studies.synthetic import SynthParams, generate, preset
+from moetier.traces import iter_calls
 
+_NOT_SWEPT = ("prefetch_accuracy", "timeline_steps", "timeline_layers")
+CONFIG = tuple(f.name for f in fields(SimConfig) if f.name not in _NOT_SWEPT)  # point parameters = SimConfig fields
 DEFAULTS: dict[str, Any] = {
-    "model": REQUIRED, "profile": REQUIRED, "scheduler": "hybrimoe", "cache_policy": None, "cache_ratio": 0.25,
-    "prefetch": False, "prefetch_depth": 3, "fill": False, "precision": "full", "warmup_steps": 0, "steps": 64,
-    "batch_size": 1, "prompt_len": 32, "seed": 0, "stats": "trimoe", "cpu_tflops": None,
+    "model": REQUIRED, "profile": REQUIRED, **{f.name: f.default for f in fields(SimConfig) if f.name in CONFIG},
+    "steps": 64, "batch_size": 1, "prompt_len": 32,  # the synthetic trace's sizes (SimConfig's None: the trace's)
+    "stats": "trimoe", "cpu_tflops": None,
 }  # fmt: skip
+_TRI = "is a parameter of the three-domain tri point; the two-domain GPU + CPU machine does not use it"
 REFUSED = {
+    **{f.name: _TRI for f in fields(TriSimConfig) if f.name not in DEFAULTS},
     "ndp_count": "the simulate point models the two-domain GPU + CPU machine, which has no NDP DIMMs "
     "(NDP counts need the three-domain TriMoE point)",
 }
@@ -38,7 +53,7 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _with_cpu_tflops(hw: Any, tflops: Any, precision: str) -> Any:
+def _with_cpu_tflops(hw: HardwareProfile, tflops: Any, precision: str) -> HardwareProfile:
     if isinstance(tflops, bool) or not isinstance(tflops, int | float) or not tflops > 0:
         raise ConfigError(f"cpu_tflops must be a number > 0, got {tflops!r}")
     if hw.cpu.luts.get(precision) and hw.cpu.lut_shape:
@@ -47,49 +62,24 @@ def _with_cpu_tflops(hw: Any, tflops: Any, precision: str) -> Any:
     return replace(hw, cpu=replace(hw.cpu, peak_flops=float(tflops) * 1e12))
 
 
-def _inputs(p: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+def _inputs(p: dict[str, Any]) -> tuple[ModelSpec, HardwareProfile, SimConfig, SynthParams]:
     """(spec, profile, SimConfig, synthetic params) of a point; ConfigError on any bad value."""
-    from moetier.policies.costmodel import load_profile
-    from moetier.policies.schedulers import make_scheduler
-    from moetier.sim import SimConfig
-    from moetier.specs import load_spec
-    from moetier.studies.synthetic import preset
-
-    for name in REFUSED:
-        if p.get(name) is not None:
-            raise ConfigError(f"{name}: {REFUSED[name]}")
-    for name in ("steps", "batch_size", "prefetch_depth"):
-        if isinstance(p[name], bool) or not isinstance(p[name], int) or p[name] < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {p[name]!r}")
-    if isinstance(p["prompt_len"], bool) or not isinstance(p["prompt_len"], int) or p["prompt_len"] < 0:
-        raise ConfigError(f"prompt_len must be an integer >= 0, got {p['prompt_len']!r}")
-    make_scheduler(p["scheduler"])
+    cfg = SimConfig(**{k: p[k] for k in CONFIG})
     spec, hw = load_spec(str(p["model"])), load_profile(str(p["profile"]))
     if p["cpu_tflops"] is not None:
-        hw = _with_cpu_tflops(hw, p["cpu_tflops"], p["precision"])
-    cfg = SimConfig(
-        scheduler=p["scheduler"], cache_policy=p["cache_policy"], cache_ratio=p["cache_ratio"],
-        prefetch=p["prefetch"], prefetch_depth=p["prefetch_depth"], fill=p["fill"], batch_size=p["batch_size"],
-        prompt_len=p["prompt_len"], seed=p["seed"], precision=p["precision"], warmup_steps=p["warmup_steps"],
-    )  # fmt: skip
+        hw = _with_cpu_tflops(hw, p["cpu_tflops"], cfg.precision)
     synth = preset(spec, batch_size=p["batch_size"], seed=p["seed"], stats=p["stats"])
     return spec, hw, cfg, synth
 
 
 def check_simulate(p: dict[str, Any]) -> None:
-    """Validate one point's parameters (spec, profile, scheduler, SimConfig, preset) without simulating."""
-    from moetier.policies.costmodel import CostModel
-
+    """Validate one point's parameters (spec, profile, SimConfig, preset) without simulating."""
     spec, hw, cfg, _ = _inputs(p)
     CostModel(hw, spec, cfg.precision)
 
 
 def simulate_point(p: dict[str, Any]) -> dict[str, Any]:
     """Generate the point's synthetic trace (warm-up + steps decode steps) and simulate it."""
-    from moetier.sim import simulate
-    from moetier.studies.synthetic import generate
-    from moetier.traces import iter_calls
-
     spec, hw, cfg, synth = _inputs(p)
     trace = generate(synth, p["steps"] + p["warmup_steps"], prompt_len=p["prompt_len"])
     d = simulate(spec, hw, iter_calls(trace), cfg).as_dict()
@@ -103,6 +93,6 @@ def simulate_point(p: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-register_point("simulate", Point(simulate_point, DEFAULTS, REFUSED, check_simulate, COLUMNS))
+POINT = Point(simulate_point, DEFAULTS, REFUSED, check_simulate, COLUMNS)
 
-__all__ = ["COLUMNS", "DEFAULTS", "REFUSED", "check_simulate", "simulate_point"]
+__all__ = ["COLUMNS", "CONFIG", "DEFAULTS", "POINT", "REFUSED", "check_simulate", "simulate_point"]

@@ -1,38 +1,38 @@
 """The "tri" sweep point: one synthetic-trace decode simulation of the three-domain (GPU + AMX CPU + DIMM-NDP)
-TriMoE machine of moetier.sim.tri, as `moetier simulate --scheduler trimoe ... --synthetic` runs it, returned as
-flat result columns.
+TriMoE machine of moetier.sim.tri, as `moetier simulate-tri --synthetic` runs it, returned as flat result
+columns; and `synthetic_calls`, the decode calls both of them replay.
 
-Parameters (grid keys may be plural): model (required), scheduler (trimoe, klotski, ktransformers-plus, monde,
-gpu-ndp), batch_size, steps, seed, ndp_count (NDP DIMMs), cpu_tflops_scale (AMX CPU TFLOPS relative to the
-profile's, paper 5.4.2), hbm_ratio (fraction of each layer's routed experts HBM holds), refinement, relayout,
-profile (default h100-8470, TriMoE's Table 1 machine), context (KV tokens per sequence), drift (popularity
-rank swaps per layer per step of the synthetic trace; default: the preset's) and contention (eq. 6 reading,
-"array" or "channel"; default: the profile's). The two-domain
-point's parameters are refused with the reason (cache_ratio: use hbm_ratio; cpu_tflops: use cpu_tflops_scale).
+Parameters (grid keys may be plural): model (required), then every field of sim.tri.TriSimConfig under its own
+name and default (scheduler, ndp_count, cpu_tflops_scale, hbm_ratio, batch_size, steps, seed, refinement,
+relayout, context, profile, max_iters, drift, contention; their meaning is documented there). The two-domain
+machine's parameters (sim.config.SimConfig's other fields, stats, cpu_tflops) are refused with the reason.
+TriSimConfig checks every value (a ConfigError naming the field); this module restates no check.
 
-Invariants: registered in sweep.POINTS as "tri" on import; a point is a pure function of its parameters (the
-calls come from sim.tri.synthetic_calls with the seed); `check` validates a point without generating calls;
+Invariants: listed in sweep_grid.POINTS as "tri"; a point is a pure function of its parameters (the
+calls come from `synthetic_calls` with the seed); `check` validates a point without generating calls;
 every returned column is a number (one Parquet column each, the same type on every row).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any
 
-from moetier.errors import ConfigError
-from moetier.studies.sweep import REQUIRED, Point, register_point
+from moetier.sim.config import SimConfig
+from moetier.sim.ndp import load_ndp
+from moetier.sim.tri import TriSimConfig, simulate_tri
+from moetier.specs import ModelSpec, load_spec
+from moetier.studies import synthetic
+from moetier.studies.point import REQUIRED, Point
+from moetier.traces import Call, iter_calls
 
-DEFAULTS: dict[str, Any] = {
-    "model": REQUIRED, "scheduler": "trimoe", "batch_size": 512, "steps": 8, "seed": 0, "ndp_count": 16,
-    "cpu_tflops_scale": 1.0, "hbm_ratio": 0.1, "refinement": True, "relayout": True, "profile": "h100-8470",
-    "context": 1024, "drift": None, "contention": None,
-}  # fmt: skip
+CONFIG = tuple(f.name for f in fields(TriSimConfig))  # the point parameters that are TriSimConfig fields
+DEFAULTS: dict[str, Any] = {"model": REQUIRED, **{f.name: f.default for f in fields(TriSimConfig)}}
 _TWO = "is a parameter of the two-domain simulate point; the three-domain machine does not use it"
 REFUSED = {
+    **{name: _TWO for name in (*(f.name for f in fields(SimConfig)), "stats") if name not in DEFAULTS},
     "cache_ratio": "the three-domain machine sizes HBM per layer: use hbm_ratio",
     "cpu_tflops": "the three-domain machine scales the profile's AMX CPU: use cpu_tflops_scale (1.0 = the profile's)",
-    **{name: _TWO for name in ("cache_policy", "prefetch", "prefetch_depth", "fill", "precision", "warmup_steps",
-                               "prompt_len", "stats")},
 }  # fmt: skip
 DOMAINS = ("gpu", "cpu", "ndp")
 PREDICTOR = ("accuracy", "hot_precision", "hot_recall", "change_accuracy", "rel_error")
@@ -47,43 +47,25 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _config(p: dict[str, Any]) -> Any:
-    """(TriSimConfig) of a point; ConfigError on any bad value."""
-    from moetier.sim.tri import TriSimConfig
-
-    for name in REFUSED:
-        if p.get(name) is not None:
-            raise ConfigError(f"{name}: {REFUSED[name]}")
-    for name in ("refinement", "relayout"):
-        if not isinstance(p[name], bool):
-            raise ConfigError(f"{name} must be true or false, got {p[name]!r}")
-    scale = p["cpu_tflops_scale"]
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise ConfigError(f"cpu_tflops_scale must be a number > 0, got {scale!r}")
-    return TriSimConfig(  # checks drift and contention itself
-        drift=p["drift"], contention=p["contention"], scheduler=str(p["scheduler"]),
-        n_dimms=p["ndp_count"], cpu_scale=float(scale), hbm_ratio=p["hbm_ratio"],
-        batch_size=p["batch_size"], steps=p["steps"], seed=p["seed"], refinement=p["refinement"],
-        relayout=p["relayout"], context=p["context"], profile=str(p["profile"]),
-    )  # fmt: skip
+def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Call]:
+    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps,
+    with config.drift rank swaps per layer per step when given."""
+    p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
+    if config.drift is not None:
+        p = replace(p, drift=float(config.drift))
+    return iter_calls(synthetic.generate(p, config.steps, with_scores=False))
 
 
 def check_tri(p: dict[str, Any]) -> None:
     """Validate one point's parameters (TriSimConfig, spec, the profile's NDP section) without simulating."""
-    from moetier.sim.ndp import load_ndp
-    from moetier.specs import load_spec
-
-    cfg = _config(p)
+    cfg = TriSimConfig(**{k: p[k] for k in CONFIG})
     load_spec(str(p["model"]))
     load_ndp(cfg.profile)
 
 
 def tri_point(p: dict[str, Any]) -> dict[str, Any]:
     """Generate the point's synthetic decode calls (batch_size x steps) and simulate them on the TriMoE machine."""
-    from moetier.sim.tri import simulate_tri, synthetic_calls
-    from moetier.specs import load_spec
-
-    cfg = _config(p)
+    cfg = TriSimConfig(**{k: p[k] for k in CONFIG})
     spec = load_spec(str(p["model"]))
     r = simulate_tri(spec, synthetic_calls(spec, cfg), cfg)
     out: dict[str, Any] = {
@@ -101,6 +83,6 @@ def tri_point(p: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-register_point("tri", Point(tri_point, DEFAULTS, REFUSED, check_tri, COLUMNS))
+POINT = Point(tri_point, DEFAULTS, REFUSED, check_tri, COLUMNS)
 
-__all__ = ["COLUMNS", "DEFAULTS", "REFUSED", "check_tri", "tri_point"]
+__all__ = ["COLUMNS", "CONFIG", "DEFAULTS", "POINT", "REFUSED", "check_tri", "synthetic_calls", "tri_point"]

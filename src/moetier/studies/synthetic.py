@@ -1,4 +1,4 @@
-"""Synthetic routing traces: a small generative model of MoE routing, its fit to recorded traces, and
+"""Synthetic routing traces: a small generative model of MoE routing (its knobs, popularity and routing) and
 presets for published models (TriMoE 3.1's hot/warm/cold statistics). numpy only; no torch.
 
 The model (docs/traces.md). Each sequence b of the batch walks positions n = 0 .. P+S-1 (P prompt
@@ -20,17 +20,21 @@ The experts are the top-k logits in descending order; scores = softmax(sharpness
 experts; weights = the top-k scores renormalised. So experts are always the top-k of the scores.
 Rows follow the engine's trace layout: step 0 is the prefill chunk (when prompt_len > 0; token = b * P + p),
 then one step per decode position (token = b); within a step, layers ascending, tokens ascending.
-The popularity part (shares, base logits) lives in synthetic_popularity.py, re-exported here.
+The fit to a recorded trace is synthetic_fit.py's (it imports this module), the statistics synthetic_stats.py's.
 Invariants: generation is a pure function of (params, steps, prompt_len); each knob draws from its own
-random stream, so changing one knob keeps the others' randomness (fit relies on this).
+random stream, so changing one knob keeps the others' randomness (fit relies on this). `shares` is [E],
+descending, sums to 1, and k * share <= MAX_SELECT for every expert; `base_logits` is [E], mean 0,
+read-only, and a pure function of the rounded shares and k (cached; the calibration noise has a fixed seed).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +42,12 @@ import numpy as np
 import pyarrow as pa
 
 from moetier.errors import ConfigError
-from moetier.studies.synthetic_popularity import CALIB_VALUES as CALIB_VALUES  # re-exported
-from moetier.studies.synthetic_popularity import MAX_SELECT as MAX_SELECT  # re-exported
-from moetier.studies.synthetic_popularity import base_logits, ordered_spread
-from moetier.studies.synthetic_popularity import shares as shares  # re-exported
+from moetier.specs import load_spec
 from moetier.studies.synthetic_stats import Routing
 from moetier.traces import SCHEMA, SCHEMA_VERSION, Trace, write_table
+
+MAX_SELECT = 0.97  # cap on an expert's per-token selection probability k * share
+CALIB_VALUES = 1 << 18  # noise values (samples x experts) of the calibration
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,96 @@ def _validate(p: SynthParams) -> None:
             raise ConfigError(f"SynthParams: {name} class has 0 of {p.num_experts} experts but token share {share:.3f}")
     if p.moe_layers and len(p.moe_layers) != p.num_layers:
         raise ConfigError(f"SynthParams.moe_layers has {len(p.moe_layers)} ids for num_layers={p.num_layers}")
+
+
+# -- popularity ------------------------------------------------------------------------------------
+# Per-rank token shares from the hot/warm/cold classes, and the router logit offsets calibrated so that the
+# top-k of (offset + N(0, 1) noise) selects each rank with probability k * share.
+def shares(p: SynthParams) -> np.ndarray:
+    """Per-expert token shares, classes hot, warm, cold, sorted descending: [E], sums to 1, each
+    k * share <= MAX_SELECT (excess moved proportionally onto the experts below the cap)."""
+    parts = _class_parts(p.class_counts, (p.hot_share, p.warm_share), p.spread)
+    out = -np.sort(-np.concatenate(parts))  # [E] descending (a class's head may pass the class above)
+    out = out / out.sum()
+    cap = MAX_SELECT / p.top_k
+    for _ in range(p.num_experts):
+        over = out > cap
+        if not over.any():
+            break
+        excess = float((out[over] - cap).sum())
+        out[over] = cap
+        free = ~over & (out < cap)
+        out[free] += excess * out[free] / out[free].sum()
+    return out
+
+
+def _phi(x: np.ndarray) -> np.ndarray:
+    """Standard normal CDF (Abramowitz-Stegun 7.1.26 for erf, |error| < 1.5e-7)."""
+    z = np.abs(x) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t
+    return np.asarray(0.5 * (1.0 + np.sign(x) * (1.0 - poly * np.exp(-z * z))))
+
+
+def _phi_inv(q: np.ndarray) -> np.ndarray:
+    """Inverse of _phi by bisection (vectorised), for q in (0, 1)."""
+    lo, hi = np.full(q.shape, -9.0), np.full(q.shape, 9.0)
+    for _ in range(48):
+        mid = 0.5 * (lo + hi)
+        below = _phi(mid) < q
+        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+def _class_parts(counts: tuple[int, int, int], hw_shares: tuple[float, float], spread: float) -> list[np.ndarray]:
+    """Shares of the hot, warm and cold experts (classes with no experts left out), Zipf inside each."""
+    parts = []
+    for n, s in zip(counts, (*hw_shares, max(0.0, 1.0 - sum(hw_shares))), strict=True):
+        if n:
+            z = np.arange(1, n + 1, dtype=np.float64) ** -spread  # [n]
+            parts.append(s * z / z.sum())
+    return parts
+
+
+def ordered_spread(counts: tuple[int, int, int], hw_shares: tuple[float, float], top: float = 0.5) -> float:
+    """The largest in-class Zipf exponent in {top, top - 0.05, ..., 0} that keeps every hot expert above
+    every warm one and every warm above every cold one (so the class shares are those of the sorted profile)."""
+    for spread in np.arange(top, -1e-9, -0.05):
+        parts = _class_parts(counts, hw_shares, float(spread))
+        if all(a.min() >= b.max() for a, b in itertools.pairwise(parts)):
+            return round(float(spread), 2)
+    return 0.0
+
+
+@lru_cache(maxsize=64)
+def _calibrate(select: tuple[float, ...], k: int) -> np.ndarray:
+    """Logit offsets [E] such that the top-k of (base + N(0, 1) noise) includes expert e with probability
+    select[e]. Each expert's inclusion probability is estimated smoothly over fixed noise samples (given
+    the others, e is in the top-k iff its noise exceeds the k-th largest other value: a normal tail), and
+    base moves in probit units until every estimate is within 0.5% of its target."""
+    target = np.asarray(select)  # [E]
+    E = len(target)
+    eps = np.random.default_rng(20240607).standard_normal((max(1024, CALIB_VALUES // E), E))  # [M, E]
+    goal = _phi_inv(target)
+    base = goal.copy()
+    for _ in range(100):
+        v = base + eps  # [M, E]
+        part = np.partition(-v, [k - 1, k], axis=1)  # [M, E]
+        tk, tk1 = -part[:, k - 1 : k], -part[:, k : k + 1]  # [M, 1] k-th and (k+1)-th largest
+        other = np.where(v >= tk, tk1, tk)  # [M, E] k-th largest of the other experts
+        got = (1.0 - _phi(other - base)).mean(0)  # [E]; sums to k up to sampling noise
+        got = np.clip(got * (k / got.sum()), 1e-12, 1 - 1e-12)
+        if np.abs(got / target - 1).max() < 0.005:
+            break
+        base = base + 0.9 * (goal - _phi_inv(got))
+    base = base - base.mean()
+    base.setflags(write=False)
+    return base
+
+
+def base_logits(p: SynthParams) -> np.ndarray:
+    """Calibrated logit offset of each popularity rank: [E], descending in share."""
+    return _calibrate(tuple(np.round(shares(p) * p.top_k, 6).tolist()), p.top_k)
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -252,13 +346,6 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> Path:
     return write_table(trace.table, trace.metadata, path)
 
 
-def fit(trace: Trace) -> SynthParams:
-    """Knobs estimated from a recorded trace (see moetier.studies.synthetic_fit)."""
-    from moetier.studies.synthetic_fit import fit_params
-
-    return fit_params(trace)
-
-
 # -- presets ---------------------------------------------------------------------------------------
 # Routing dynamics of every preset: the mean of the knobs fitted to the bundled model's three recorded
 # traces (data/traces; benchmarks/synth_fit.py prints them); no published model gives these numbers.
@@ -299,8 +386,6 @@ def preset(spec: Any, *, batch_size: int = 1, seed: int = 0, stats: str = "trimo
     if stats not in STATS:
         raise ConfigError(f"unknown preset statistics {stats!r}; expected one of {', '.join(STATS)}")
     if isinstance(spec, str):
-        from moetier.specs import load_spec
-
         spec = load_spec(spec)
     E, k, layers = int(spec.num_experts), int(spec.top_k), tuple(int(x) for x in spec.moe_layers)
     if E >= SMALL_E:

@@ -1,17 +1,16 @@
-"""Hybrid CPU-GPU execution of one MoE layer call (HybriMoE IV-B; issue 5 item 8).
+"""The hybrid CPU-GPU executor of a MoE layer call (HybriMoE IV-B; issue 5 item 8), and its scheduler.
 
-`HybridExecutor.run` takes one call's tasks, each with its domain from a Schedule of
-policies/schedulers: ACCEL tasks compute on the GPU from the accelerator tier, HOST tasks on
-the CPU from the host tier (views of host slots, never copied to the GPU). The HOST group runs
-in one worker thread (torch's CPU ops release the GIL and use the intra-op thread pool) while
-the ACCEL group runs in the calling thread; then the weighted outputs are summed into the
-call's output in ascending expert order with index_add (token order), as the single-domain
-path of TieredMoE does, so the result depends neither on the domains nor on which finished first.
-
-`HybridExperts` is what TieredMoE.hybrid holds: it groups tokens by expert, prices the call
-with the cost model (cached = resident in the accelerator tier), asks the scheduler for the
-domains and runs the executor. `wire_hybrid` attaches it to every block when the engine runs
-on CUDA with SchedulerConfig.name set.
+`PricedScheduler.plan` prices one call's experts with the cost model (cached = resident in the
+accelerator tier) and asks the policy scheduler (policies/schedulers) for the domain of each; its
+Plan runs the accelerator's tasks first, each domain's by decreasing token count.
+`HybridExecutor.execute` runs the plan: ACCEL tasks compute on the GPU from the accelerator tier,
+HOST tasks on the CPU from the host tier (views of host slots, never copied to the GPU). The HOST
+group runs in one worker thread (torch's CPU ops release the GIL and use the intra-op thread pool)
+while the ACCEL group runs in the calling thread; then the weighted outputs are summed into the
+call's output in ascending expert order with index_add (token order), as the dense executor
+does, so the result depends neither on the domains nor on which finished first. `SPEC.build`
+gives every block the one scheduler and the one executor when the engine runs on CUDA with
+SchedulerConfig.name set (runtime/wire.py chooses).
 
 UNVERIFIED ON A GPU: this project's machine has none. The executor is tested on CPU with the
 accelerator domain stubbed by a second CPU executor (tests/runtime/test_hybrid_exec.py):
@@ -32,10 +31,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 
@@ -43,14 +42,25 @@ from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.kernels.experts import ExpertFn
 from moetier.kernels.small_rows import small_rows
-from moetier.runtime.moe_block import group_tokens
+from moetier.models.families import Family
+from moetier.runtime.executors.base import (
+    DOMAINS,
+    STATIC_PRECISION,
+    BuildContext,
+    Built,
+    ExecutorSpec,
+    Grouped,
+    group_tokens,
+)
+from moetier.runtime.pricing import Pricing
 from moetier.store.store import ExpertStore
-from moetier.types import Domain, ExpertKey, Tier
+from moetier.types import Domain, ExpertKey, ExpertTask, Plan, Tier
 
-if TYPE_CHECKING:
-    from moetier.runtime.loader import LoadedModel
-    from moetier.runtime.moe_block import TieredMoE
-    from moetier.runtime.prefetch import Pricing
+NEEDS = {
+    STATIC_PRECISION: "hybrid CPU-GPU execution needs a static precision (full, int8, int4, int2)",
+    DOMAINS: "hybrid CPU-GPU execution needs a static precision (full, int8, int4, int2)",
+}
+SPARSITY_REFUSAL = "hybrid CPU-GPU execution and --sparsity cannot be combined yet"
 
 
 @dataclass(frozen=True)
@@ -72,12 +82,25 @@ class Task:
 
 
 class HybridExecutor:
-    def __init__(self, accel: DomainExec, host: DomainExec) -> None:
-        self.accel, self.host = accel, host
+    """The executor of every MoE layer of a hybrid engine (one worker thread for all of them)."""
+
+    def __init__(self, accel: DomainExec, host: DomainExec, num_experts: int = 0) -> None:
+        self.accel, self.host, self.num_experts = accel, host, num_experts
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetier-host")
         self.tasks = {Domain.ACCEL: 0, Domain.HOST: 0}
         self.busy_s = {Domain.ACCEL: 0.0, Domain.HOST: 0.0}
         self.overlap_s = 0.0  # seconds both groups were running at once
+
+    def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
+        """ids/weights [T, k] -> tokens per expert (group_tokens)."""
+        active, groups = group_tokens(ids, weights, self.num_experts)
+        return Grouped(active, groups)
+
+    def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
+        """x [T, H] -> [T, H]: the plan's tasks on their domains (`run`)."""
+        groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = grouped.data
+        tasks = [Task(t.key, *groups[t.key.expert]) for t in plan.tasks]
+        return self.run(x, tasks, [plan.domains[t.key] for t in plan.tasks])
 
     def run(self, x: torch.Tensor, tasks: Sequence[Task], domains: Sequence[Domain]) -> torch.Tensor:
         """x [T, H] -> sum over tasks of w * expert(x[tok]) as [T, H] on x's device."""
@@ -151,30 +174,40 @@ class HybridExecutor:
 _STATS_LOCK = threading.Lock()
 
 
-class HybridExperts:
-    """TieredMoE.hybrid: price -> schedule -> run both domains -> combine."""
+class PricedScheduler:
+    """Step 2 of a hybrid call: price the call's experts, schedule them over the two domains."""
 
-    def __init__(self, pricing: Pricing, executor: HybridExecutor, cached: Callable[[], set[ExpertKey]]) -> None:
-        self.pricing, self.executor, self.cached = pricing, executor, cached
+    def __init__(self, pricing: Pricing, cached: Callable[[], set[ExpertKey]]) -> None:
+        self.pricing, self.cached = pricing, cached
         self.moved = 0
 
-    def forward(self, block: TieredMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> [T, H]."""
-        # 1. tokens per expert
-        active, groups = group_tokens(ids, weights, block.num_experts)
-        # 2. price with the accelerator tier's residency, 3. schedule
+    def plan(self, layer: int, counts: Mapping[int, int]) -> Plan:
+        """counts: expert -> tokens -> the Plan, ACCEL tasks first, each domain's by decreasing tokens."""
+        # 1. price with the accelerator tier's residency, 2. schedule
         p = self.pricing
-        work = p.cost.work(block.layer, active, self.cached(), p.fast, p.slow, p.link)
+        work = p.cost.work(layer, dict(counts), self.cached(), p.fast, p.slow, p.link)
         plan = p.scheduler.schedule(work)
         self.moved += len(plan.moved)
+        # 3. run order: the accelerator's tasks first (the host's run meanwhile in the worker)
         order = sorted(work, key=lambda w: (plan.domains.get(w.key, Domain.ACCEL) is not Domain.ACCEL, -w.tokens))
-        tasks = [Task(w.key, *groups[w.key.expert]) for w in order]
-        domains = [plan.domains.get(w.key, Domain.ACCEL) for w in order]
-        # 4. run both groups, combine
-        return self.executor.run(x, tasks, domains)
+        tasks = tuple(ExpertTask(w.key, w.tokens) for w in order)
+        domains = {w.key: plan.domains.get(w.key, Domain.ACCEL) for w in order}
+        return Plan(tasks, domains, plan.moved, plan.makespan, plan.ops)
+
+
+@dataclass
+class HybridState:
+    """The hybrid engine's one scheduler and one executor, for stats and close."""
+
+    scheduler: PricedScheduler
+    executor: HybridExecutor
+    stats_key: str = "hybrid_stats"
 
     def stats(self) -> dict[str, Any]:
-        return self.executor.stats() | {"moved": self.moved}
+        return self.executor.stats() | {"moved": self.scheduler.moved}
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 def store_domains(store: ExpertStore, fn: ExpertFn, accel_device: torch.device) -> tuple[DomainExec, DomainExec]:
@@ -188,20 +221,21 @@ def store_domains(store: ExpertStore, fn: ExpertFn, accel_device: torch.device) 
     return accel, host
 
 
-def wire_hybrid(loaded: LoadedModel, config: EngineConfig, pricing: Pricing | None = None) -> HybridExperts:
-    """Attach one HybridExperts (one executor) to every TieredMoE block. UNVERIFIED on a GPU.
-    `pricing`: the prefetcher's (the same make_pricing call: hybrid, as config.scheduler.name is set), else built."""
-    from moetier.runtime.prefetch import make_pricing
+def check(config: EngineConfig, family: Family) -> None:
+    """Refuse what the hybrid path does not run yet."""
+    if config.sparsity.enabled:
+        raise ConfigError(SPARSITY_REFUSAL)
 
-    store = loaded.store
-    if not isinstance(store, ExpertStore):
-        raise ConfigError("hybrid CPU-GPU execution needs a static precision (full, int8, int4, int2)")
-    if loaded.sparsity is not None:
-        raise ConfigError("hybrid CPU-GPU execution and --sparsity cannot be combined yet")
-    if pricing is None:
-        pricing = make_pricing(loaded, config, store.precision.value, hybrid=True)
+
+def build(ctx: BuildContext) -> Built:
+    """One PricedScheduler and one HybridExecutor shared by every block. UNVERIFIED on a GPU."""
+    loaded = ctx.loaded
+    assert ctx.pricing is not None  # wire.py prices a hybrid engine (needs_pricing)
+    store = cast(ExpertStore, loaded.store)  # the "domains" capability: acquire / release per tier
     accel, host = store_domains(store, loaded.blocks[0].expert_fn, loaded.device)
-    hybrid = HybridExperts(pricing, HybridExecutor(accel, host), lambda: store.cached_keys())
-    for block in loaded.blocks:
-        block.hybrid = hybrid
-    return hybrid
+    executor = HybridExecutor(accel, host, loaded.info.num_experts)
+    scheduler = PricedScheduler(ctx.pricing, store.cached_keys)
+    return Built({b.layer: (scheduler, executor) for b in loaded.blocks}, HybridState(scheduler, executor))
+
+
+SPEC = ExecutorSpec(name="hybrid", build=build, needs=NEEDS, check=check, needs_pricing=True)

@@ -1,12 +1,17 @@
-"""Intra-expert activation sparsity in the engine: the sparse executor of a MoE layer and its wiring.
+"""The sparse executor: intra-expert activation sparsity for one MoE layer call, and its wiring.
 
-`SparseExperts` replaces the compute step of one TieredMoE block: it groups the call's tokens
-by expert, plans with the sparsity target and tipping point (policies.plan), runs every task
-below the tipping point through one native gather call (store/sparse.py; torch ops where the
-kernel is missing) and the others through the masked dense matmuls, and combines. It counts
-active (token, neuron) pairs per layer: the achieved sparsity. `attach` gives every block its
-executor with the layer's calibrated threshold and the tipping point (runtime/tipping.py);
-runtime/calibrate.py builds the thresholds.
+`SparseExecutor` runs steps 3-5 of one TieredMoE block: it groups the call's tokens by expert,
+takes the plan of the resident-first scheduler with the sparsity target and tipping point
+(policies.plan), runs every task below the tipping point through one native gather call per
+chunk of experts the compute tier can pin at once (store/sparse.py; torch ops where the kernel is
+missing) and the others through the masked dense matmuls, and combines. It counts active
+(token, neuron) pairs per layer: the achieved sparsity. `SPEC.build` gives every block its executor
+with the layer's calibrated threshold and the tipping point (runtime/tipping.py);
+runtime/calibrate.py builds the thresholds, `prepare` reads and checks them before any pool is
+allocated.
+
+Invariants: shared experts stay dense (TieredMoE adds them); every acquired expert is released;
+counters count every routed (token, expert) pair once, on the path that computed it.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetier.config import EngineConfig, SparsityConfig
+from moetier.config import EngineConfig
 from moetier.errors import ConfigError
+from moetier.formats.qtier import source_fingerprint
 from moetier.kernels import native
 from moetier.kernels.experts import SwiGLU
 from moetier.kernels.small_rows import small_rows
@@ -26,30 +32,48 @@ from moetier.kernels.sparse import (
     NativeSparse,
     NativeSparseQuant,
     ThresholdTable,
+    default_table_path,
     dense_weights,
     masked_dense,
     native_kernel,
     sparse_torch,
 )
 from moetier.models.families import Family
-from moetier.policies.plan import plan_layer
+from moetier.runtime.calibrate import model_identity
+from moetier.runtime.executors.base import (
+    STATIC_PRECISION,
+    BuildContext,
+    Built,
+    ExecutorSpec,
+    Grouped,
+    ResidentFirst,
+)
 from moetier.runtime.tipping import load_or_measure_tipping
-from moetier.types import ExpertKey
+from moetier.types import ExpertKey, Plan
 
 if TYPE_CHECKING:
-    from moetier.runtime.moe_block import TieredMoE
+    from moetier.runtime.loader import Skeleton
 
-def check_supported(cfg: EngineConfig, family: Family) -> None:
-    """Refuse, with the reason, combinations the sparse path does not run yet."""
-    if not cfg.sparsity.enabled:
-        return
-    if cfg.precision.mode == "dynamic":
-        raise ConfigError(
-            "--sparsity cannot be combined with --precision dynamic yet; use full, or a static int8/int4/int2 "
-            "tier written with `moetier quantize --for-sparsity`"
-        )
+NEEDS = {
+    STATIC_PRECISION: (
+        "--sparsity cannot be combined with --precision dynamic yet; use full, or a static int8/int4/int2 "
+        "tier written with `moetier quantize --for-sparsity`"
+    ),
+}  # fmt: skip
+
+
+def check(cfg: EngineConfig, family: Family) -> None:
+    """Refuse, with the reason, experts the sparse path does not run yet."""
     if family.expert_kind != "swiglu":
         raise ConfigError(f"--sparsity supports SwiGLU-type experts; {family.name} experts are not supported yet")
+
+
+def prepare(cfg: EngineConfig, sk: Skeleton) -> tuple[ThresholdTable, str]:
+    """The sparsity table and its path, checked against the model, before any pool is allocated."""
+    path = cfg.sparsity.table or str(default_table_path(sk.path))
+    table = ThresholdTable.load(path)
+    table.check_model(model_identity(sk.info, source_fingerprint(sk.opened.index)["fingerprint"]), path)
+    return table, path
 
 
 @dataclass
@@ -95,26 +119,28 @@ def add_weighted(out: torch.Tensor, toks: list[int], ws: list[float], y: torch.T
     out.index_add_(0, torch.tensor(toks, device=out.device), (y * w).to(out.dtype))
 
 
-class SparseExperts:
-    """The compute step of one MoE layer with intra-expert activation sparsity."""
+class SparseExecutor:
+    """Steps 3-5 of one MoE layer call with intra-expert activation sparsity."""
 
     def __init__(
-        self, layer: int, threshold: float, target: float, block: int, tipping: int, inter: int,
+        self, store: Any, layer: int, threshold: float, block: int, inter: int,
         act: Callable[[torch.Tensor], torch.Tensor], kernel: NativeSparse | NativeSparseQuant | None,
     ) -> None:  # fmt: skip
-        self.layer, self.threshold, self.target, self.block = layer, threshold, target, block
-        self.tipping, self.inter, self.act, self.kernel = tipping, inter, act, kernel
+        self.store, self.layer, self.threshold, self.block = store, layer, threshold, block
+        self.inter, self.act, self.kernel = inter, act, kernel
         self.counts = LayerCounts()
 
-    def forward(self, moe: TieredMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> sum_k w * masked expert(x) as [T, H]."""
-        # 1. group and plan: tasks under the tipping point carry the target (gather path)
+    def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
+        """ids/weights [T, k] -> expert -> (token indices, router weights), tokens in order."""
         groups = group_tokens(ids, weights)
-        store, c = moe.store, self.counts
-        plan = plan_layer(
-            self.layer, {e: len(g[0]) for e, g in groups.items()}, store.index,
-            sparsity=self.target, tipping=self.tipping,
-        )  # fmt: skip
+        return Grouped({e: len(g[0]) for e, g in groups.items()}, groups)
+
+    def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
+        """x [T, H] -> sum_k w * masked expert(x) as [T, H]. The plan's tasks under the tipping point carry
+        the sparsity target (gather path), the others run the masked dense matmuls."""
+        # 1. split the plan by path
+        groups: Groups = grouped.data
+        store, c = self.store, self.counts
         sparse = [t for t in plan.tasks if t.sparsity > 0]
         dense = [t for t in plan.tasks if t.sparsity == 0]
         xc = x.contiguous()
@@ -206,7 +232,8 @@ class SparsityState:
     kernel: str  # "native" or "torch (<why>)"
     profile: dict[int, tuple[float, float]] = field(default_factory=dict)
     profile_cached: bool = False
-    layers: dict[int, SparseExperts] = field(default_factory=dict)
+    layers: dict[int, SparseExecutor] = field(default_factory=dict)
+    stats_key: str = "sparsity"
 
     def stats(self) -> dict[str, Any]:
         per_layer = {
@@ -225,28 +252,43 @@ class SparsityState:
             "profile_cached": self.profile_cached, "layers": per_layer,
         }  # fmt: skip
 
+    def close(self) -> None:
+        return None
+
     def reset_counts(self) -> None:
         """Start the achieved-sparsity counters over (e.g. between measured runs)."""
         for s in self.layers.values():
             s.counts = LayerCounts()
 
 
-def attach(
-    blocks: Sequence[TieredMoE], table: ThresholdTable, table_path: str, cfg: SparsityConfig, hidden: int,
-    inter: int, dtype: torch.dtype, device: torch.device, act_name: str | None, quant: tuple[int, int] | None = None,
-) -> SparsityState:  # fmt: skip
-    """Give every MoE block a SparseExperts executor with its layer's threshold. `quant` = (bits, group)
-    when the experts are quantized (rows layout)."""
+def build(ctx: BuildContext) -> Built:
+    """Give every MoE block a SparseExecutor with its layer's threshold (steps numbered inside). The experts'
+    format decides the kernel: quantized rows-layout experts take the quantized gather kernel."""
+    loaded, cfg = ctx.loaded, ctx.config.sparsity
+    table, table_path = ctx.prepared
+    info, store, device, dtype = loaded.info, loaded.store, loaded.device, loaded.dtype
+    hidden, inter, blocks = info.hidden_size, info.expert_intermediate, loaded.blocks
+    # 1. refusals the loaded model decides
     if inter % cfg.block:
         raise ConfigError(f"--sparsity-block {cfg.block} does not divide the expert size {inter}")
     fn = blocks[0].expert_fn
     if not isinstance(fn, SwiGLU):
         raise ConfigError("--sparsity supports SwiGLU-type experts only")
-    kernel = native_kernel(hidden, inter, dtype, device, quant) if act_name in ("silu", "swish") else None
+    # 2. the kernel: native gather (quantized when the store's source is a rows-layout tier), else torch
+    fmt = getattr(getattr(store, "source", None), "fmt", None)  # QuantSource: rows-layout format
+    quant = (fmt.spec.bits, fmt.groups["w13"]) if fmt is not None else None  # rows: w2 grouped alike
+    act_name = getattr(loaded.config, "hidden_act", None)
+    rt = ctx.config.runtime
+    kernel = (
+        native_kernel(hidden, inter, dtype, device, quant, enabled=rt.native_kernels, cache_dir=rt.kernel_cache)
+        if act_name in ("silu", "swish") else None
+    )  # fmt: skip
+    failed = native.load_error(rt.native_kernels, rt.kernel_cache)
     why = (
         "native" if kernel is not None else
-        f"torch ({native.load_error() or ('CUDA, unverified' if device.type == 'cuda' else f'activation {act_name}')})"
+        f"torch ({failed or ('CUDA, unverified' if device.type == 'cuda' else f'activation {act_name}')})"
     )  # fmt: skip
+    # 3. the tipping point: configured, assumed (CUDA), or measured here (cached)
     profile: dict[int, tuple[float, float]] = {}
     cached = False
     if cfg.tipping is not None:
@@ -254,11 +296,18 @@ def attach(
     elif device.type == "cuda":  # unverified here: no GPU to measure on; dense beyond 8 tokens per expert
         tipping = 8
     else:
-        tipping, profile, cached = load_or_measure_tipping(hidden, inter, dtype, fn.act, cfg, kernel, quant=quant)
+        tipping, profile, cached = load_or_measure_tipping(
+            hidden, inter, dtype, fn.act, cfg, kernel, quant=quant, kernel_cache=rt.kernel_cache
+        )
+    # 4. one executor per layer with its threshold, one scheduler carrying the target
     state = SparsityState(cfg.target, cfg.block, tipping, table_path, why, profile, cached)
+    scheduler = ResidentFirst(store, sparsity=cfg.target, tipping=tipping)
+    layers: dict[int, tuple[ResidentFirst, SparseExecutor]] = {}
     for block in blocks:
         thr = table.threshold(block.layer, cfg.target, cfg.block)
-        block.sparse = state.layers[block.layer] = SparseExperts(
-            block.layer, thr, cfg.target, cfg.block, tipping, inter, fn.act, kernel
-        )
-    return state
+        state.layers[block.layer] = ex = SparseExecutor(store, block.layer, thr, cfg.block, inter, fn.act, kernel)
+        layers[block.layer] = (scheduler, ex)
+    return Built(layers, state, state)
+
+
+SPEC = ExecutorSpec(name="sparse", build=build, needs=NEEDS, check=check, prepare=prepare)

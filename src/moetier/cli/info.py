@@ -1,0 +1,54 @@
+"""`moetier info MODEL`: the shape of a checkpoint, its quantized tiers and its sparsity table.
+
+Registered on the main app by cli/app.py (`register(app)`). Reads config.json and the safetensors headers only
+(models.open.describe): no expert pool is allocated and no weight is loaded.
+
+Invariants (cli/app.py's): errors are one line `error: ...` with exit 2; with --json stdout holds exactly one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from moetier.cli.console import consoles, emit_json, register_command, user_errors
+from moetier.cli.options import JsonOut, Model, QuantDir
+from moetier.cli.tables import info_table, quant_table
+from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.qtier import list_tiers, source_fingerprint
+from moetier.kernels.sparse import default_table_path
+from moetier.models.open import describe
+from moetier.runtime.calibrate import model_identity, table_summary
+
+
+def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) -> None:
+    """Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and non-expert bytes."""
+    report, err = consoles(json_out)
+    with user_errors():
+        with err.status(f"reading {model}"):
+            described = describe(model)
+            data = described.as_dict()
+            tiers = list_tiers(model, root=quant_dir)
+            fingerprint = source_fingerprint(CheckpointIndex(model))["fingerprint"]
+            sparsity = table_summary(default_table_path(model), model_identity(described, fingerprint))
+        data["sparsity_table"] = sparsity
+        data["moe_layers"] = list(data["moe_layers"])
+        data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]
+        data["quantized_tiers"] = tiers
+        if json_out:
+            emit_json(data)
+        else:
+            report.print(info_table(data))
+            if tiers:
+                report.print(quant_table(tiers))
+            if sparsity is not None:
+                tokens = f", calibrated on {sparsity['tokens']} tokens" if sparsity.get("tokens") else ""
+                report.print(f"sparsity table: {sparsity['path']}{tokens}: {sparsity['status']}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `moetier info` to `app` (once)."""
+    register_command(app, "info", info)
+
+
+__all__ = ["info", "register"]

@@ -1,0 +1,171 @@
+"""The executor protocol: what runs a MoE layer call's Plan (steps 3-5: move, compute, combine).
+
+A TieredMoE call groups its tokens by expert with its executor (`Executor.group` -> `Grouped`,
+tokens per expert in ascending expert id), asks its scheduler for a Plan (`LayerScheduler.plan`),
+and hands the plan to the executor (`Executor.execute`), which pins each task's expert where its
+domain computes, computes, and combines the weighted outputs into [T, H].
+
+Each executor variant is one file in this package, declared by an `ExecutorSpec` (its name, the
+store capabilities it needs with the refusal for each, config checks, how it is built for a
+model); runtime/executors/__init__.py maps names to specs. Stores declare their capabilities
+(`ExpertStore.capabilities`, `DynamicStore.capabilities`, the names below); runtime/wire.py
+refuses a combination from them, never from the store's class.
+
+Invariants every executor keeps:
+- exactness: with every expert at full precision and sparsity off, the output equals the
+  reference block's: outputs are combined in ascending expert id (as transformers does), never in
+  plan or completion order, so the result does not depend on residency or domains;
+- every acquired expert is released, also when a task fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+from moetier.config import EngineConfig
+from moetier.errors import ConfigError
+from moetier.models.families import Family
+from moetier.policies.plan import plan_layer
+from moetier.types import Domain, ExpertKey, Plan
+
+if TYPE_CHECKING:
+    from moetier.runtime.executors.sparse import SparsityState
+    from moetier.runtime.loader import LoadedModel, Skeleton
+    from moetier.runtime.pricing import Pricing
+
+# store capabilities (declared by store/store.py ExpertStore and store/dynamic.py DynamicStore)
+STATIC_PRECISION = "static_precision"  # one precision per store, read from the checkpoint or a quantized tier
+PREFETCH = "prefetch"  # background loads into the compute tier (ExpertStore.prefetch)
+ROUTE_SCORES = "route_scores"  # a cache policy that may take router scores (ExpertStore.on_route)
+DOMAINS = "domains"  # acquire / release per tier (accelerator and host): two compute domains
+PRECISION_SWITCHING = "precision_switching"  # hi / lo versions switched in the background (DynamicStore)
+
+
+def refuse_missing(needs: Mapping[str, str], capabilities: Collection[str]) -> None:
+    """ConfigError with the feature's own message for the first needed capability the store lacks."""
+    for cap, message in needs.items():
+        if cap not in capabilities:
+            raise ConfigError(message)
+
+
+class ExpertStoreLike(Protocol):
+    """What a single-domain executor needs of a store."""
+
+    @property
+    def index(self) -> Collection[ExpertKey]: ...
+
+    def acquire(self, key: ExpertKey) -> Any: ...
+
+    def release(self, key: ExpertKey) -> None: ...
+
+
+class Grouped(NamedTuple):
+    """One call's tokens grouped by expert: `counts` (expert -> tokens) for the scheduler, `data` in the
+    executor's own form for its execute (a NamedTuple: one per layer call)."""
+
+    counts: Mapping[int, int]
+    data: Any
+
+
+class Executor(Protocol):
+    def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
+        """ids/weights [T, k] -> the call's tokens per expert."""
+        ...
+
+    def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
+        """x [T, H] and the plan of its grouped tokens -> sum_k w * expert(x) as [T, H]."""
+        ...
+
+
+class LayerScheduler(Protocol):
+    def plan(self, layer: int, counts: Mapping[int, int]) -> Plan:
+        """counts: expert id -> tokens routed to it in this call -> the call's Plan."""
+        ...
+
+
+class ResidentFirst:
+    """The default scheduler: every expert on the compute domain, resident experts first
+    (policies/plan.plan_layer); with a sparsity target, tasks below the tipping point carry it."""
+
+    def __init__(
+        self, store: ExpertStoreLike, domain: Domain = Domain.HOST, sparsity: float = 0.0, tipping: int = 0
+    ) -> None:
+        self.store, self.domain, self.sparsity, self.tipping = store, domain, sparsity, tipping
+
+    def plan(self, layer: int, counts: Mapping[int, int]) -> Plan:
+        return plan_layer(layer, counts, self.store.index, self.domain, self.sparsity, self.tipping)
+
+
+def group_tokens(
+    ids: torch.Tensor, weights: torch.Tensor, num_experts: int
+) -> tuple[dict[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """ids/weights [T, k] -> (expert -> tokens, expert -> (token indices [c], weights [c])), both in ascending
+    expert id, active experts only: the prefill grouping of the dense and hybrid executors."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    hit = counts.nonzero().flatten()  # [A]
+    active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
+    token_of = order // k  # [T*k]
+    w_sorted = weights.reshape(-1)[order]  # [T*k]
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    start = 0
+    for e, c in active.items():  # ascending expert id, as argsort grouped them
+        groups[e] = (token_of[start : start + c], w_sorted[start : start + c])
+        start += c
+    return active, groups
+
+
+class ExecutorState(Protocol):
+    """What the engine keeps of an executor variant across the model's layers."""
+
+    stats_key: str  # the key of stats() in Engine.stats()
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What an executor variant is built from: the loaded model, its config, what `prepare` returned
+    (before any pool was allocated) and the engine's pricing (when prefetch or hybrid execution is on)."""
+
+    loaded: LoadedModel
+    config: EngineConfig
+    prepared: Any = None
+    pricing: Pricing | None = None
+
+
+@dataclass(frozen=True)
+class Built:
+    """One executor variant built for a model: each MoE layer's (scheduler, executor), the variant's state."""
+
+    layers: Mapping[int, tuple[LayerScheduler, Executor]]
+    state: ExecutorState | None = None
+    sparsity: SparsityState | None = None  # the sparse variant's state (thresholds, counters)
+
+
+def _no_check(config: EngineConfig, family: Family) -> None:
+    return None
+
+
+def _nothing(config: EngineConfig, skeleton: Skeleton) -> Any:
+    return None
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """One executor variant, as the wiring sees it (runtime/wire.py)."""
+
+    name: str
+    build: Callable[[BuildContext], Built]
+    needs: Mapping[str, str] = field(default_factory=dict)  # store capability -> refusal when it is missing
+    check: Callable[[EngineConfig, Family], None] = _no_check  # config refusals, before any pool is allocated
+    prepare: Callable[[EngineConfig, Skeleton], Any] = _nothing  # before any pool is allocated (e.g. a table)
+    needs_pricing: bool = False

@@ -1,0 +1,129 @@
+"""The one place that wires a model from its EngineConfig: `load(path, config) -> Engine`.
+
+Steps (numbered in `load`):
+1. open the checkpoint skeleton (runtime/loader.py): config, family, index, dtype, expert reader;
+2. choose the executor variant (runtime/executors EXECUTORS: sparse when SparsityConfig is on,
+   hybrid on CUDA with SchedulerConfig.name set, else dense) and refuse impossible combinations
+   from the capabilities the config's store declares and each feature needs, before any pool is
+   allocated, in this order: sparsity, prefetch, hybrid execution; then what the variant prepares
+   (the sparsity table);
+3. build the store and the model (runtime/loader.py);
+4. the route observers, in stage order (runtime/observers.py): precision switching when the store
+   switches precisions, cache scores when its policy takes router scores, the prefetcher when
+   PrefetchConfig is on; the pricing both the prefetcher and the hybrid scheduler use;
+5. the executor of every MoE layer, attached with its scheduler and the observers, once;
+6. the decoder (lean when the family's attention allows it) and the Engine.
+
+Invariants: every refusal of step 2 comes before any pool is allocated and closes the checkpoint's
+files; a failure after the model is built closes its store; nothing outside this module decides
+which executor or observers a model runs (calibration and tests may attach their own pipelines).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import cast
+
+from moetier.config import EngineConfig
+from moetier.models.families import Family
+from moetier.runtime.decode_hf import HFDecoder
+from moetier.runtime.engine import Decoder, Engine, Wired
+from moetier.runtime.executors.base import (
+    PRECISION_SWITCHING,
+    ROUTE_SCORES,
+    BuildContext,
+    ExecutorSpec,
+    refuse_missing,
+)
+from moetier.runtime.executors.registry import EXECUTORS
+from moetier.runtime.lean import LeanDecoder, lean_supported
+from moetier.runtime.loader import LoadedModel, build_model, open_skeleton
+from moetier.runtime.moe_block import Pipeline
+from moetier.runtime.observers import CacheScores, ObserverList
+from moetier.runtime.precision import Switching, store_capabilities
+from moetier.runtime.prefetch import NEEDS as PREFETCH_NEEDS
+from moetier.runtime.prefetch import Prefetcher
+from moetier.runtime.pricing import Pricing, make_pricing
+from moetier.store.dynamic import DynamicStore
+from moetier.store.store import ExpertStore
+
+
+def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
+    """Open a local Hugging Face MoE checkpoint folder with tiered experts, wired per `config`."""
+    cfg = config or EngineConfig()
+    # 1. the skeleton: no pool, no weights yet
+    sk = open_skeleton(path, cfg)
+    try:
+        # 2. the executor variant; refusals; what it prepares
+        spec = choose_executor(cfg, sk.device.type == "cuda")
+        refuse(cfg, spec, store_capabilities(cfg), sk.opened.family, sk.device.type == "cuda")
+        prepared = spec.prepare(cfg, sk)
+    except BaseException:
+        sk.close()  # release the checkpoint's file descriptors
+        raise
+    # 3. store and model
+    loaded = build_model(sk, cfg)
+    try:
+        return Engine(wire(loaded, cfg, spec, prepared))
+    except BaseException:
+        loaded.store.close()
+        raise
+
+
+def choose_executor(cfg: EngineConfig, cuda: bool) -> ExecutorSpec:
+    """sparse when sparsity is on, hybrid on CUDA with a scheduler named, else dense."""
+    if cfg.sparsity.enabled:
+        return EXECUTORS["sparse"]
+    return EXECUTORS["hybrid" if cuda and cfg.scheduler.name is not None else "dense"]
+
+
+def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], family: Family, cuda: bool) -> None:
+    """ConfigError, with each feature's own message, for a combination the store's declared capabilities
+    or an executor cannot run, in the order: sparsity, prefetch, hybrid execution (a sparse engine that
+    also asks for hybrid execution gets the hybrid refusal), then the chosen executor's own needs."""
+    if cfg.sparsity.enabled:
+        sparse = EXECUTORS["sparse"]
+        refuse_missing(sparse.needs, capabilities)
+        sparse.check(cfg, family)
+    if cfg.prefetch.enabled:
+        refuse_missing(PREFETCH_NEEDS, capabilities)
+    if cuda and cfg.scheduler.name is not None:
+        hybrid = EXECUTORS["hybrid"]
+        refuse_missing(hybrid.needs, capabilities)
+        hybrid.check(cfg, family)
+    refuse_missing(spec.needs, capabilities)
+
+
+def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: object) -> Wired:
+    """Steps 4-6 of `load` on a built model."""
+    store, caps = loaded.store, type(loaded.store).capabilities
+    # 4. observers (stage order is kept by ObserverList) and the pricing
+    observers = ObserverList()
+    switching = None
+    if PRECISION_SWITCHING in caps:
+        dyn = cast(DynamicStore, store)  # the capability: hi / lo pools, switch(), per-layer quotas
+        switching = Switching(dyn, dyn.per_layer, loaded.info.num_experts, cfg.precision)
+        observers.add(switching)
+    static = cast(ExpertStore, store)  # the capabilities checked below: prefetch, route scores
+    if ROUTE_SCORES in caps and static.wants_scores:
+        observers.add(CacheScores(static))
+    pricing: Pricing | None = None
+    if cfg.prefetch.enabled or spec.needs_pricing:
+        pricing = make_pricing(loaded, cfg, static.precision.value, hybrid=cfg.scheduler.name is not None)
+    prefetcher = None
+    if cfg.prefetch.enabled:
+        assert pricing is not None
+        prefetcher = Prefetcher(loaded.blocks, static, pricing, cfg.prefetch)
+        observers.add(prefetcher)
+    # 5. one pipeline per MoE layer, attached once
+    built = spec.build(BuildContext(loaded, cfg, prepared, pricing))
+    for block in loaded.blocks:
+        scheduler, executor = built.layers[block.layer]
+        block.attach(Pipeline(scheduler, executor, observers))
+    # 6. the decoder
+    decoder: Decoder
+    if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):
+        decoder = LeanDecoder(loaded, cfg.runtime.max_seq_len)
+    else:
+        decoder = HFDecoder(loaded.model, loaded.config)
+    return Wired(loaded, cfg, decoder, observers, spec.name, built.state, built.sparsity, switching, prefetcher)

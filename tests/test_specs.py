@@ -73,7 +73,7 @@ def test_known_totals_and_attention() -> None:
     assert v2.attention == "mla" and (v2.q_lora_rank, v2.kv_lora_rank, v2.qk_rope_dim) == (1536, 512, 64)
     assert v2.kv_bytes_per_token() == (512 + 64) * 2  # the compressed latent, not 128 heads of K and V
     assert load_spec("mixtral-8x7b").kv_bytes_per_token() == 2 * 8 * 128 * 2
-    # the bundled model's quantised expert bytes follow store/quant.py (int8 per row, int4 groups of 128)
+    # the bundled model's quantised expert bytes follow formats/quant.py (int8 per row, int4 groups of 128)
     tiny = load_spec("tiny-shakespeare-moe")
     h, i = 256, 128
     assert tiny.expert_bytes("int8") == 3 * h * i + (2 * i + h) * 4

@@ -97,9 +97,9 @@ class PrefetchConfig:
 class SchedulerConfig:
     """Which domain computes each expert (a name in moetier.policies.schedulers.SCHEDULERS; None:
     everything on the compute device), and the hardware profile the cost model prices work with
-    (a profile name (yours, written by `moetier profile`, or a shipped one) or a path; None: this-machine if present, else a built-in
-    conservative CPU profile). Hybrid CPU-GPU execution needs a CUDA device; on a CPU machine the
-    scheduler only prices prefetch choices."""
+    (a profile name, yours (`moetier profile`) or a shipped one, or a path; None: this-machine
+    if present, else a built-in conservative CPU profile). Hybrid CPU-GPU execution needs a CUDA
+    device; on a CPU machine the scheduler only prices prefetch choices."""
 
     name: str | None = None
     profile: str | None = None

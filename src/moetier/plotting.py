@@ -1,5 +1,5 @@
-"""The two matplotlib steps every figure of moetier shares (report/plots.py, sim/timeline.py, sweep_plot.py,
-sweep_figures_tri.py): get pyplot on the Agg backend, and save a finished figure.
+"""The two matplotlib steps every figure of moetier shares (report/plots.py, sim/timeline.py, studies/sweep_plot.py,
+studies/figures_tri.py): get pyplot on the Agg backend, and save a finished figure.
 
 Invariants: importing this module imports nothing heavy (matplotlib is imported when pyplot() is called);
 the backend is always Agg (no display); save_figure lays the figure out tightly, writes it at `dpi`,

@@ -19,7 +19,7 @@ Invariants:
   `moe_intermediate_size` each.
 - For MLA, `head_dim` is the non-rotary query/key head dim (qk_nope_head_dim); `qk_rope_dim`
   and `v_head_dim` carry the rest.
-- Byte counts of quantised experts follow store/quant.py: int8 one (scale, zero) bf16 pair per
+- Byte counts of quantised experts follow formats/quant.py: int8 one (scale, zero) bf16 pair per
   row, int4 groups of 128, int2 groups of 64 (a smaller group where the dimension needs one).
 """
 
@@ -43,7 +43,7 @@ _ZERO_OK = {"num_shared", "shared_inter", "dense_inter", "q_lora_rank", "kv_lora
 
 
 def _group(precision: str, k: int) -> int:
-    """The group size store/quant.py uses for a matrix with k input features."""
+    """The group size formats/quant.py uses for a matrix with k input features."""
     want = _GROUP.get(precision, k)
     if k % want == 0:
         return want

@@ -15,7 +15,7 @@ from moetier.cli.replay import register
 from moetier.sim.cache_replay import replay_trace
 from moetier.traces import TraceRecorder
 
-register(app)  # idempotent: a no-op once cli.py registers it itself
+register(app)  # idempotent: a no-op once cli/app.py registers it itself
 runner = CliRunner()
 E, K, LAYERS = 8, 2, (1, 2)
 

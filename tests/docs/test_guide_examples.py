@@ -53,7 +53,7 @@ def page_failures(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 def test_the_guide_has_its_pages() -> None:
     expected = {"README.md", "quickstart.md", "real-checkpoints.md", "cli.md", "python-api.md", "add-a-family.md",
-                "new-machine.md", "serving.md", "reports.md"}  # fmt: skip
+                "add-a-policy.md", "add-a-scheduler.md", "new-machine.md", "serving.md", "reports.md"}  # fmt: skip
     assert expected <= set(PAGES)
 
 

@@ -1,4 +1,4 @@
-"""Quantisation (store/quant.py): canonical bit packing, error bounds, hqq vs rtn, group rule, bad input.
+"""Quantisation (formats/quant.py): canonical bit packing, error bounds, hqq vs rtn, group rule, bad input.
 
 Matrices are small and seeded; the whole file runs in a few seconds on one thread.
 """

@@ -1,4 +1,4 @@
-"""`moetier quantize` (store/quantize.py) and the quantized disk tier reader (store/qreader.py).
+"""`moetier quantize` (formats/quantize.py) and the quantized disk tier reader (formats/qtier.py).
 
 Tiny checkpoints are built here with an expert intermediate size of 64: the conftest ones
 (I = 16 or 48) have no int4/int2 group (multiples of 32) dividing I, which is itself tested.

@@ -1,4 +1,4 @@
-"""Compute formats of quantised experts (store/qformat.py): slot layout, pack_into, views, `linear`.
+"""Compute formats of quantised experts (kernels/qformat.py): slot layout, pack_into, views, `linear`.
 
 Reference: x @ dequantize(...).T in fp32. The CPU kernels read bf16 activations and bf16
 scale/offset rows: int8 and int4 agree to ~0.3% relative, int2 to ~1% (its kernel offset

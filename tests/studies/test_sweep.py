@@ -183,7 +183,7 @@ def test_ray_local_instance(tmp_path: Path) -> None:
         ray.shutdown()
 
 
-# The "tri" point (sweep_tri.py): the three-domain TriMoE machine --------------------------------------------------
+# The "tri" point (studies/sweep_tri.py): the three-domain TriMoE machine ---------------------------------------------
 TRI = {"model": "deepseek-v2-lite", "batch_size": 16, "steps": 1}
 
 

@@ -1,5 +1,5 @@
 """moetier.studies.sweep with several [[grid]] blocks (their union, the block column, defaults filled in, plots per
-block) and a study's own figures (`figures = "trimoe"`, sweep_figures_tri.py) drawn from a small real sweep."""
+block) and a study's own figures (`figures = "trimoe"`, studies/figures_tri.py) drawn from a small real sweep."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The engine's life in a command of cli.py (generate, eval, serve): its flags, declared once, load it
+"""The engine's life in a command of cli/ (generate, eval, serve): its flags, declared once, load it
 with a status line on stderr, start the routing trace if asked, warm up dynamic precision on a text, and
 always close.
 
-`EngineFlags` is a frozen dataclass whose fields carry the typer option types of cli_options.py; the
+`EngineFlags` is a frozen dataclass whose fields carry the typer option types of cli/options.py; the
 `engine_flags` decorator replaces a command's `flags: EngineFlags` parameter by one option per field and
 calls the command with one EngineFlags built from them, so generate, eval and serve share one list.
 

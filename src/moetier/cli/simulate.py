@@ -36,7 +36,7 @@ from moetier.studies.synthetic import generate, preset
 
 _SIM = PANEL
 ProfileOpt = Annotated[str | None, typer.Option("--profile", rich_help_panel=_SIM,
-                       help="Hardware profile: a profile name (yours or a shipped one) or a profile .json (required).")]  # fmt: skip
+                       help="Hardware profile: a profile name (yours or shipped) or a .json (required).")]  # fmt: skip
 StepsOpt = Annotated[int | None, typer.Option("--steps", min=1, rich_help_panel=_SIM,
                      help="Decode steps to simulate (synthetic default 64; trace default: all).")]  # fmt: skip
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", min=1, rich_help_panel=_SIM,

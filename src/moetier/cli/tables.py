@@ -1,5 +1,5 @@
 """Rich tables for the command line (cli/): generation and eval statistics, model info, and the
-metric / value table of `moetier simulate` (cli_simulate.py, cli_simulate_tri.py).
+metric / value table of `moetier simulate` (cli/simulate.py, cli/simulate_tri.py).
 
 Pure formatting: every function takes plain values (an Engine.stats() dict, a ModelInfo
 as a dict) and returns a rich renderable; nothing here loads models or prints.

@@ -4,7 +4,7 @@
        \\_____ w13 [2I, H] ___/   w2 [H, I]     \\____ b13 [2I] ____/     b2 [H]
 
 Biases are present only for families that have them. With `down_rows` (sparse execution,
-store/sparse.py) the down projection is stored transposed, as rows [I, H], so that each
+kernels/sparse.py) the down projection is stored transposed, as rows [I, H], so that each
 neuron's gate, up and down weights are contiguous rows of H. Every slot of every pool of a
 store uses one layout, so a tier-to-tier move is one contiguous copy of `numel` elements.
 """

@@ -1,9 +1,9 @@
-"""Reads a quantized disk tier written by `moetier quantize` (store/quantize.py).
+"""Reads a quantized disk tier written by `moetier quantize` (formats/quantize.py).
 
 A tier is a directory `<model>/moetier-quant/<precision>-g<group>/` (or under another
 root) holding `manifest.json` and one safetensors file per MoE layer,
 `layer-<L:03d>.safetensors`, with tensors `<expert>.<canonical name>` (e.g. `7.w13.q`),
-the canonical quantized tensors of store/quant.py. One expert's tensors are contiguous
+the canonical quantized tensors of formats/quant.py. One expert's tensors are contiguous
 in the file, in `expert_tensor_specs` order, so reading an expert is one `os.preadv`.
 
 Invariants:

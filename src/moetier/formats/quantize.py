@@ -2,9 +2,9 @@
 
 For each precision, a directory `<model>/moetier-quant/<precision>-g<group>/` (or
 `<out>/<precision>-g<group>/`) gets one safetensors file per MoE layer and a
-`manifest.json` (format in store/qreader.py, which reads it back). Experts are read one
+`manifest.json` (format in formats/qtier.py, which reads it back). Experts are read one
 at a time through the model's ExpertReader in fp32, checked finite, quantised in fp32
-by store/quant.py's `quantize_expert` and streamed into the layer file, so memory stays
+by formats/quant.py's `quantize_expert` and streamed into the layer file, so memory stays
 at one expert whatever the model size. Each expert is read once for all precisions.
 
 Invariants:

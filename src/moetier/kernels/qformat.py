@@ -266,7 +266,7 @@ class ExpertFormat:
         self.layout, self.spec, self.dtype, self.device = layout, spec, dtype, device
         h, i = layout.hidden, layout.inter
         self.shapes = {"w13": (2 * i, h), "w2": (i, h) if layout.down_rows else (h, i)}  # matrix -> (N, K)
-        kernels = kernels and not layout.down_rows  # sparse execution reads the canonical rows (store/sparse.py)
+        kernels = kernels and not layout.down_rows  # sparse execution reads the canonical rows (kernels/sparse.py)
         self.groups: dict[str, int] = {}
         self.kinds: dict[str, str] = {}  # matrix -> compute format
         self.slices: dict[str, dict[str, _Slice]] = {}  # matrix (or "bias") -> piece -> slice

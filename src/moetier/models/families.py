@@ -4,7 +4,7 @@ A row says where the MoE block sits in a decoder layer, what its router and shar
 experts are called, and where each canonical piece of an expert comes from in the
 checkpoint. A new family whose MoE block has one of these shapes is one more row.
 
-Canonical expert layout (what a pool slot holds, see store/layout.py):
+Canonical expert layout (what a pool slot holds, see formats/layout.py):
     gate [I, H], up [I, H]  -> stored together as w13 [2I, H] (gate rows first)
     down [H, I]             -> w2
     gate_bias [I], up_bias [I], down_bias [H]  (only for families with expert biases)

@@ -157,7 +157,8 @@ def open_checkpoint(
 
 def describe(path: str | os.PathLike[str]) -> ModelInfo:
     """What `moetier info` shows, without allocating a pool or reading a weight (so it works for
-    models whose experts do not fit in memory). Validates the checkpoint as open_model does."""
+    models whose experts do not fit in memory). Validates the checkpoint as the engine's wiring
+    (runtime/wire.py) does."""
     o = open_checkpoint(path, "auto", torch.device("cpu"))
     try:
         return model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter)

@@ -15,7 +15,7 @@ the two-domain simulator, `timeline.jsonl` (one TimelineOp a line: the window th
 `--timeline-steps/--timeline-layers` selects).
 
 Invariants: without a run directory every function here is a no-op (the callbacks pass straight
-through), so cli.py calls them unconditionally; sampling only reads `Engine.stats()`; run.json is
+through), so the cli commands call them unconditionally; sampling only reads `Engine.stats()`; run.json is
 written last, so a directory with run.json is complete.
 """
 

@@ -2,7 +2,7 @@
 
 `calibrate` runs text through the engine with dense executors (runtime/executors/dense.py) whose
 expert functions record, attached for the run, and
-returns the ThresholdTable (store/sparse.py): per MoE layer and mask block size, the quantiles
+returns the ThresholdTable (kernels/sparse.py): per MoE layer and mask block size, the quantiles
 of |act(gate x)| of routed experts, from streaming log2 histograms (policies/sparsity.py).
 `table_summary` is what `moetier info` shows of a table; `model_identity` is what a table
 records of its model.

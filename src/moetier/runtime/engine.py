@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +30,14 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
-from moetier.kernels.small_rows import small_rows
 from moetier.models.open import ModelInfo
 from moetier.runtime.executors.base import ExecutorState
+from moetier.runtime.executors.sparse import SparsityState
 from moetier.runtime.loader import LoadedModel
 from moetier.runtime.observers import ObserverList, TraceObserver
 from moetier.runtime.precision import Switching
 from moetier.runtime.prefetch import Prefetcher
 from moetier.traces import TraceRecorder
-
-if TYPE_CHECKING:
-    from moetier.runtime.executors.sparse import SparsityState
 
 
 class Decoder(Protocol):
@@ -146,12 +143,11 @@ class Engine:
         when `run` is a batch's) -> logits [T, V] (all_logits) or [1, V] (last) of the decoder, or what
         `run(ids)` returns (runtime/batch.py: a slot's prefill or a batch's decode step).
         1. the trace's step index (when `index` is given);
-        2. the forward, with the matmul kernel chosen for its row count;
+        2. the forward (kernels.matmul picks each product's kernel for its row count, per call);
         3. precision switching: this forward's routing to the controller (`force_switch`: decide now)."""
         if index is not None and self.recorder is not None:
             self.recorder.step = index
-        with small_rows(ids.shape[1], self.dtype, self.device):
-            out = self.decoder.forward(ids, all_logits) if run is None else run(ids)
+        out = self.decoder.forward(ids, all_logits) if run is None else run(ids)
         if self.switching is not None:
             self.switching.after_forward(force=force_switch)
         return out

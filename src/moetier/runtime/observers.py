@@ -21,14 +21,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from enum import IntEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from moetier.store.store import ExpertStore
 from moetier.traces import TraceRecorder
-
-if TYPE_CHECKING:
-    from moetier.store.store import ExpertStore
 
 
 def router_probs(logits: torch.Tensor, scoring: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ and per distance. The store must declare the "prefetch" capability (`NEEDS`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,13 +30,11 @@ from moetier.config import PrefetchConfig
 from moetier.policies.costmodel import token_counts
 from moetier.policies.prefetch import PrefetchStats, choose_prefetch
 from moetier.runtime.executors.base import PREFETCH
+from moetier.runtime.moe_block import TieredMoE
 from moetier.runtime.observers import Route, Stage
 from moetier.runtime.pricing import Pricing
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey
-
-if TYPE_CHECKING:
-    from moetier.runtime.moe_block import TieredMoE
 
 NEEDS = {
     PREFETCH: "prefetch needs a static precision (full, int8, int4, int2); dynamic keeps every expert resident already"

@@ -4,28 +4,26 @@ One `Pricing` per engine, built by runtime/wire.py when prefetch or hybrid execu
 shared by the prefetcher (runtime/prefetch.py, which prices candidate prefetches) and the hybrid
 scheduler (runtime/executors/hybrid.py, which schedules each call over two domains).
 
-Invariants: the hardware profile is data (profiles/, or the conservative built-in CPU profile when
-this machine was never measured); a GPU engine refuses a profile without a GPU; the model is priced
-at the engine's compute dtype.
+Invariants: the hardware profile is data (a profile file, yours or shipped, or the conservative
+built-in CPU profile when this machine was never measured); a GPU engine refuses a profile without
+a GPU; the model is priced at the engine's compute dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
-from moetier.policies.costmodel import PROFILES_DIR, ComputeProfile, CostModel, HardwareProfile, LinkProfile
+from moetier.policies.costmodel import ComputeProfile, CostModel, HardwareProfile, LinkProfile
 from moetier.policies.costmodel import load_profile as _load_profile
+from moetier.policies.hwprofile import find_profile
 from moetier.policies.schedule_base import Scheduler
 from moetier.policies.schedulers import make_scheduler
+from moetier.runtime.loader import LoadedModel
 from moetier.specs import ModelSpec, load_spec
 
-if TYPE_CHECKING:
-    from moetier.runtime.loader import LoadedModel
-
-DEFAULT_PROFILE = PROFILES_DIR / "this-machine.json"
+DEFAULT_PROFILE = "this-machine"  # yours (`moetier profile`) first, else the shipped one
 PRICING_SCHEDULER = "hybrimoe"  # prices prefetch choices when no --scheduler is given
 
 # Conservative CPU-only machine: ~2 effective cores of bf16 matmul, one DDR channel, a SATA-class SSD.
@@ -38,10 +36,12 @@ BUILTIN_CPU = HardwareProfile(
 
 
 def load_profile(name: str | None) -> HardwareProfile:
-    """--profile NAME|PATH; None: profiles/this-machine.json when present, else BUILTIN_CPU."""
+    """--profile NAME|PATH; None: the profile named this-machine (your profile folder first, then the
+    shipped ones; policies/hwprofile.find_profile) when there is one, else BUILTIN_CPU."""
     if name:
         return _load_profile(name)
-    return _load_profile(DEFAULT_PROFILE) if DEFAULT_PROFILE.is_file() else BUILTIN_CPU
+    found = find_profile(DEFAULT_PROFILE)
+    return _load_profile(found) if found is not None else BUILTIN_CPU
 
 
 def engine_spec(loaded: LoadedModel) -> ModelSpec:

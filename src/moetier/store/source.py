@@ -1,11 +1,11 @@
 """Disk tiers: where an expert at one precision is read from, and the pools that hold it.
 
 A source fills one pool slot with one expert at its precision:
-- `FullSource` reads the model's own checkpoint (store/reader.py) into the canonical
-  full-precision layout of store/layout.py;
+- `FullSource` reads the model's own checkpoint (formats/safetensors.py) into the canonical
+  full-precision layout of formats/layout.py;
 - `QuantSource` reads a quantized disk tier written by `moetier quantize`
-  (store/qreader.py) into a staging area of canonical tensors allocated once, then packs
-  it into the slot's compute format (store/qformat.py).
+  (formats/qtier.py) into a staging area of canonical tensors allocated once, then packs
+  it into the slot's compute format (kernels/qformat.py).
 
 `make_pool` builds the fixed-slot pool of a precision. Every source is thread-safe (one
 lock), because the forward pass (demand loads) and the mover thread both read. The

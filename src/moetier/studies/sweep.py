@@ -4,8 +4,8 @@ load_grid, parse_grid, point_key, ...) are sweep_grid.py's, re-exported here for
 
 The output folder holds `points.jsonl` (one JSON record per finished point, appended and flushed as it
 finishes, keyed by `point_key`), `results.parquet` (one row per point: its parameters, status, error,
-seconds, then the result columns; sweep_results.py) and the plots (sweep_plot.py, then the grid's own
-figures). Points run through sweep_exec.py.
+seconds, then the result columns; studies/sweep_results.py) and the plots (studies/sweep_plot.py, then the grid's own
+figures). Points run through studies/sweep_exec.py.
 
 Invariants: no torch here (points import what they need); a point that raises is an error row and the sweep
 goes on; a point with a record in points.jsonl never runs again (resume: an interrupted sweep redoes nothing
@@ -71,7 +71,7 @@ def run_sweep(
     on_point: Callable[[dict[str, Any]], None] | None = None,
 ) -> SweepReport:
     """Run every point of `grid` not yet in OUT/points.jsonl, then write OUT/results.parquet and the plots
-    (sweep_results.py, sweep_plot.py).
+    (studies/sweep_results.py, studies/sweep_plot.py).
     jobs: worker processes (default os.cpu_count(); 1 runs inline); ray: a Ray address ("local": start a
     local instance with `jobs` CPUs). on_start(n) before the n points to run; on_point(record) after each."""
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ runs their union, once per distinct point. A key names a parameter of the point,
 (models -> model, batch_sizes -> batch_size, cache_policies -> cache_policy). A point is keyed by a stable
 hash of the point name and the parameters the grid gives it (`point_key`).
 
-The shipped points are defined in their own modules (sweep_simulate.py, sweep_tri.py; the Point type is
+The shipped points are defined in their own modules (studies/sweep_simulate.py, studies/sweep_tri.py; the Point type is
 point.py's) and listed in POINTS here; `register_point` adds others (tests, studies of your own).
 
 Invariants: no torch here; a grid is checked whole (keys, value types, each point's own check) before any

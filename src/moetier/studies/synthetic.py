@@ -20,7 +20,8 @@ The experts are the top-k logits in descending order; scores = softmax(sharpness
 experts; weights = the top-k scores renormalised. So experts are always the top-k of the scores.
 Rows follow the engine's trace layout: step 0 is the prefill chunk (when prompt_len > 0; token = b * P + p),
 then one step per decode position (token = b); within a step, layers ascending, tokens ascending.
-The fit to a recorded trace is synthetic_fit.py's (it imports this module), the statistics synthetic_stats.py's.
+The fit to a recorded trace is studies/synthetic_fit.py's (it imports this module), the statistics
+studies/synthetic_stats.py's.
 Invariants: generation is a pure function of (params, steps, prompt_len); each knob draws from its own
 random stream, so changing one knob keeps the others' randomness (fit relies on this). `shares` is [E],
 descending, sums to 1, and k * share <= MAX_SELECT for every expert; `base_logits` is [E], mean 0,

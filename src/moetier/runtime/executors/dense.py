@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from moetier.kernels.experts import ExpertFn
-from moetier.kernels.small_rows import small_rows
 from moetier.runtime.executors.base import (
     BuildContext,
     Built,
@@ -62,12 +61,11 @@ class DenseExecutor:
         groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = grouped.data
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for task in plan.tasks:  # 1. move + compute, in plan order
-            e, c = task.key.expert, task.tokens
+            e = task.key.expert
             tok, w = groups[e]  # [c], [c]
             views = store.acquire(task.key)
             try:
-                with small_rows(c, x.dtype, x.device):  # an expert with 1-2 of the call's tokens: native GEMV
-                    y = fn(x[tok], views)  # [c, H]
+                y = fn(x[tok], views)  # [c, H]
                 outs[e] = (tok, (y * w[:, None]).to(out.dtype))
             finally:
                 store.release(task.key)

@@ -3,7 +3,7 @@
 `SparseExecutor` runs steps 3-5 of one TieredMoE block: it groups the call's tokens by expert,
 takes the plan of the resident-first scheduler with the sparsity target and tipping point
 (policies.plan), runs every task below the tipping point through one native gather call per
-chunk of experts the compute tier can pin at once (store/sparse.py; torch ops where the kernel is
+chunk of experts the compute tier can pin at once (kernels/sparse.py; torch ops where the kernel is
 missing) and the others through the masked dense matmuls, and combines. It counts active
 (token, neuron) pairs per layer: the achieved sparsity. `SPEC.build` gives every block its executor
 with the layer's calibrated threshold and the tipping point (runtime/tipping.py);
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,7 +27,6 @@ from moetier.errors import ConfigError
 from moetier.formats.qtier import source_fingerprint
 from moetier.kernels import native
 from moetier.kernels.experts import SwiGLU
-from moetier.kernels.small_rows import small_rows
 from moetier.kernels.sparse import (
     NativeSparse,
     NativeSparseQuant,
@@ -48,11 +47,9 @@ from moetier.runtime.executors.base import (
     Grouped,
     ResidentFirst,
 )
+from moetier.runtime.loader import Skeleton
 from moetier.runtime.tipping import load_or_measure_tipping
 from moetier.types import ExpertKey, Plan
-
-if TYPE_CHECKING:
-    from moetier.runtime.loader import Skeleton
 
 NEEDS = {
     STATIC_PRECISION: (
@@ -154,8 +151,7 @@ class SparseExecutor:
             views = store.acquire(task.key)
             try:
                 w13, w2, _ = dense_weights(views, x.dtype)  # quantized rows: dequantised copies
-                with small_rows(len(toks), x.dtype, x.device):
-                    y, active = masked_dense(xc[toks], w13, w2, self.act, self.threshold, self.block)
+                y, active = masked_dense(xc[toks], w13, w2, self.act, self.threshold, self.block)
             finally:
                 store.release(task.key)
             add_weighted(out, toks, ws, y)

@@ -83,10 +83,10 @@ def _command_section(group: Any, name: str, cmd: Any) -> list[str]:
 def render() -> str:
     """The whole of docs/guide/cli.md, from moetier.cli.app.app."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moetier.cli.app import app
+    from moetier.cli.app import all_commands, app
 
     group = typer.main.get_command(app)
-    commands = getattr(group, "commands", {})  # typer vendors click: a Group-like object
+    commands = all_commands()  # the root group loads its commands on demand (cli/app.py LazyGroup)
     names = list(commands)
     lines = [HEADER]
     lines += ["| command | purpose |", "|---|---|"]

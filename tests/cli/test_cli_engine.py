@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from typer.main import get_command
 
-from moetier.cli.app import app
+from moetier.cli.app import load_command
 from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
@@ -18,8 +17,7 @@ from moetier.errors import ConfigError
 
 def _options(name: str) -> dict[str, object]:
     """param name -> default of the click command `moetier NAME`."""
-    group = get_command(app)
-    cmd = group.commands[name]  # type: ignore[attr-defined]
+    cmd = load_command(name)
     return {p.name: p.default for p in cmd.params}
 
 

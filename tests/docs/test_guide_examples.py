@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import typer.main
 from guide_blocks import GUIDE, blocks, flag_problems, make_workdir, marker_problems, pages, run_page
 
 PAGES = [p.name for p in pages()]
@@ -21,10 +20,9 @@ PAGES = [p.name for p in pages()]
 @functools.cache
 def cli_flags() -> dict[str, set[str]]:
     """Command name -> every option string it accepts, from the typer app."""
-    from moetier.cli.app import app
+    from moetier.cli.app import all_commands
 
-    group = typer.main.get_command(app)
-    commands = getattr(group, "commands", {})
+    commands = all_commands()
     return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} for name, cmd in commands.items()}
 
 

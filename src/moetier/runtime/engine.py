@@ -31,8 +31,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.models.open import ModelInfo
-from moetier.runtime.executors.base import ExecutorState
 from moetier.runtime.executors.sparse import SparsityState
+from moetier.runtime.executors.spec import ExecutorState
 from moetier.runtime.loader import LoadedModel
 from moetier.runtime.observers import ObserverList, TraceObserver
 from moetier.runtime.precision import Switching

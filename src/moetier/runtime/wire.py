@@ -28,14 +28,9 @@ from moetier.config import EngineConfig
 from moetier.models.families import Family
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
-from moetier.runtime.executors.base import (
-    PRECISION_SWITCHING,
-    ROUTE_SCORES,
-    BuildContext,
-    ExecutorSpec,
-    refuse_missing,
-)
+from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
 from moetier.runtime.executors.registry import EXECUTORS
+from moetier.runtime.executors.spec import BuildContext, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
 from moetier.runtime.loader import LoadedModel, build_model, open_skeleton
 from moetier.runtime.moe_block import Pipeline

@@ -7,7 +7,7 @@ domain computes, computes, and combines the weighted outputs into [T, H].
 
 Each executor variant is one file in this package, declared by an `ExecutorSpec` (its name, the
 store capabilities it needs with the refusal for each, config checks, how it is built for a
-model); runtime/executors/__init__.py maps names to specs. Stores declare their capabilities
+model; runtime/executors/spec.py); runtime/executors/registry.py maps names to specs. Stores declare their capabilities
 (`ExpertStore.capabilities`, `DynamicStore.capabilities`, the names below); runtime/wire.py
 refuses a combination from them, never from the store's class.
 
@@ -20,22 +20,14 @@ Invariants every executor keeps:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Collection, Mapping
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from moetier.config import EngineConfig
 from moetier.errors import ConfigError
-from moetier.models.families import Family
 from moetier.policies.plan import plan_layer
 from moetier.types import Domain, ExpertKey, Plan
-
-if TYPE_CHECKING:
-    from moetier.runtime.executors.sparse import SparsityState
-    from moetier.runtime.loader import LoadedModel, Skeleton
-    from moetier.runtime.pricing import Pricing
 
 # store capabilities (declared by store/store.py ExpertStore and store/dynamic.py DynamicStore)
 STATIC_PRECISION = "static_precision"  # one precision per store, read from the checkpoint or a quantized tier
@@ -119,53 +111,3 @@ def group_tokens(
         groups[e] = (token_of[start : start + c], w_sorted[start : start + c])
         start += c
     return active, groups
-
-
-class ExecutorState(Protocol):
-    """What the engine keeps of an executor variant across the model's layers."""
-
-    stats_key: str  # the key of stats() in Engine.stats()
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What an executor variant is built from: the loaded model, its config, what `prepare` returned
-    (before any pool was allocated) and the engine's pricing (when prefetch or hybrid execution is on)."""
-
-    loaded: LoadedModel
-    config: EngineConfig
-    prepared: Any = None
-    pricing: Pricing | None = None
-
-
-@dataclass(frozen=True)
-class Built:
-    """One executor variant built for a model: each MoE layer's (scheduler, executor), the variant's state."""
-
-    layers: Mapping[int, tuple[LayerScheduler, Executor]]
-    state: ExecutorState | None = None
-    sparsity: SparsityState | None = None  # the sparse variant's state (thresholds, counters)
-
-
-def _no_check(config: EngineConfig, family: Family) -> None:
-    return None
-
-
-def _nothing(config: EngineConfig, skeleton: Skeleton) -> Any:
-    return None
-
-
-@dataclass(frozen=True)
-class ExecutorSpec:
-    """One executor variant, as the wiring sees it (runtime/wire.py)."""
-
-    name: str
-    build: Callable[[BuildContext], Built]
-    needs: Mapping[str, str] = field(default_factory=dict)  # store capability -> refusal when it is missing
-    check: Callable[[EngineConfig, Family], None] = _no_check  # config refusals, before any pool is allocated
-    prepare: Callable[[EngineConfig, Skeleton], Any] = _nothing  # before any pool is allocated (e.g. a table)
-    needs_pricing: bool = False

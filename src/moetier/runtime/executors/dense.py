@@ -16,15 +16,8 @@ from __future__ import annotations
 import torch
 
 from moetier.kernels.experts import ExpertFn
-from moetier.runtime.executors.base import (
-    BuildContext,
-    Built,
-    ExecutorSpec,
-    ExpertStoreLike,
-    Grouped,
-    ResidentFirst,
-    group_tokens,
-)
+from moetier.runtime.executors.base import ExpertStoreLike, Grouped, ResidentFirst, group_tokens
+from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.types import Domain, Plan
 
 

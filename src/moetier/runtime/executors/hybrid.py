@@ -42,15 +42,8 @@ from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.kernels.experts import ExpertFn
 from moetier.models.families import Family
-from moetier.runtime.executors.base import (
-    DOMAINS,
-    STATIC_PRECISION,
-    BuildContext,
-    Built,
-    ExecutorSpec,
-    Grouped,
-    group_tokens,
-)
+from moetier.runtime.executors.base import DOMAINS, STATIC_PRECISION, Grouped, group_tokens
+from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.pricing import Pricing
 from moetier.store.store import ExpertStore
 from moetier.types import Domain, ExpertKey, ExpertTask, Plan, Tier

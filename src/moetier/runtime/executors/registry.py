@@ -7,7 +7,7 @@ this package and one entry here.
 from __future__ import annotations
 
 from moetier.runtime.executors import dense, hybrid, sparse
-from moetier.runtime.executors.base import ExecutorSpec
+from moetier.runtime.executors.spec import ExecutorSpec
 
 EXECUTORS: dict[str, ExecutorSpec] = {spec.name: spec for spec in (dense.SPEC, sparse.SPEC, hybrid.SPEC)}
-# TODO(integration): the native executor (RuntimeConfig.native_kernels) joins this dict.
+# The native decode executor (issue 15) joins this dict.

@@ -39,14 +39,8 @@ from moetier.kernels.sparse import (
 )
 from moetier.models.families import Family
 from moetier.runtime.calibrate import model_identity
-from moetier.runtime.executors.base import (
-    STATIC_PRECISION,
-    BuildContext,
-    Built,
-    ExecutorSpec,
-    Grouped,
-    ResidentFirst,
-)
+from moetier.runtime.executors.base import STATIC_PRECISION, Grouped, ResidentFirst
+from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.loader import Skeleton
 from moetier.runtime.tipping import load_or_measure_tipping
 from moetier.types import ExpertKey, Plan

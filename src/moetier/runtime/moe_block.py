@@ -88,11 +88,8 @@ class TieredMoE(nn.Module):
             route = Route(self.layer, x, ids, weights, logits, self.family.scoring)
             for obs in p.observers:
                 obs.observe(route)
-        # 3. plan
-        grouped = p.executor.group(ids, weights)
-        plan = p.scheduler.plan(self.layer, grouped.counts)
-        # 4. move + compute + combine
-        out = p.executor.execute(x, plan, grouped)  # [T, H]
+        # 3. plan, 4. move + compute + combine
+        out = self.experts_forward(x, ids, weights)  # [T, H]
         # 5. shared experts
         shared = self.shared(x)
         if shared is not None:
@@ -101,7 +98,9 @@ class TieredMoE(nn.Module):
         return (out, weights) if self.family.returns_router_scores else out
 
     def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]: steps 3-4 of `forward` alone."""
+        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]: steps 3-4 of `forward` alone.
+        3. the executor groups the tokens by expert and the scheduler plans the counts;
+        4. the executor moves, computes and combines the plan's experts."""
         p = self._pipeline()
         grouped = p.executor.group(ids, weights)
         plan = p.scheduler.plan(self.layer, grouped.counts)

@@ -67,7 +67,7 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         (["simulate", "--spec", "deepseek-v2-lite", "--profile", "nope", "--synthetic"], "hardware profile"),
         (["simulate", "--spec", "deepseek-v2-lite", "--profile", "a6000-5220r"], "exactly one of"),
         ([*BASE, "--cache-ratio", "1.5"], "cache_ratio must be in [0, 1]"),
-        ([*BASE, "--scheduler", "trimoe"], "unknown scheduler 'trimoe'"),
+        ([*BASE, "--scheduler", "trimoe"], "'trimoe' is a three-domain"),
         ([*BASE, "--cache-policy", "belady"], "belady"),
         (["simulate", "--profile", "a6000-5220r", "--trace", str(tmp_path / "missing.parquet")], "no such file"),
         (["simulate", "--profile", "a6000-5220r", "--trace", str(bad)], "Parquet"),

@@ -132,7 +132,7 @@ TRI = {"model": "deepseek-v2-lite", "batch_size": 16, "steps": 1}
         ("simulate", SIM, {"warmup_steps": [-2]}, "warmup_steps must be an integer >= 0, got -2"),
         ("simulate", SIM, {"prefetch_maxs": [0]}, "prefetch_max must be an integer >= 1, got 0"),
         ("simulate", SIM, {"cache_ratios": [1.5]}, r"cache_ratio must be in \[0, 1\]"),
-        ("simulate", SIM, {"schedulers": ["trimoe"]}, "unknown scheduler 'trimoe'"),
+        ("simulate", SIM, {"schedulers": ["trimoe"]}, "'trimoe' is a three-domain .*simulate-tri"),
         ("simulate", SIM, {"max_iters": [3]}, "cannot use max_iters"),
         ("tri", TRI, {"max_iters": [-1]}, "max_iters must be an int >= 0, got -1"),
         ("tri", TRI, {"contexts": [-1]}, "context must be an int >= 0, got -1"),

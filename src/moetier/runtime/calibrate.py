@@ -68,21 +68,21 @@ def calibrate(
         raise ConfigError(f"calibration text has {len(ids)} tokens; give at least a few hundred")
     recorders = {b.layer: _Recording(engine.info.expert_intermediate, fn.act) for b in blocks}
     saved: dict[int, Pipeline | None] = {}
-    for b in blocks:  # the dense executor, with recording expert functions; the engine's observers
-        observers = b.pipeline.observers if b.pipeline is not None else ObserverList()
-        dense = Pipeline(ResidentFirst(b.store), DenseExecutor(b.store, recorders[b.layer], b.num_experts), observers)
-        saved[b.layer] = b.attach(dense)
     try:
+        for b in blocks:  # the dense executor, with recording expert functions; the engine's observers
+            observers = b.pipeline.observers if b.pipeline is not None else ObserverList()
+            executor = DenseExecutor(b.store, recorders[b.layer], b.num_experts)
+            dense = Pipeline(ResidentFirst(b.store), executor, observers)
+            saved[b.layer] = b.attach(dense)
         starts = list(range(0, len(ids), window))
         for n, s in enumerate(starts):
             engine.logits(torch.tensor([ids[s : s + window]]))
             if on_window is not None:
                 on_window(n + 1, len(starts))
-    finally:
+    finally:  # every block swapped so far gets its own pipeline back (None included)
         for b in blocks:
-            previous = saved.get(b.layer)
-            if previous is not None:
-                b.attach(previous)
+            if b.layer in saved:
+                b.pipeline = saved[b.layer]
     thresholds = {layer: {b: thresholds_for(r.hist[b]) for b in r.blocks} for layer, r in recorders.items()}
     calibration = dict(text_meta) | {"tokens": len(ids), "window": window,
                                      "pairs": {str(k): r.pairs for k, r in recorders.items()}}  # fmt: skip

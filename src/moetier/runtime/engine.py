@@ -6,8 +6,9 @@ modules with TieredMoE blocks, runtime/decode_hf.py; both produce the reference 
 the executor and the route observers; the engine only runs them.
 
 `Engine.step` is the one forward step: every forward of generate, warmup, logits / perplexity and
-the batch runner (runtime/batch.py) goes through it, so the trace's step index and precision
-switching's `after_forward` follow every forward alike.
+the batch runner (runtime/batch.py) goes through it, so precision switching's `after_forward` follows
+every forward alike; generate, perplexity and the batch runner also give it the trace's step index
+(warmup, logits() and calibration keep the previous one, as before).
 
 Invariants: one user at a time (not thread-safe); `close` stops the background threads (precision
 switching's mover, the hybrid worker), writes the trace and closes the store, also after a failure.
@@ -322,12 +323,17 @@ class Engine:
         ) | ({"prefetch": self.prefetcher.summary()} if self.prefetcher is not None else {})
 
     def close(self) -> None:
-        self.save_trace()
-        if self.switching is not None:
-            self.switching.close()
-        if self.executor_state is not None:
-            self.executor_state.close()
-        self.store.close()
+        """Write the trace, stop the background threads, close the store: all of them, whichever fails."""
+        try:
+            self.save_trace()
+        finally:
+            try:
+                if self.switching is not None:
+                    self.switching.close()
+                if self.executor_state is not None:
+                    self.executor_state.close()
+            finally:
+                self.store.close()
 
     def __enter__(self) -> Engine:
         return self

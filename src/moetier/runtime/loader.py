@@ -75,15 +75,19 @@ def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
     #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
     store = build_store(o.reader, sk.path, cfg, dtype, device, reserve=non_expert, top_k=sk.info.top_k)  # MRS: 2k
-    # 5. swap the blocks, load everything else, refuse leftovers
-    blocks = []
-    for site in sites:
-        block = TieredMoE(family, site.block, site.layer, o.num_experts, store, fn)
-        layer = model.get_submodule(site.path.rsplit(".", 1)[0])
-        setattr(layer, family.block_attr, block)
-        blocks.append(block)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    consumed = load_non_experts(model, o.index, sites, family, dtype, tied)
-    check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
-    model.to(device)
+    # 5. swap the blocks, load everything else, refuse leftovers (a refusal closes the store it made)
+    try:
+        blocks = []
+        for site in sites:
+            block = TieredMoE(family, site.block, site.layer, o.num_experts, store, fn)
+            layer = model.get_submodule(site.path.rsplit(".", 1)[0])
+            setattr(layer, family.block_attr, block)
+            blocks.append(block)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        consumed = load_non_experts(model, o.index, sites, family, dtype, tied)
+        check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
+        model.to(device)
+    except BaseException:
+        store.close()
+        raise
     return LoadedModel(sk.info, family, config, model, blocks, store, dtype, device)

@@ -15,8 +15,9 @@ Steps (numbered in `load`):
 6. the decoder (lean when the family's attention allows it) and the Engine.
 
 Invariants: every refusal of step 2 comes before any pool is allocated and closes the checkpoint's
-files; a failure after the model is built closes its store; nothing outside this module decides
-which executor or observers a model runs (calibration and tests may attach their own pipelines).
+files; a failure after the model is built closes its store and stops the threads wiring started;
+nothing outside this module decides which executor or observers a model runs (calibration and tests
+may attach their own pipelines).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
 from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
 from moetier.runtime.executors.registry import EXECUTORS
-from moetier.runtime.executors.spec import BuildContext, ExecutorSpec
+from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
 from moetier.runtime.loader import LoadedModel, build_model, open_skeleton
 from moetier.runtime.moe_block import Pipeline
@@ -57,7 +58,11 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
         sk.close()  # release the checkpoint's file descriptors
         raise
     # 3. store and model
-    loaded = build_model(sk, cfg)
+    try:
+        loaded = build_model(sk, cfg)
+    except BaseException:
+        sk.close()  # the reader's files (build_model closes the store it made)
+        raise
     try:
         return Engine(wire(loaded, cfg, spec, prepared))
     except BaseException:
@@ -92,33 +97,41 @@ def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], 
 def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: object) -> Wired:
     """Steps 4-6 of `load` on a built model."""
     store, caps = loaded.store, type(loaded.store).capabilities
-    # 4. observers (stage order is kept by ObserverList) and the pricing
-    observers = ObserverList()
-    switching = None
-    if PRECISION_SWITCHING in caps:
-        dyn = cast(DynamicStore, store)  # the capability: hi / lo pools, switch(), per-layer quotas
-        switching = Switching(dyn, dyn.per_layer, loaded.info.num_experts, cfg.precision)
-        observers.add(switching)
-    static = cast(ExpertStore, store)  # the capabilities checked below: prefetch, route scores
-    if ROUTE_SCORES in caps and static.wants_scores:
-        observers.add(CacheScores(static))
-    pricing: Pricing | None = None
-    if cfg.prefetch.enabled or spec.needs_pricing:
-        pricing = make_pricing(loaded, cfg, static.precision.value, hybrid=cfg.scheduler.name is not None)
-    prefetcher = None
-    if cfg.prefetch.enabled:
-        assert pricing is not None
-        prefetcher = Prefetcher(loaded.blocks, static, pricing, cfg.prefetch)
-        observers.add(prefetcher)
-    # 5. one pipeline per MoE layer, attached once
-    built = spec.build(BuildContext(loaded, cfg, prepared, pricing))
-    for block in loaded.blocks:
-        scheduler, executor = built.layers[block.layer]
-        block.attach(Pipeline(scheduler, executor, observers))
-    # 6. the decoder
-    decoder: Decoder
-    if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):
-        decoder = LeanDecoder(loaded, cfg.runtime.max_seq_len)
-    else:
-        decoder = HFDecoder(loaded.model, loaded.config)
+    switching: Switching | None = None
+    built: Built | None = None
+    try:
+        # 4. observers (stage order is kept by ObserverList) and the pricing
+        observers = ObserverList()
+        if PRECISION_SWITCHING in caps:
+            dyn = cast(DynamicStore, store)  # the capability: hi / lo pools, switch(), per-layer quotas
+            switching = Switching(dyn, dyn.per_layer, loaded.info.num_experts, cfg.precision)
+            observers.add(switching)
+        static = cast(ExpertStore, store)  # the capabilities checked below: prefetch, route scores
+        if ROUTE_SCORES in caps and static.wants_scores:
+            observers.add(CacheScores(static))
+        pricing: Pricing | None = None
+        if cfg.prefetch.enabled or spec.needs_pricing:
+            pricing = make_pricing(loaded, cfg, static.precision.value, hybrid=cfg.scheduler.name is not None)
+        prefetcher = None
+        if cfg.prefetch.enabled:
+            assert pricing is not None
+            prefetcher = Prefetcher(loaded.blocks, static, pricing, cfg.prefetch)
+            observers.add(prefetcher)
+        # 5. one pipeline per MoE layer, attached once
+        built = spec.build(BuildContext(loaded, cfg, prepared, pricing))
+        for block in loaded.blocks:
+            scheduler, executor = built.layers[block.layer]
+            block.attach(Pipeline(scheduler, executor, observers))
+        # 6. the decoder
+        decoder: Decoder
+        if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):
+            decoder = LeanDecoder(loaded, cfg.runtime.max_seq_len)
+        else:
+            decoder = HFDecoder(loaded.model, loaded.config)
+    except BaseException:  # stop what steps 4-5 started (the mover thread, the hybrid worker); load closes the store
+        if switching is not None:
+            switching.close()
+        if built is not None and built.state is not None:
+            built.state.close()
+        raise
     return Wired(loaded, cfg, decoder, observers, spec.name, built.state, built.sparsity, switching, prefetcher)

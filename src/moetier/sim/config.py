@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.policies.schedulers import SCHEDULERS
+from moetier.policies.schedulers import SCHEDULERS, TRI_SCHEDULERS
 from moetier.sim.machine import TimelineOp
 from moetier.sim.predict import DEFAULT_ACCURACY, check_accuracy
 
@@ -42,6 +42,11 @@ class SimConfig:
     timeline_layers: tuple[int, int] = (0, 4)  # [first, last) decoder layers drawn
 
     def __post_init__(self) -> None:
+        if self.scheduler in TRI_SCHEDULERS:
+            raise ConfigError(
+                f"{self.scheduler!r} is a three-domain (GPU + AMX CPU + DIMM-NDP) scheduler: run "
+                f"`moetier simulate-tri --scheduler {self.scheduler}`; two-domain: {', '.join(SCHEDULERS)}"
+            )
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(SCHEDULERS)}")
         if not (_number(self.cache_ratio) and math.isfinite(self.cache_ratio) and 0.0 <= self.cache_ratio <= 1.0):

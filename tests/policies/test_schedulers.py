@@ -14,7 +14,7 @@ from moetier.policies import CACHE_POLICIES
 from moetier.policies.placement import PLACEMENTS
 from moetier.policies.schedule_base import LANES, ExpertWork, Lane, Plan, check_work, lane_ready
 from moetier.policies.schedule_hybrimoe import extremes_makespan, hybrid_timeline
-from moetier.policies.schedulers import SCHEDULERS, make_scheduler
+from moetier.policies.schedulers import SCHEDULERS, check_scheduler, make_scheduler
 from moetier.types import Domain, ExpertKey
 
 K = ExpertKey
@@ -94,6 +94,11 @@ def test_registry_names_placements_and_cache_policies() -> None:
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"unknown scheduler 'hybrid'; known: hybrimoe, ktransformers"):
         make_scheduler("hybrid")
+    for name in ("trimoe", "klotski"):  # a three-domain name, wherever a two-domain one is checked
+        with pytest.raises(ConfigError, match=rf"'{name}' is a three-domain .*simulate-tri --scheduler {name}"):
+            make_scheduler(name)
+        with pytest.raises(ConfigError, match=rf"'{name}' is a three-domain"):
+            check_scheduler(name)
 
 
 def test_ready_lanes_are_honoured() -> None:

@@ -29,7 +29,7 @@ from moetier.config import (
 from moetier.errors import ConfigError
 from moetier.policies import CACHE_POLICIES
 from moetier.policies.costmodel import load_profile
-from moetier.policies.schedulers import SCHEDULERS
+from moetier.policies.schedulers import check_scheduler
 
 
 # -- flag parsing ------------------------------------------------------------------
@@ -243,8 +243,8 @@ def prefetch_config(enabled: bool, depth: int, max_experts: int) -> PrefetchConf
 
 def scheduler_config(name: str | None, profile: str | None) -> SchedulerConfig:
     """--scheduler and --profile; an unknown scheduler or profile is a ConfigError naming the known ones."""
-    if name is not None and name not in SCHEDULERS:
-        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(sorted(SCHEDULERS))}")
+    if name is not None:
+        check_scheduler(name)
     if profile is not None:
         load_profile(profile)  # fails early, naming the known profiles
     return SchedulerConfig(name=name, profile=profile)

@@ -14,8 +14,8 @@ Three-domain (GPU + AMX CPU + DIMM-NDP, schedule_tri_base.TriScheduler; moetier.
 - gpu-ndp: TriMoE's pipeline restricted to GPU + NDP (the ablation's first point);
 - trimoe: all three domains, refinement, relayout and rebalancing.
 
-Invariants: each entry's key is its class's `name`; `make_scheduler` / `make_tri_scheduler` return a fresh
-instance, or raise ConfigError naming the known schedulers of that kind.
+Invariants: each entry's key is its class's `name`; `check_scheduler` / `check_tri_scheduler` are the one check
+of a name (ConfigError naming the known schedulers of that kind), `make_*` return a fresh instance.
 """
 
 from __future__ import annotations
@@ -52,20 +52,36 @@ TRI_SCHEDULERS: dict[str, Callable[[], TriScheduler]] = {
 }
 
 
+def check_scheduler(name: str) -> None:
+    """ConfigError unless `name` is a two-domain scheduler: a three-domain one is named as such (it runs in
+    `moetier simulate-tri`), any other name gets the known ones."""
+    if name in TRI_SCHEDULERS:
+        raise ConfigError(
+            f"{name!r} is a three-domain (GPU + AMX CPU + DIMM-NDP) scheduler: run "
+            f"`moetier simulate-tri --scheduler {name}`; two-domain: {', '.join(SCHEDULERS)}"
+        )
+    if name not in SCHEDULERS:
+        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}")
+
+
+def check_tri_scheduler(name: str) -> None:
+    """ConfigError naming the known three-domain schedulers unless `name` is one."""
+    if name not in TRI_SCHEDULERS:
+        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(TRI_SCHEDULERS)}")
+
+
 def make_scheduler(name: str) -> Scheduler:
-    """A scheduler by name; ConfigError naming the known ones otherwise."""
-    try:
-        return SCHEDULERS[name]()
-    except KeyError:
-        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}") from None
+    """A fresh two-domain scheduler by name (check_scheduler's ConfigError otherwise)."""
+    check_scheduler(name)
+    return SCHEDULERS[name]()
 
 
 def make_tri_scheduler(name: str) -> TriScheduler:
-    """A three-domain scheduler by name; ConfigError naming the known ones otherwise."""
-    try:
-        return TRI_SCHEDULERS[name]()
-    except KeyError:
-        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(TRI_SCHEDULERS)}") from None
+    """A fresh three-domain scheduler by name (check_tri_scheduler's ConfigError otherwise)."""
+    check_tri_scheduler(name)
+    return TRI_SCHEDULERS[name]()
 
 
-__all__ = ["SCHEDULERS", "TRI_SCHEDULERS", "make_scheduler", "make_tri_scheduler"]
+__all__ = [
+    "SCHEDULERS", "TRI_SCHEDULERS", "check_scheduler", "check_tri_scheduler", "make_scheduler", "make_tri_scheduler",
+]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.policies.schedulers import SCHEDULERS, TRI_SCHEDULERS
+from moetier.policies.schedulers import check_scheduler
 from moetier.sim.machine import TimelineOp
 from moetier.sim.predict import DEFAULT_ACCURACY, check_accuracy
 
@@ -42,13 +42,7 @@ class SimConfig:
     timeline_layers: tuple[int, int] = (0, 4)  # [first, last) decoder layers drawn
 
     def __post_init__(self) -> None:
-        if self.scheduler in TRI_SCHEDULERS:
-            raise ConfigError(
-                f"{self.scheduler!r} is a three-domain (GPU + AMX CPU + DIMM-NDP) scheduler: run "
-                f"`moetier simulate-tri --scheduler {self.scheduler}`; two-domain: {', '.join(SCHEDULERS)}"
-            )
-        if self.scheduler not in SCHEDULERS:
-            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(SCHEDULERS)}")
+        check_scheduler(self.scheduler)
         if not (_number(self.cache_ratio) and math.isfinite(self.cache_ratio) and 0.0 <= self.cache_ratio <= 1.0):
             raise ConfigError(f"cache_ratio must be in [0, 1], got {self.cache_ratio!r}")
         for name in ("prefetch", "fill", "prefill_admit"):

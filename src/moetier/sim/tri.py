@@ -42,7 +42,7 @@ from moetier.policies.costmodel import CostModel
 from moetier.policies.hwprofile import load_profile
 from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
 from moetier.policies.schedule_trimoe import MAX_ITERS
-from moetier.policies.schedulers import TRI_SCHEDULERS, make_tri_scheduler
+from moetier.policies.schedulers import check_tri_scheduler, make_tri_scheduler
 from moetier.sim.ndp import CONTENTION, DEFAULT_PROFILE, NdpMachine, load_ndp, price_call
 from moetier.specs import ModelSpec
 from moetier.types import Domain, ExpertKey, Layout
@@ -72,8 +72,7 @@ class TriSimConfig:
     contention: str | None = None  # eq. 6 reading, "array" or "channel" (None: the profile's NDP section)
 
     def __post_init__(self) -> None:
-        if self.scheduler not in TRI_SCHEDULERS:
-            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(TRI_SCHEDULERS)}")
+        check_tri_scheduler(self.scheduler)
         if self.drift is not None and not (_number(self.drift) and math.isfinite(self.drift) and self.drift >= 0):
             raise ConfigError(f"TriSimConfig: drift must be a number >= 0, got {self.drift!r}")
         if self.contention is not None and self.contention not in CONTENTION:

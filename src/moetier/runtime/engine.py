@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.models.open import ModelInfo
+from moetier.runtime.executors.sparse import SPEC as SPARSE_SPEC
 from moetier.runtime.executors.sparse import SparsityState
 from moetier.runtime.executors.spec import ExecutorState
 from moetier.runtime.loader import LoadedModel
@@ -75,7 +76,6 @@ class Wired:
     observers: ObserverList  # shared by every block's pipeline
     executor: str  # the name of the executor variant (runtime/executors EXECUTORS)
     executor_state: ExecutorState | None = None
-    sparsity: SparsityState | None = None
     switching: Switching | None = None
     prefetcher: Prefetcher | None = None
 
@@ -89,7 +89,7 @@ class Engine:
         self.decoder: Decoder = wired.decoder
         self.observers = wired.observers
         self.executor, self.executor_state = wired.executor, wired.executor_state
-        self.sparsity, self.switching, self.prefetcher = wired.sparsity, wired.switching, wired.prefetcher
+        self.switching, self.prefetcher = wired.switching, wired.prefetcher
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None
@@ -152,6 +152,11 @@ class Engine:
         if self.switching is not None:
             self.switching.after_forward(force=force_switch)
         return out
+
+    @property
+    def sparsity(self) -> SparsityState | None:
+        """The sparse executor's state (thresholds, counters) when intra-expert sparsity is on, else None."""
+        return cast(SparsityState, self.executor_state) if self.executor == SPARSE_SPEC.name else None
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -134,4 +134,4 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
         if built is not None and built.state is not None:
             built.state.close()
         raise
-    return Wired(loaded, cfg, decoder, observers, spec.name, built.state, built.sparsity, switching, prefetcher)
+    return Wired(loaded, cfg, decoder, observers, spec.name, built.state, switching, prefetcher)

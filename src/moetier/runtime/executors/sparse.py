@@ -297,7 +297,7 @@ def build(ctx: BuildContext) -> Built:
         thr = table.threshold(block.layer, cfg.target, cfg.block)
         state.layers[block.layer] = ex = SparseExecutor(store, block.layer, thr, cfg.block, inter, fn.act, kernel)
         layers[block.layer] = (scheduler, ex)
-    return Built(layers, state, state)
+    return Built(layers, state)
 
 
 SPEC = ExecutorSpec(name="sparse", build=build, needs=NEEDS, check=check, prepare=prepare)

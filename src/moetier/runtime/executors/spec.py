@@ -47,7 +47,6 @@ class Built:
 
     layers: Mapping[int, tuple[LayerScheduler, Executor]]
     state: ExecutorState | None = None
-    sparsity: Any = None  # the sparse variant's SparsityState (thresholds, counters): Engine.sparsity
 
 
 def _no_check(config: EngineConfig, family: Family) -> None:

@@ -318,7 +318,7 @@ class BatchRunner:
         slots = self._slots
         if slots is not None:
             reserve = len(ids) + seq.req.max_new_tokens - 1
-            return engine.step(_row(ids, engine), index=0, run=lambda _: slots.prefill(seq.slot, ids, reserve=reserve))
+            return engine.step(index=0, run=lambda: slots.prefill(seq.slot, ids, reserve=reserve))
         engine.decoder.reset()
         with torch.inference_mode():
             return engine.step(_row(ids, engine), index=0)[-1]
@@ -330,7 +330,7 @@ class BatchRunner:
         index = self._n["decode_steps"] + 1
         if slots is not None:
             rows = [s.slot for s in batch]
-            return engine.step(_row(tokens, engine), index=index, run=lambda _: slots.decode(rows, tokens))
+            return engine.step(index=index, run=lambda: slots.decode(rows, tokens))
         with torch.inference_mode():  # serial: one sequence owns the engine's decoder
             return engine.step(_row(tokens, engine), index=index)[-1:]
 
@@ -351,5 +351,5 @@ class BatchRunner:
 
 
 def _row(ids: list[int], engine: Engine) -> torch.Tensor:
-    """Token ids as the [1, T] row Engine.step takes (T tokens of one sequence, or one of each of T)."""
+    """Token ids as the [1, T] row Engine.step takes (the serial path: T tokens of one sequence)."""
     return torch.tensor([ids], device=engine.device)

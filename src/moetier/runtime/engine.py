@@ -137,18 +137,20 @@ class Engine:
 
     # -- compute ---------------------------------------------------------------
     def step(
-        self, ids: torch.Tensor, index: int | None = None, all_logits: bool = False,
-        run: Callable[[torch.Tensor], torch.Tensor] | None = None, force_switch: bool = False,
+        self, ids: torch.Tensor | None = None, index: int | None = None, all_logits: bool = False,
+        run: Callable[[], torch.Tensor] | None = None, force_switch: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        """The forward step: ids [1, T] (T tokens of one sequence, or one token of each of T sequences
-        when `run` is a batch's) -> logits [T, V] (all_logits) or [1, V] (last) of the decoder, or what
-        `run(ids)` returns (runtime/batch.py: a slot's prefill or a batch's decode step).
+        """The forward step, of the decoder or of `run` (exactly one of `ids` and `run`): ids [1, T] (T tokens of
+        one sequence) -> logits [T, V] (all_logits) or [1, V] (last) of the decoder; or what `run()` returns
+        (runtime/batch.py: a slot's prefill or a batch's decode step on its own KV caches).
         1. the trace's step index (when `index` is given);
         2. the forward (kernels.matmul picks each product's kernel for its row count, per call);
         3. precision switching: this forward's routing to the controller (`force_switch`: decide now)."""
+        if (ids is None) == (run is None):
+            raise ValueError("Engine.step takes ids or run, exactly one of them")
         if index is not None and self.recorder is not None:
             self.recorder.step = index
-        out = self.decoder.forward(ids, all_logits) if run is None else run(ids)
+        out = run() if run is not None else self.decoder.forward(cast(torch.Tensor, ids), all_logits)
         if self.switching is not None:
             self.switching.after_forward(force=force_switch)
         return out

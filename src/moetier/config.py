@@ -202,6 +202,9 @@ class SparsityConfig:
         return self.target > 0
 
 
+DENSE_PRECISIONS = ("full", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: DeviceName = "auto"
@@ -210,8 +213,13 @@ class RuntimeConfig:
     max_seq_len: int = 0  # KV-cache length for the lean decoder; 0 = the model's own limit, capped at 4096
     native_kernels: bool = True  # build and use the C sparse kernel (kernels/native.py); False: torch ops
     kernel_cache: str | None = None  # folder of kernel builds and tipping profiles; None = ~/.cache/moetier
+    dense_precision: str = "full"  # non-expert weights (attention, output head): full, int8 (Q8_0) or int4 (Q4_0)
 
     def __post_init__(self) -> None:
+        if self.dense_precision not in DENSE_PRECISIONS:
+            raise ConfigError(
+                f"dense_precision must be one of {', '.join(DENSE_PRECISIONS)}, got {self.dense_precision!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "bf16", "fp32", "fp16"):

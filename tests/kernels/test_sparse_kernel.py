@@ -363,7 +363,7 @@ def test_load_builds_into_the_configured_cache(monkeypatch: pytest.MonkeyPatch, 
             lib = native.load(True, cache)
             assert lib is not None and native.load_error(True, cache) is None
             built = list((cache / "kernels").iterdir())
-            assert len(built) == 1 and built[0].name.startswith("sparse_swiglu-") and built[0].suffix == ".so"
+            assert len(built) == 1 and built[0].name.startswith(native.LIB_PREFIX) and built[0].suffix == ".so"
             assert not (tmp_path / "ignored").exists()
             assert lib.moetier_sparse_abi() == native.ABI
             assert native.load(True, str(cache)) is lib  # cached per process and folder

@@ -36,6 +36,7 @@ from moetier.cli.tables import eval_report
 from moetier.config import PrecisionConfig, format_size
 from moetier.errors import BudgetError, CheckpointError, ConfigError
 from moetier.formats.quantize import quantize_model
+from moetier.kernels import decode
 from moetier.kernels.qformat import _int2_layout_ok
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.precision import ExpertState, PrecisionController
@@ -54,11 +55,15 @@ MODELS: dict[str, tuple[str, torch.dtype, dict[str, int], tuple[str, ...]]] = {
 }  # fmt: skip
 # compute format of (w13, w2) per precision: the kernels where dtype and shape allow, else generic
 INT2_KIND = "int2" if _int2_layout_ok() else "generic"  # the int2 fold needs the AVX-512 packer layout
+# with the native decode kernels loaded, bf16 slots take their formats (n8 / n4 / n2) where both matrices fit
+# (int2's w2 has K = 64, not a multiple of 128: that expert keeps the torch formats)
+NATIVE = decode.load(True, None) is not None
 KINDS = {
-    "qwen3_bf16": {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "int2": (INT2_KIND, "generic")},
+    "qwen3_bf16": {"int8": ("n8", "n8") if NATIVE else ("int8", "int8"),
+                   "int4": ("n4", "n4") if NATIVE else ("int4", "int4"), "int2": (INT2_KIND, "generic")},
     "mixtral_fp32": {p: ("generic", "generic") for p in ("int8", "int4", "int2")},
-    "gpt_oss_bf16": {"int8": ("int8", "int8")},
-}
+    "gpt_oss_bf16": {"int8": ("n8", "n8") if NATIVE else ("int8", "int8")},
+}  # fmt: skip
 BITS = {"full": 16, "int8": 8, "int4": 4, "int2": 2}
 
 

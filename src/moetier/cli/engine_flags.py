@@ -69,7 +69,13 @@ from moetier.runtime.wire import load
 Native = Annotated[
     bool,
     typer.Option("--native/--no-native", envvar="MOETIER_NATIVE", rich_help_panel="Engine",
-                 help="Build and use the C sparse kernel (kernels/native.py); --no-native runs its math as torch ops."),
+                 help="Build and use the C kernels (kernels/native.py: decode, sparse); --no-native runs torch ops."),
+]  # fmt: skip
+DensePrecision = Annotated[
+    str,
+    typer.Option("--dense-precision", metavar="full|int8|int4", rich_help_panel="Precision",
+                 help="Non-expert weights (attention projections, output head): full, or quantised in blocks of 32 "
+                      "as llama.cpp's Q8_0 (int8) / Q4_0 (int4) files hold them; needs the native kernels."),
 ]  # fmt: skip
 KernelCache = Annotated[
     Path | None,
@@ -141,6 +147,7 @@ class EngineFlags:
     profile: Profile = None
     native: Native = True
     kernel_cache: KernelCache = None
+    dense_precision: DensePrecision = "full"
 
     def config(self) -> EngineConfig:
         """The EngineConfig these flags ask for; ConfigError names a bad value or combination."""
@@ -154,7 +161,10 @@ class EngineFlags:
             scheduler_config(self.scheduler, self.profile),
         )  # fmt: skip
         cache = str(self.kernel_cache) if self.kernel_cache is not None else None
-        return replace(cfg, runtime=replace(cfg.runtime, native_kernels=self.native, kernel_cache=cache))
+        runtime = replace(
+            cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision
+        )
+        return replace(cfg, runtime=runtime)
 
     @contextmanager
     def session(self, model: Path, config: EngineConfig, err: Console, trace: Path | None) -> Iterator[Engine]:

@@ -1,11 +1,13 @@
-"""Builds and loads the project's one C kernel (csrc/sparse_swiglu.c) with the system compiler.
+"""Builds and loads the project's C kernels (csrc/sparse_swiglu.c, csrc/decode.c) with the system compiler.
 
 Why C of our own: no library has a CPU kernel that gathers the rows of active neurons of several
 experts and fuses gate, mask, up, down and the weighted combine into one call; composed from torch
 ops the same math costs a dozen dispatches per expert (~5 us each), more than the skipped rows save
-at decode. The kernel is plain C the compiler vectorises (AVX512-BF16 dot products where the CPU
-has them); it is built once per source, compiler (path and version), flags and CPU into the cache
-folder (`cache_dir(root)`: ROOT/kernels, ROOT = RuntimeConfig.kernel_cache, default
+at decode. The decode kernels (kernels/decode.py) run every active expert of a layer call, and the
+dense projections, in one call each, on our own pool slots (docs/engine.md says why no library was
+taken). The sources are plain C the compiler vectorises, with AVX2 / AVX512-BF16 intrinsics where the
+target has them; they are built into one library once per source, compiler (path and version),
+flags and CPU into the cache folder (`cache_dir(root)`: ROOT/kernels, ROOT = RuntimeConfig.kernel_cache, default
 ~/.cache/moetier) and loaded with ctypes, so no Python headers are needed. Compilers are tried in
 order (cc, gcc, clang); a failed build leaves a `.failed` note with its error, so later starts skip
 that compiler at once. Where none works, `load()` returns None with the reasons in `load_error()`
@@ -33,8 +35,10 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "sparse_swiglu.c"
-ABI = 4
+SOURCES = (Path(__file__).with_name("csrc") / "sparse_swiglu.c", Path(__file__).with_name("csrc") / "decode.c")
+ABI = 4  # csrc/sparse_swiglu.c
+DECODE_ABI = 1  # csrc/decode.c
+LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -52,6 +56,17 @@ _QUANT_ARGTYPES: list[Any] = [
     _P, ctypes.c_int, _P,  # out, accumulate, mask_out
     _P, _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, wbuf, nthreads
 ]  # fmt: skip
+_I = ctypes.c_int
+_DECODE_ARGTYPES: dict[str, list[Any]] = {
+    "moetier_decode_abi": [],
+    "moetier_decode_isa": [],
+    "moetier_gemv_scratch_bytes": [_I64, _I64, _I],  # M, K, kind
+    "moetier_moe_scratch_bytes": [_I64, _I64, _I64, _I64],  # T, H, I, P
+    # x, M, K, N, kind, q, scale, zero, group, y, scratch, nthreads
+    "moetier_gemv": [_P, _I64, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _I],
+    # x, T, H, I, n_exp, desc, start, tok, rw, out, accumulate, scratch, nthreads
+    "moetier_moe": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I],
+}
 _errors: dict[tuple[bool, Path], str] = {}  # (enabled, root) -> why load() returned None
 
 
@@ -104,7 +119,7 @@ def _build(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [cc, *FLAGS, "-o", tmp, *(str(src) for src in SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
@@ -118,10 +133,15 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     if lib.moetier_sparse_abi() != ABI:
         raise RuntimeError(f"{path}: kernel ABI {lib.moetier_sparse_abi()}, expected {ABI}")
+    if lib.moetier_decode_abi() != DECODE_ABI:
+        raise RuntimeError(f"{path}: decode kernel ABI {lib.moetier_decode_abi()}, expected {DECODE_ABI}")
     for name in ("moetier_sparse_moe_bf16", "moetier_sparse_moe_f32"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, _ARGTYPES
     lib.moetier_sparse_moe_quant.restype, lib.moetier_sparse_moe_quant.argtypes = ctypes.c_int64, _QUANT_ARGTYPES
+    for name, argtypes in _DECODE_ARGTYPES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int64, argtypes
     return lib
 
 
@@ -144,12 +164,12 @@ def _load(enabled: bool, root: Path) -> ctypes.CDLL | None:
     torch.zeros(1).add_(1)  # torch's libgomp is loaded before ours binds to it
     errors = []
     try:
-        source = SOURCE.read_bytes()
+        source = b"\0".join(src.read_bytes() for src in SOURCES)
     except OSError as exc:
         _errors[key] = f"kernel source missing: {exc}"
         return None
     for cc in compilers:
-        target = root / "kernels" / f"sparse_swiglu-{_key(source, cc)}.so"
+        target = root / "kernels" / f"{LIB_PREFIX}{_key(source, cc)}.so"
         failed = target.with_suffix(".failed")
         try:
             if not target.exists():
@@ -184,7 +204,7 @@ def load_error(enabled: bool = True, cache_dir: Path | str | None = None) -> str
 
 def build_key_of(lib: ctypes.CDLL) -> str:
     """The key of a loaded kernel build (source, compiler, flags, CPU), read from its file name."""
-    return Path(lib._name).stem.removeprefix("sparse_swiglu-")
+    return Path(lib._name).stem.removeprefix(LIB_PREFIX)
 
 
 def build_key(enabled: bool = True, cache_dir: Path | str | None = None) -> str:

@@ -20,6 +20,10 @@ Formats (per matrix; `kind` of QLinearWeight), W = (q - zero) * scale in canonic
   lo groups hold q, hi groups 4q, so their scale row is (s/4, (2 - zero) * s) instead of
   (s, (8 - zero) * s); then the int4 kernel as above. The unfold splits its work over threads
   the way the kernel does (by row block), so each thread reads back what it wrote.
+- "n8" / "n4" / "n2" (CPU, bf16, the native decode kernels loaded, K % 32 == 0 and g % 32 == 0, int2 also
+  K % 128 == 0): the layouts of csrc/decode.c (kernels/decode.py): q int8 [N, K] = q - 128, uint8
+  [N, K/2] nibbles per block of 32, uint8 [N, K/4] 2-bit fields per chunk of 128; scale and zero the
+  canonical bf16 [N, G]. The C kernel quantises x to int8 per block of 32 and takes integer dot products.
 - "generic" (anything else: fp32/fp16 models, CUDA, shapes the kernels refuse, int8 with g < K):
   the canonical q/scale/zero; dequantised to x's dtype per call, then matmul.linear.
 
@@ -46,10 +50,11 @@ import torch
 from moetier.errors import CheckpointError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
-from moetier.kernels import matmul
+from moetier.kernels import decode, matmul
 from moetier.types import Precision
 
 ALIGN = 64
+NATIVE_KINDS = ("n8", "n4", "n2")
 KERNEL_GROUPS = (32, 64, 128, 256)
 _BF16 = torch.bfloat16
 _MASKS = torch.tensor([0x33, 0xCC], dtype=torch.uint8).view(1, 2, 1)  # lo, hi bit fields of a folded byte
@@ -118,6 +123,10 @@ Pieces = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 def _pieces(kind: str, n: int, k: int, g: int, bits: int) -> Pieces:
     """Piece name -> (dtype, shape) of one matrix in format `kind`; names are QLinearWeight fields."""
+    if kind in NATIVE_KINDS:
+        qshape = (n, k) if bits == 8 else (n, k * bits // 8)
+        qtype = torch.int8 if bits == 8 else torch.uint8
+        return {"q": (qtype, qshape), "scale": (_BF16, (n, k // g)), "zero": (_BF16, (n, k // g))}
     if kind == "int8":
         return {"q": (torch.int8, (n, k)), "scale": (_BF16, (n,)), "zero": (_BF16, (n,))}
     if kind == "int4":
@@ -133,6 +142,13 @@ def _convert(
     """Canonical q [N, K*bits/8], scale, zero [N, G] -> the pieces of format `kind` (may allocate)."""
     if kind == "generic":
         return {"q": q, "scale": scale, "zero": zero}
+    if kind in NATIVE_KINDS:  # scale and zero as they are; q re-laid out for csrc/decode.c
+        if bits == 8:
+            native = torch.bitwise_xor(q, 0x80).view(torch.int8)  # [N, K], q - 128 in two's complement
+        else:
+            v = unpack_bits(q, bits, k)  # [N, K]
+            native = decode.pack_nibbles(v) if bits == 4 else decode.pack_crumbs(v)
+        return {"q": native, "scale": scale, "zero": zero}
     s, z = scale.float(), zero.float()  # [N, G]
     if kind == "int8":
         q8 = torch.bitwise_xor(q, 0x80).view(torch.int8)  # [N, K], q - 128 in two's complement
@@ -158,10 +174,13 @@ def _pack_rows(kind: str, n: int) -> int:
     return 64 if kind in ("int4", "int2") and n % 64 == 0 else n
 
 
-def _pick(spec: QuantSpec, n: int, k: int, g: int, dtype: torch.dtype, device: torch.device) -> str:
-    """The CPU kernel format when the precision, dtype, device and shape allow it, else "generic"."""
+def _pick(spec: QuantSpec, n: int, k: int, g: int, dtype: torch.dtype, device: torch.device, native: bool) -> str:
+    """The CPU kernel format when the precision, dtype, device and shape allow it (the native decode
+    kernels' formats first when `native`), else "generic"."""
     if device.type != "cpu" or dtype != _BF16:
         return "generic"  # CUDA: generic only, unverified on GPU (no device here)
+    if native and k % decode.QBLOCK == 0 and g % decode.QBLOCK == 0 and (spec.bits != 2 or k % 128 == 0):
+        return f"n{spec.bits}"
     aten = torch.ops.aten
     if spec.precision is Precision.INT8:
         ok = g == k and k % 16 == 0 and hasattr(aten, "_weight_int8pack_mm")
@@ -188,6 +207,10 @@ def _int4_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.q, w.group, w.scale)  # [M, N]
 
 
+def _native_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
+    return decode.gemv(x, w.q, w.scale, w.zero, w.bits, w.group)  # [M, N]
+
+
 def _int2_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
     sc = w.scratch
     assert sc is not None
@@ -203,6 +226,9 @@ _KERNELS: dict[str, Callable[[torch.Tensor, QLinearWeight], torch.Tensor]] = {
     "int8": _int8_mm,
     "int4": _int4_mm,
     "int2": _int2_mm,
+    "n8": _native_mm,
+    "n4": _native_mm,
+    "n2": _native_mm,
 }
 
 
@@ -260,9 +286,11 @@ class ExpertFormat:
         device: torch.device,
         *,
         kernels: bool = True,
+        native: bool = False,
     ) -> None:
         """`kernels=False` forces the generic format (tests, benchmarks); so does a layout with down rows,
-        whose canonical q/scale/zero rows the sparse kernel reads directly."""
+        whose canonical q/scale/zero rows the sparse kernel reads directly. `native` (the decode kernels
+        are loaded, kernels/decode.py) picks their formats where the shapes allow."""
         self.layout, self.spec, self.dtype, self.device = layout, spec, dtype, device
         h, i = layout.hidden, layout.inter
         self.shapes = {"w13": (2 * i, h), "w2": (i, h) if layout.down_rows else (h, i)}  # matrix -> (N, K)
@@ -272,9 +300,14 @@ class ExpertFormat:
         self.slices: dict[str, dict[str, _Slice]] = {}  # matrix (or "bias") -> piece -> slice
         self._scratch: dict[tuple[int, int, int], _Int2Scratch] = {}
         off = 0
+        groups = {m: resolve_group(spec, k, shape=(n, k)) for m, (n, k) in self.shapes.items()}
+        # native formats for both matrices or neither: the native executor reads an expert in one format
+        native = native and all(
+            _pick(spec, n, k, groups[m], dtype, device, True) in NATIVE_KINDS for m, (n, k) in self.shapes.items()
+        )
         for m, (n, k) in self.shapes.items():
-            g = resolve_group(spec, k, shape=(n, k))
-            kind = _pick(spec, n, k, g, dtype, device) if kernels else "generic"
+            g = groups[m]
+            kind = _pick(spec, n, k, g, dtype, device, native) if kernels else "generic"
             self.groups[m], self.kinds[m], self.slices[m] = g, kind, {}
             for piece, (dt, shape) in _pieces(kind, n, k, g, spec.bits).items():
                 self.slices[m][piece] = sl = _Slice(_align(off), dt, shape)
@@ -296,6 +329,8 @@ class ExpertFormat:
     def _pack_temp_bytes(self, m: str) -> int:
         """Upper bound of the bytes pack_into allocates while converting matrix `m` (see _convert)."""
         (n, k), g, kind = self.shapes[m], self.groups[m], self.kinds[m]
+        if kind in NATIVE_KINDS:
+            return 2 * n * k  # unpacked values and the re-packed copy
         if kind == "int8":
             return n * k + 64 * n  # xor result; fp32 scale and offset rows
         if kind in ("int4", "int2"):

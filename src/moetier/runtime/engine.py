@@ -20,7 +20,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -31,6 +31,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
+from moetier.kernels import decode, native
 from moetier.models.open import ModelInfo
 from moetier.runtime.executors.sparse import SPEC as SPARSE_SPEC
 from moetier.runtime.executors.sparse import SparsityState
@@ -261,6 +262,26 @@ class Engine:
                 on_window(n_done + 1, len(starts))
         return EvalResult(ppl=math.exp(nll / count), tokens=count, nll=nll / count, stats=self.stats())
 
+    @torch.inference_mode()
+    def window_logits(
+        self, ids: list[int], window: int = 0, on_window: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """perplexity()'s windows one at a time, for measures that need the logits themselves (runtime/quality.py):
+        yields (start, logits [T, V] float32, targets [T]) per non-overlapping window of `window` tokens (0: the
+        context length, capped at 1024 and at the KV cache), with perplexity()'s forwards and trace step indices."""
+        if len(ids) < 2:
+            raise ConfigError(f"scoring needs at least 2 tokens, got {len(ids)}")
+        if window > self._max_len():
+            raise ConfigError(f"window of {window} tokens exceeds the KV cache of {self._max_len()} tokens")
+        window = window or min(int(getattr(self.loaded.config, "max_position_embeddings", 1024)), 1024, self._max_len())
+        starts = range(0, len(ids) - 1, window)
+        for n_done, start in enumerate(starts):
+            chunk = ids[start : start + window + 1]  # len(chunk) >= 2: start <= len(ids) - 2
+            logits = self._eval_logits(torch.tensor([chunk[:-1]]), start // window)[0].float()  # [T, V]
+            yield start, logits, torch.tensor(chunk[1:], device=logits.device)  # targets [T]
+            if on_window is not None:
+                on_window(n_done + 1, len(starts))
+
     @functools.cached_property
     def eos_ids(self) -> set[int]:
         """EOS ids of config.json and generation_config.json (transformers stops on the latter's list)."""
@@ -301,6 +322,16 @@ class Engine:
             return False
 
     # -- accounting --------------------------------------------------------------
+    def _kernels(self) -> str:
+        """Which kernels decode runs: "native (ISA)" with the C library, else "torch" and why."""
+        rt = self.config.runtime
+        if self.device.type != "cpu":
+            return "torch (device)"
+        lib = decode.load(rt.native_kernels, rt.kernel_cache)
+        if lib is None:
+            return f"torch ({native.load_error(rt.native_kernels, rt.kernel_cache)})"
+        return f"native ({decode.isa(lib)})" if self.dtype == torch.bfloat16 else f"torch ({self.dtype} model)"
+
     def stats(self) -> dict[str, Any]:
         s = self.store.stats()
         compute = s.get("accel", s["host"])
@@ -323,6 +354,7 @@ class Engine:
             "demotions": s.get("demotions", 0),
             "tiers": {k: v for k, v in s.items() if k in ("host", "accel")},
             "decoder": type(self.decoder).__name__,
+            "kernels": self._kernels(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
-from moetier.kernels import matmul
+from moetier.kernels import decode
+from moetier.kernels.decode import QDense
 from moetier.runtime.loader import LoadedModel
 
 
@@ -34,9 +35,9 @@ from moetier.runtime.loader import LoadedModel
 class _Layer:
     in_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [(nh + 2 nkv) * hd, H]
+    wqkv: torch.Tensor | QDense  # [(nh + 2 nkv) * hd, H]
     bqkv: torch.Tensor | None
-    wo: torch.Tensor  # [H, nh * hd]
+    wo: torch.Tensor | QDense  # [H, nh * hd]
     bo: torch.Tensor | None  # [H] (attention_bias)
     q_norm: torch.Tensor | None  # [hd] (per head) or [nh * hd] (whole projection)
     k_norm: torch.Tensor | None
@@ -63,8 +64,17 @@ def lean_supported(loaded: LoadedModel) -> bool:
 
 
 class LeanDecoder:
-    def __init__(self, loaded: LoadedModel, max_seq_len: int = 0) -> None:
+    def __init__(
+        self, loaded: LoadedModel, max_seq_len: int = 0, dense_precision: str = "full", native: bool = False
+    ) -> None:
+        """`native`: the decode kernels are loaded (kernels/decode.py); the projections of up to
+        decode.NATIVE_ROWS rows take them. `dense_precision` int8 / int4 quantises the attention projections
+        and the output head (Q8_0 / Q4_0 blocks, needs `native`); the bf16 copies stay in the model's modules."""
         cfg, model = loaded.config, loaded.model
+        if dense_precision != "full" and not native:
+            raise ConfigError(f"dense precision {dense_precision} needs the native decode kernels")
+        self.native = native
+        self.dense_bits = decode.DENSE_BITS.get(dense_precision, 0)
         inner: Any = model.model  # the family's base model (embed_tokens, layers, norm, rotary_emb)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.nh = int(cfg.num_attention_heads)
@@ -80,7 +90,7 @@ class LeanDecoder:
         self.final_norm = inner.norm.weight  # [H]
         full: Any = model
         head = full.get_output_embeddings()
-        self.lm_head = head.weight  # [V, H]
+        self.lm_head = self._dense(head.weight)  # [V, H]
         self.layers = [self._layer(layer) for layer in inner.layers]
         self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
         # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
@@ -94,6 +104,10 @@ class LeanDecoder:
         self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.pos = 0
 
+    def _dense(self, w: torch.Tensor) -> torch.Tensor | QDense:
+        """A projection's weight as the decoder reads it: quantised when dense_bits is set."""
+        return decode.quantize_dense(w.detach(), self.dense_bits) if self.dense_bits else w
+
     def _layer(self, layer: Any) -> _Layer:
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
@@ -103,7 +117,7 @@ class LeanDecoder:
         return _Layer(
             in_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            wqkv=w, bqkv=b, wo=a.o_proj.weight, bo=a.o_proj.bias,
+            wqkv=self._dense(w), bqkv=b, wo=self._dense(a.o_proj.weight), bo=a.o_proj.bias,
             q_norm=qn.weight if qn is not None else None,
             k_norm=kn.weight if kn is not None else None,
             mlp=layer.mlp,
@@ -159,7 +173,7 @@ class LeanDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed rows h [T, H], rotary cos/sin [T, 1, hd] -> q [T, nh, hd], k and v [T, nkv, hd]."""
         T, nh, nkv, hd = h.shape[0], self.nh, self.nkv, self.hd
-        qkv = matmul.linear(h, L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]
+        qkv = decode.dense_linear(h, L.wqkv, L.bqkv, self.native)  # [T, (nh + 2 nkv) hd]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         if L.q_norm is not None and L.k_norm is not None and not self.per_head_norm:
             q, k = self.norm(q, L.q_norm), self.norm(k, L.k_norm)  # OLMoE: whole projection
@@ -175,14 +189,14 @@ class LeanDecoder:
     def finish_layer(self, L: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Residual x [T, H] + output projection of att [T, nh * hd], then the MLP/MoE on all T rows at
         once ([1, T, H]: rows are independent, so T may be T tokens of one sequence or one of T sequences)."""
-        x = x + matmul.linear(att, L.wo, L.bo)
+        x = x + decode.dense_linear(att, L.wo, L.bo, self.native)
         h = self.norm(x, L.post_norm)
         y = L.mlp(h[None])  # [1, T, H] (TieredMoE or dense MLP)
         return x + (y[0] if isinstance(y, tuple) else y)[0]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: x [T, H] -> logits [T, V]."""
-        return matmul.linear(self.norm(x, self.final_norm), self.lm_head)
+        return decode.dense_linear(self.norm(x, self.final_norm), self.lm_head, None, self.native)
 
 
 def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:

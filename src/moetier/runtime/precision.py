@@ -35,6 +35,7 @@ from moetier.errors import BudgetError, ConfigError, MoetierError
 from moetier.formats.qtier import QuantTier
 from moetier.formats.quant import QuantSpec
 from moetier.formats.safetensors import ExpertReader
+from moetier.kernels import decode
 from moetier.kernels.qformat import ExpertFormat
 from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
 from moetier.runtime.observers import Route, Stage
@@ -47,9 +48,10 @@ from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
 
 def make_source(
     precision: str, reader: ExpertReader, model_dir: str | os.PathLike[str], cfg: PrecisionConfig, dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, native: bool = False,
 ) -> ExpertSource:  # fmt: skip
-    """The disk tier of one precision: the checkpoint itself, or its quantized copy."""
+    """The disk tier of one precision: the checkpoint itself, or its quantized copy (in the native decode
+    kernels' slot formats when `native`)."""
     if precision == "full":
         return FullSource(reader, dtype)
     spec = QuantSpec(Precision(precision), cfg.group(precision) or None)
@@ -57,7 +59,7 @@ def make_source(
     if tier.layout != reader.layout:
         tier.close()
         raise ConfigError(f"quantized {precision} tier layout {tier.layout} does not match the model's {reader.layout}")
-    return QuantSource(tier, ExpertFormat(reader.layout, tier.spec, dtype, device))
+    return QuantSource(tier, ExpertFormat(reader.layout, tier.spec, dtype, device, native=native))
 
 
 def build_store(
@@ -66,8 +68,9 @@ def build_store(
 ) -> ExpertStore | DynamicStore:  # fmt: skip
     pcfg = cfg.precision
     keys = list(reader.plans)
+    native = decode.formats_available(cfg.runtime.native_kernels, cfg.runtime.kernel_cache, dtype, device)
     if pcfg.mode != "dynamic":
-        source = make_source(pcfg.mode, reader, model_dir, pcfg, dtype, device)
+        source = make_source(pcfg.mode, reader, model_dir, pcfg, dtype, device, native)
         try:
             return ExpertStore(
                 source, keys, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
@@ -79,8 +82,8 @@ def build_store(
     # dynamic: both pools in the compute tier, sized from its budget
     budget = cfg.budgets.accel_expert_bytes if device.type == "cuda" else cfg.budgets.host_expert_bytes
     flag = "--gpu-expert-mem" if device.type == "cuda" else "--host-expert-mem"
-    hi = make_source(pcfg.hi, reader, model_dir, pcfg, dtype, device)
-    lo = make_source(pcfg.lo, reader, model_dir, pcfg, dtype, device)
+    hi = make_source(pcfg.hi, reader, model_dir, pcfg, dtype, device, native)
+    lo = make_source(pcfg.lo, reader, model_dir, pcfg, dtype, device, native)
     try:
         per_layer: dict[int, int] = {}
         for key in keys:

@@ -3,7 +3,8 @@
 Steps (numbered in `load`):
 1. open the checkpoint skeleton (runtime/loader.py): config, family, index, dtype, expert reader;
 2. choose the executor variant (runtime/executors EXECUTORS: sparse when SparsityConfig is on,
-   hybrid on CUDA with SchedulerConfig.name set, else dense) and refuse impossible combinations
+   hybrid on CUDA with SchedulerConfig.name set, native on a CPU bf16 SwiGLU model when the kernel
+   library loads, else dense) and refuse impossible combinations
    from the capabilities the config's store declares and each feature needs, before any pool is
    allocated, in this order: sparsity, prefetch, hybrid execution; then what the variant prepares
    (the sparsity table);
@@ -12,7 +13,8 @@ Steps (numbered in `load`):
    switches precisions, cache scores when its policy takes router scores, the prefetcher when
    PrefetchConfig is on; the pricing both the prefetcher and the hybrid scheduler use;
 5. the executor of every MoE layer, attached with its scheduler and the observers, once;
-6. the decoder (lean when the family's attention allows it) and the Engine.
+6. the decoder (lean when the family's attention allows it; its dense projections on the native
+   kernels when loaded, quantised per RuntimeConfig.dense_precision) and the Engine.
 
 Invariants: every refusal of step 2 comes before any pool is allocated and closes the checkpoint's
 files; a failure after the model is built closes its store and stops the threads wiring started;
@@ -25,15 +27,21 @@ from __future__ import annotations
 import os
 from typing import cast
 
+import torch
+
 from moetier.config import EngineConfig
+from moetier.errors import ConfigError
+from moetier.kernels import decode, native
 from moetier.models.families import Family
+from moetier.models.open import expert_fn_for
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
 from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
+from moetier.runtime.executors.native import native_fits
 from moetier.runtime.executors.registry import EXECUTORS
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
-from moetier.runtime.loader import LoadedModel, build_model, open_skeleton
+from moetier.runtime.loader import LoadedModel, Skeleton, build_model, open_skeleton
 from moetier.runtime.moe_block import Pipeline
 from moetier.runtime.observers import CacheScores, ObserverList
 from moetier.runtime.precision import Switching, store_capabilities
@@ -51,7 +59,7 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
     sk = open_skeleton(path, cfg)
     try:
         # 2. the executor variant; refusals; what it prepares
-        spec = choose_executor(cfg, sk.device.type == "cuda")
+        spec = choose_executor(cfg, sk.device.type == "cuda", native_ok(cfg, sk))
         refuse(cfg, spec, store_capabilities(cfg), sk.opened.family, sk.device.type == "cuda")
         prepared = spec.prepare(cfg, sk)
     except BaseException:
@@ -70,11 +78,33 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
         raise
 
 
-def choose_executor(cfg: EngineConfig, cuda: bool) -> ExecutorSpec:
-    """sparse when sparsity is on, hybrid on CUDA with a scheduler named, else dense."""
+def native_ok(cfg: EngineConfig, sk: Skeleton) -> bool:
+    """Whether the model fits the native executor (executors/native.py native_fits) and the kernel library
+    loads; refuses a quantised --dense-precision the engine cannot run."""
+    o = sk.opened
+    cuda = sk.device.type == "cuda"
+    fits = native_fits(cfg, o.family, expert_fn_for(o.family, o.config), o.dtype, cuda)
+    lib = decode.load(cfg.runtime.native_kernels, cfg.runtime.kernel_cache) if not cuda else None
+    if cfg.runtime.dense_precision != "full":
+        if lib is None or o.dtype != torch.bfloat16:
+            why = "a CUDA device" if cuda else (native.load_error(cfg.runtime.native_kernels, cfg.runtime.kernel_cache)
+                                                 or f"a {o.dtype} model (bf16 only)")  # fmt: skip
+            raise ConfigError(f"--dense-precision {cfg.runtime.dense_precision} needs the native CPU kernels on a "
+                              f"bf16 model; here: {why}")  # fmt: skip
+        if not (cfg.runtime.lean and o.family.lean_attention):
+            raise ConfigError(f"--dense-precision {cfg.runtime.dense_precision} needs the lean decoder (this family "
+                              "or --no-lean runs transformers' modules)")  # fmt: skip
+    return fits and lib is not None
+
+
+def choose_executor(cfg: EngineConfig, cuda: bool, native_ok: bool = False) -> ExecutorSpec:
+    """sparse when sparsity is on, hybrid on CUDA with a scheduler named, native where the model and the
+    kernel library allow it (`native_ok`), else dense."""
     if cfg.sparsity.enabled:
         return EXECUTORS["sparse"]
-    return EXECUTORS["hybrid" if cuda and cfg.scheduler.name is not None else "dense"]
+    if cuda and cfg.scheduler.name is not None:
+        return EXECUTORS["hybrid"]
+    return EXECUTORS["native" if native_ok else "dense"]
 
 
 def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], family: Family, cuda: bool) -> None:
@@ -125,7 +155,9 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
         # 6. the decoder
         decoder: Decoder
         if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):
-            decoder = LeanDecoder(loaded, cfg.runtime.max_seq_len)
+            native_bf16 = loaded.device.type == "cpu" and decode.load(cfg.runtime.native_kernels,
+                                                                      cfg.runtime.kernel_cache) is not None  # fmt: skip
+            decoder = LeanDecoder(loaded, cfg.runtime.max_seq_len, cfg.runtime.dense_precision, native_bf16)
         else:
             decoder = HFDecoder(loaded.model, loaded.config)
     except BaseException:  # stop what steps 4-5 started (the mover thread, the hybrid worker); load closes the store

@@ -111,3 +111,46 @@ def group_tokens(
         groups[e] = (token_of[start : start + c], w_sorted[start : start + c])
         start += c
     return active, groups
+
+
+def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Grouped:
+    """ids/weights [T, k] -> Grouped. Decode (T = 1): data is expert -> gate weight of the one token, with
+    no sort; else data is expert -> (token indices [c], weights [c]) from `group_tokens`."""
+    if ids.shape[0] == 1:  # decode: k experts, one token each
+        id_list = ids[0].tolist()
+        return Grouped(dict.fromkeys(id_list, 1), dict(zip(id_list, weights[0].tolist(), strict=True)))
+    active, groups = group_tokens(ids, weights, num_experts)
+    return Grouped(active, groups)
+
+
+def execute_per_expert(store: ExpertStoreLike, fn: Any, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
+    """x [T, H] -> sum_k w * expert(x) as [T, H], one expert at a time with torch: each task's expert is
+    acquired in plan order, computed with `fn` and released before the next (one slot is enough); the
+    weighted outputs are summed in ascending expert id, as the transformers reference does."""
+    out = torch.zeros_like(x)  # [T, H]
+    if x.shape[0] == 1:  # decode
+        w_of: dict[int, float] = grouped.data
+        ys: dict[int, torch.Tensor] = {}
+        for task in plan.tasks:  # 1. move + compute, in plan order
+            views = store.acquire(task.key)
+            try:
+                ys[task.key.expert] = fn(x, views)  # [1, H]
+            finally:
+                store.release(task.key)
+        for e in sorted(ys):  # 2. combine in expert order, whatever the residency
+            out.add_(ys[e], alpha=w_of[e])  # [1, H] += w * expert(x)
+        return out
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = grouped.data
+    outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for task in plan.tasks:  # 1. move + compute, in plan order
+        e = task.key.expert
+        tok, w = groups[e]  # [c], [c]
+        views = store.acquire(task.key)
+        try:
+            y = fn(x[tok], views)  # [c, H]
+            outs[e] = (tok, (y * w[:, None]).to(out.dtype))
+        finally:
+            store.release(task.key)
+    for e in sorted(outs):  # 2. combine in expert order, whatever the residency (as the reference does)
+        out.index_add_(0, *outs[e])
+    return out

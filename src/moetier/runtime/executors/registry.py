@@ -6,8 +6,7 @@ this package and one entry here.
 
 from __future__ import annotations
 
-from moetier.runtime.executors import dense, hybrid, sparse
+from moetier.runtime.executors import dense, hybrid, native, sparse
 from moetier.runtime.executors.spec import ExecutorSpec
 
-EXECUTORS: dict[str, ExecutorSpec] = {spec.name: spec for spec in (dense.SPEC, sparse.SPEC, hybrid.SPEC)}
-# The native decode executor (issue 15) joins this dict.
+EXECUTORS: dict[str, ExecutorSpec] = {spec.name: spec for spec in (dense.SPEC, native.SPEC, sparse.SPEC, hybrid.SPEC)}

@@ -1,0 +1,295 @@
+"""The native decode kernels (csrc/decode.c) as typed torch ops, and the dense weights they read.
+
+Two ops, registered with torch.library under `moetier::` (tensors and plain lists in, a tensor out):
+- `moetier::gemv(x, q, scale, zero, kind, group) -> y`: x [M, K] bf16 @ W[N, K].T -> [M, N] bf16, for a
+  bf16 weight (kind 16) or a quantised one (kind 8 / 4 / 2; csrc/decode.c gives the byte layouts);
+- `moetier::moe(x, slots, layout, start, tok, rw, inter) -> out`: every active expert of one MoE layer
+  call in one call: x [T, H] bf16, the experts' pool slots (one tensor each, the slot's memory), per
+  expert its format row (`layout`: kind, then per matrix group, q / scale / zero byte offsets in the
+  slot), the (token, router weight) pairs grouped by expert -> sum over pairs w * SwiGLU_e(x[t]) as
+  [T, H] bf16.
+
+Dense weights: `QDense` is a non-expert matrix (attention, output head) quantised the way llama.cpp's
+Q8_0 / Q4_0 files hold them (blocks of 32, one scale each, symmetric); `quantize_dense` makes one and
+`dense_linear` computes with a bf16 tensor or a QDense, picking the native kernel for up to
+`NATIVE_ROWS` rows.
+
+Where the kernels come from: kernels/native.py builds the C library; `load(enabled, cache_dir)` binds
+it to the ops (the ops raise until a library is bound). Without a compiler, or with
+RuntimeConfig.native_kernels off, `load` returns None and callers keep torch's path (the dense executor,
+matmul.linear) and say so in their stats.
+
+Invariants: the ops never write their inputs; scratch memory is one buffer per thread, grown when a
+larger call comes and reused after, so a steady decode allocates only its outputs; a pool slot passed to
+`moe` must stay pinned by the caller for the call (the store's acquire / release).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moetier.kernels import matmul, native
+
+KIND_BF16 = 16
+QBLOCK = 32  # activation (and dense weight) quantisation block
+DESC = 10  # int64 per expert of the C descriptor: address, kind, then 4 per matrix
+LAYOUT = DESC - 1  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
+NATIVE_ROWS = 16  # rows up to which dense_linear takes the native kernel (more: torch's GEMM)
+DENSE_BITS = {"int8": 8, "int4": 4}
+_BF16 = torch.bfloat16
+_bound: list[ctypes.CDLL] = []  # the library the ops call (one per process; every build has the same code)
+
+
+def load(enabled: bool = True, cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
+    """The kernel library (native.load) bound to the ops, or None when it cannot be had (native.load_error)."""
+    lib = native.load(enabled, cache_dir)
+    if lib is not None and not _bound:
+        _bound.append(lib)
+    return lib
+
+
+def formats_available(enabled: bool, cache_dir: Path | str | None, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether quantised expert slots take the native formats (kernels/qformat.py n8 / n4 / n2): a bf16
+    model on the CPU and the library loaded."""
+    return device.type == "cpu" and dtype == _BF16 and load(enabled, cache_dir) is not None
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The instruction set the decode kernels were compiled for: "avx2" or "c" (plain C)."""
+    return "avx2" if lib.moetier_decode_isa() == 2 else "c"
+
+
+def _lib() -> ctypes.CDLL:
+    if not _bound:
+        raise RuntimeError("moetier decode kernels are not loaded (kernels.decode.load)")
+    return _bound[0]
+
+
+class _Scratch(threading.local):
+    buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> int:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)  # 64-byte aligned (CPU allocator)
+        return self.buf.data_ptr()
+
+
+_scratch = _Scratch()
+
+
+# --------------------------------------------------------------------------------------------- ops
+
+_LIB = torch.library.Library("moetier", "DEF")
+_LIB.define("gemv(Tensor x, Tensor q, Tensor? scale, Tensor? zero, int kind, int group) -> Tensor")
+_LIB.define("moe(Tensor x, Tensor[] slots, int[] layout, int[] start, int[] tok, float[] rw, int inter) -> Tensor")
+
+
+def _check_gemv(x: torch.Tensor, q: torch.Tensor, kind: int, group: int) -> tuple[int, int, int]:
+    if x.dim() != 2 or x.dtype != _BF16 or not x.is_contiguous() or not x.is_cpu:
+        raise ValueError(f"gemv: x must be a contiguous bf16 CPU [M, K] tensor, got {x.dtype} {list(x.shape)}")
+    m, k = x.shape
+    if kind == KIND_BF16:
+        if q.dtype != _BF16 or q.dim() != 2 or q.shape[1] != k or not q.is_contiguous():
+            raise ValueError(f"gemv: bf16 weight must be contiguous [N, {k}], got {q.dtype} {list(q.shape)}")
+        return m, k, q.shape[0]
+    if kind not in (8, 4, 2) or k % QBLOCK or group % QBLOCK or k % group or (kind == 2 and k % 128):
+        raise ValueError(f"gemv: kind {kind} with K={k}, group {group} is not a layout of csrc/decode.c")
+    if q.dim() != 2 or q.element_size() != 1 or q.shape[1] * 8 != k * kind or not q.is_contiguous():
+        raise ValueError(f"gemv: int{kind} weight must be contiguous [N, {k * kind // 8}] bytes, got {list(q.shape)}")
+    return m, k, q.shape[0]
+
+
+def _gemv_impl(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, kind: int, group: int
+) -> torch.Tensor:
+    m, k, n = _check_gemv(x, q, kind, group)
+    if kind != KIND_BF16 and (scale is None or scale.numel() != n * (k // group) or scale.dtype != _BF16):
+        raise ValueError(f"gemv: scale must be bf16 [{n}, {k // group}]")
+    if zero is not None and (zero.numel() != n * (k // group) or zero.dtype != _BF16):
+        raise ValueError(f"gemv: zero must be bf16 [{n}, {k // group}] or None")
+    lib = _lib()
+    y = torch.empty((m, n), dtype=_BF16)  # [M, N]
+    scratch = _scratch.get(lib.moetier_gemv_scratch_bytes(m, k, kind))
+    rc = lib.moetier_gemv(
+        x.data_ptr(), m, k, n, kind, q.data_ptr(), scale.data_ptr() if scale is not None else None,
+        zero.data_ptr() if zero is not None else None, group, y.data_ptr(), scratch, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"gemv: the kernel refused kind {kind} with K={k}, group {group}")
+    return y
+
+
+def _moe_impl(
+    x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
+    rw: list[float], inter: int,
+) -> torch.Tensor:  # fmt: skip
+    n_exp = len(slots)
+    if x.dim() != 2 or x.dtype != _BF16 or not x.is_contiguous() or not x.is_cpu:
+        raise ValueError(f"moe: x must be a contiguous bf16 CPU [T, H] tensor, got {x.dtype} {list(x.shape)}")
+    t, h = x.shape
+    if len(layout) != LAYOUT * n_exp or len(start) != n_exp + 1 or len(tok) != len(rw) or start[-1] != len(tok):
+        raise ValueError(f"moe: {n_exp} slots need {LAYOUT * n_exp} layout ints, {n_exp + 1} starts, pairs = start[-1]")
+    if any(not 0 <= v < t for v in tok) or any(b < a for a, b in itertools.pairwise(start)):
+        raise ValueError(f"moe: tokens must be in [0, {t}) and starts ascending")
+    desc = (ctypes.c_int64 * (DESC * n_exp))()
+    for e, slot in enumerate(slots):
+        if not slot.is_cpu or not slot.is_contiguous():
+            raise ValueError("moe: every slot must be a contiguous CPU tensor")
+        desc[DESC * e] = slot.data_ptr()
+        for j in range(LAYOUT):
+            desc[DESC * e + 1 + j] = layout[LAYOUT * e + j]
+    lib = _lib()
+    p = len(tok)
+    out = torch.empty((t, h), dtype=_BF16)  # [T, H]
+    scratch = _scratch.get(lib.moetier_moe_scratch_bytes(t, h, inter, p))
+    rc = lib.moetier_moe(
+        x.data_ptr(), t, h, inter, n_exp, desc, (ctypes.c_int64 * (n_exp + 1))(*start), (ctypes.c_int32 * p)(*tok),
+        (ctypes.c_float * p)(*rw), out.data_ptr(), 0, scratch, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"moe: the kernel refused H={h}, I={inter} for the experts' kinds")
+    return out
+
+
+_LIB.impl("gemv", _gemv_impl, "CPU")
+_LIB.impl("moe", _moe_impl, "CPU")
+
+
+@torch.library.register_fake("moetier::gemv", lib=_LIB)
+def _gemv_fake(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, kind: int, group: int
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))
+
+
+@torch.library.register_fake("moetier::moe", lib=_LIB)
+def _moe_fake(
+    x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
+    rw: list[float], inter: int,
+) -> torch.Tensor:  # fmt: skip
+    return torch.empty_like(x)
+
+
+def gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, kind: int,
+         group: int) -> torch.Tensor:  # fmt: skip
+    """x [M, K] bf16 @ W.T -> [M, N] bf16 by `moetier::gemv` (see the module docstring)."""
+    out: torch.Tensor = torch.ops.moetier.gemv(x, q, scale, zero, kind, group)
+    return out
+
+
+def moe(
+    x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
+    rw: list[float], inter: int,
+) -> torch.Tensor:  # fmt: skip
+    """Every active expert of one layer call: x [T, H] bf16 -> [T, H] bf16 by `moetier::moe`."""
+    out: torch.Tensor = torch.ops.moetier.moe(x, slots, layout, start, tok, rw, inter)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- dense weights
+
+
+@dataclass(frozen=True, eq=False)
+class QDense:
+    """A dense matrix [N, K] quantised in blocks of 32 with one bf16 scale each (symmetric: int8 q in
+    [-127, 127], stored minus nothing; int4 v in [0, 15] around 8, as llama.cpp's Q8_0 / Q4_0)."""
+
+    bits: int
+    n: int
+    k: int
+    q: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K/2] (bits 4, csrc/decode.c nibble order)
+    scale: torch.Tensor  # bf16 [N, K/32]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * 2
+
+
+def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 >= 0 -> the smallest bf16 value >= x (as fp32), so q = round(w / s) stays in range."""
+    b = x.to(_BF16).float()
+    up = (b.view(torch.int32) + 1).view(torch.float32)  # next bf16 above (positive finite values)
+    up = up.to(_BF16).float()
+    return torch.where(b < x, up, b)
+
+
+def pack_nibbles(v: torch.Tensor) -> torch.Tensor:
+    """v uint8 [N, K] in [0, 15] -> [N, K/2], per block of 32: byte j = v[j] | v[j + 16] << 4."""
+    n, k = v.shape
+    blocks = v.reshape(n, k // 32, 2, 16)  # [N, B, half, 16]
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def pack_crumbs(v: torch.Tensor) -> torch.Tensor:
+    """v uint8 [N, K] in [0, 3] -> [N, K/4]; per chunk of 128, byte j = v[j] | v[j+32]<<2 | v[j+64]<<4 | v[j+96]<<6."""
+    n, k = v.shape
+    c = v.reshape(n, k // 128, 4, 32)  # [N, C, quarter, 32]
+    return (c[:, :, 0] | (c[:, :, 1] << 2) | (c[:, :, 2] << 4) | (c[:, :, 3] << 6)).reshape(n, k // 4)
+
+
+def quantize_dense(w: torch.Tensor, bits: int, rows: int = 4096) -> QDense:
+    """w [N, K] (K % 32 == 0) -> QDense: per block of 32 the scale s = max|w| / 127 (int8) or the signed
+    extreme / -8 (int4, llama.cpp's Q4_0), rounded to bf16 (up, for int8), q = round(w / s)."""
+    if bits not in (8, 4):
+        raise ValueError(f"dense weights quantise to 8 or 4 bits, got {bits}")
+    n, k = w.shape
+    if k % QBLOCK:
+        raise ValueError(f"a dense weight needs K % {QBLOCK} == 0 to quantise, got [{n}, {k}]")
+    qs, ss = [], []
+    for r in range(0, n, rows):  # bounded temporaries for the output head
+        wb = w[r : r + rows].float().reshape(-1, k // QBLOCK, QBLOCK)  # [n, B, 32]
+        if bits == 8:
+            s = _round_up_bf16(wb.abs().amax(-1, keepdim=True) / 127)  # [n, B, 1]
+            inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+            qs.append((wb * inv).round_().clamp_(-127, 127).to(torch.int8).reshape(-1, k))
+        else:
+            idx = wb.abs().argmax(-1, keepdim=True)
+            s = (wb.gather(-1, idx) / -8).to(_BF16).float()  # [n, B, 1], signed: the extreme maps to q = 0
+            inv = torch.where(s != 0, 1 / s, torch.zeros_like(s))
+            v = (wb * inv + 8).round_().clamp_(0, 15).to(torch.uint8).reshape(-1, k)
+            qs.append(pack_nibbles(v))
+        ss.append(s.reshape(-1, k // QBLOCK).to(_BF16))
+    return QDense(bits, n, k, torch.cat(qs).contiguous(), torch.cat(ss).contiguous())
+
+
+def dequantize_dense(w: QDense) -> torch.Tensor:
+    """The matrix a QDense holds, fp32 [N, K] (tests; the torch reference)."""
+    s = w.scale.float().repeat_interleave(QBLOCK, dim=1)  # [N, K]
+    if w.bits == 8:
+        return w.q.float() * s
+    v = w.q.reshape(w.n, w.k // 32, 1, 16)
+    vals = torch.cat([v & 15, v >> 4], dim=2).reshape(w.n, w.k)  # [N, K]
+    return (vals.float() - 8) * s
+
+
+def dense_linear(
+    x: torch.Tensor, w: torch.Tensor | QDense, bias: torch.Tensor | None, native_bf16: bool
+) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) -> [..., N]. A QDense always takes the native kernel (bf16 x); a bf16
+    weight takes it for up to NATIVE_ROWS bf16 rows when `native_bf16`, else matmul.linear."""
+    if isinstance(w, QDense):
+        x2 = x.reshape(-1, w.k)
+        y = gemv(x2.to(_BF16).contiguous(), w.q, w.scale, None, w.bits, QBLOCK)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], w.n).to(x.dtype)
+    if native_bf16 and x.dtype == _BF16 and w.dtype == _BF16 and x.is_cpu and w.is_contiguous():
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= NATIVE_ROWS:
+            y = gemv(x2.contiguous(), w, None, None, KIND_BF16, 0)
+            if bias is not None:
+                y = y + bias
+            return y.view(*x.shape[:-1], w.shape[0])
+    return matmul.linear(x, w, bias)
+
+
+__all__ = [
+    "DENSE_BITS", "KIND_BF16", "LAYOUT", "NATIVE_ROWS", "QBLOCK", "QDense", "dense_linear", "dequantize_dense",
+    "formats_available", "gemv", "isa", "load", "moe", "pack_crumbs", "pack_nibbles", "quantize_dense",
+]  # fmt: skip

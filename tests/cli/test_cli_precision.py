@@ -68,7 +68,7 @@ def test_quantize_resumes_and_force_rewrites(tiny64: Path, quantized: dict[str, 
     assert "int4 layer 1: skipped" in said and "quantized tiers" in again.stdout
     assert tier_files(tiny64, "int4-g128") == before  # nothing rewritten
     refused = invoke("quantize", tiny64, "--precisions", "int4", "--method", "rtn")
-    assert_user_error(refused, "error:", "another method ('hqq', now 'rtn')", "--force")
+    assert_user_error(refused, "error:", "another method ('search', now 'rtn')", "--force")
     forced = invoke("quantize", tiny64, "--precisions", "int4", "--force")
     assert forced.exit_code == 0, (forced.stderr, forced.exception)
     assert "resuming" not in forced.stderr

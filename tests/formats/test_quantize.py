@@ -26,7 +26,7 @@ from conftest import canonical_experts_of
 from moetier.errors import CheckpointError, ConfigError
 from moetier.formats import quantize as quantize_mod
 from moetier.formats.qtier import QuantTier, list_tiers
-from moetier.formats.quant import quantize_expert
+from moetier.formats.quant import QMatrix, dequantize, quantize_expert
 from moetier.formats.quantize import QuantEvent, quantize_model
 from moetier.models.open import open_checkpoint, open_quant_tier
 from moetier.models.tiny import build_tiny_checkpoint
@@ -83,11 +83,45 @@ def test_tier_reads_back_exactly_what_quantize_expert_gives(family: str, ckpt64:
         dest = empty_like_specs(tier)
         for (layer, e), pieces in experts.items():
             assert tier.read_into(ExpertKey(layer, e), dest) == tier.expert_bytes
-            want = quantize_expert(pieces, tier.spec, "hqq")
+            want = quantize_expert(pieces, tier.spec)  # the default method, expert by expert
             assert set(want) == set(dest)
             for name, t in dest.items():
                 assert torch.equal(t, want[name].to(t.dtype)), (precision, layer, e, name)
                 assert torch.equal(files[layer][f"{e}.{name}"], t)  # a plain safetensors file too
+        tier.close()
+
+
+def test_batch_size_changes_no_byte_and_errors_are_measured(ckpt64: Callable[[str], Path], tmp_path, monkeypatch):
+    """Experts are fitted in batches (BATCH_ELEMENTS); one expert per batch, or batches that do not
+    divide the expert count, write the same files; the recorded error is the measured one."""
+    src = ckpt64("gpt_oss")  # with biases
+    ref = quantize_model(src, ALL, out=tmp_path / "ref")
+    numel = open_checkpoint(src, "fp32", torch.device("cpu")).reader.layout.numel
+    for size in (1, 4):  # 6 experts: batches of 1, and of 4 then 2
+        monkeypatch.setattr(quantize_mod, "BATCH_ELEMENTS", size * numel)
+        paths = quantize_model(src, ALL, out=tmp_path / str(size))
+        for a, b in zip(ref, paths, strict=True):
+            assert files_of(a) == files_of(b)
+            recs = [json.loads((p / "manifest.json").read_text())["layers"] for p in (a, b)]
+            for ra, rb in zip(*recs, strict=True):  # the same files; errors summed in another order
+                assert ra["sha256"] == rb["sha256"]
+                assert ra["error"] == pytest.approx(rb["error"], rel=1e-6)
+    experts = canonical_experts_of(src, "gpt_oss")
+    for precision, path in zip(ALL, ref, strict=True):
+        tier = open_quant_tier(src, precision, root=tmp_path / "ref")
+        dest = empty_like_specs(tier)
+        sq = {"w13": [0.0, 0.0], "w2": [0.0, 0.0]}  # layer 0: squared error, squared norm
+        for e in range(tier.num_experts):
+            pieces = experts[(0, e)]
+            tier.read_into(ExpertKey(0, e), dest)
+            for m, w in (("w13", torch.cat([pieces["gate"], pieces["up"]])), ("w2", pieces["down"])):
+                n, k = w.shape
+                deq = dequantize(QMatrix(dest[f"{m}.q"], dest[f"{m}.scale"], dest[f"{m}.zero"], n, k, tier.spec))
+                sq[m][0] += float((deq - w.float()).square().sum())
+                sq[m][1] += float(w.float().square().sum())
+        (rec,) = [r for r in json.loads((path / "manifest.json").read_text())["layers"] if r["layer"] == 0]
+        for m, (err, ref_sq) in sq.items():
+            assert rec["error"][m] == pytest.approx((err / ref_sq) ** 0.5, rel=1e-4), (precision, m)
         tier.close()
 
 
@@ -150,15 +184,17 @@ def test_resume_after_interruption_skips_done_layers_byte_identical(ckpt64: Call
 
 def test_failure_inside_a_layer_leaves_no_partial_file(ckpt64: Callable[[str], Path], tmp_path, monkeypatch):
     src, calls = ckpt64("mixtral"), []
-    real = quantize_mod.quantize_expert
+    experts = json.loads((src / "config.json").read_text())["num_local_experts"]
+    real = quantize_mod.quantize_stack
 
     def flaky(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 9:  # layer 1, expert 2
+        if len(calls) == 2 * experts + 2 * 2 + 1:  # layer 1, expert 2, its w13 (two fits per expert)
             raise RuntimeError("disk on fire")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantize_mod, "quantize_expert", flaky)
+    monkeypatch.setattr(quantize_mod, "BATCH_ELEMENTS", 1)  # one expert per batch
+    monkeypatch.setattr(quantize_mod, "quantize_stack", flaky)
     with pytest.raises(RuntimeError, match="disk on fire"):
         quantize_model(src, ["int8"], out=tmp_path)
     path = tmp_path / "int8-gK"
@@ -209,7 +245,7 @@ def test_changed_source_refused_by_open_and_by_quantize(copy64: Callable[[str], 
 def test_other_method_or_group_refused_unless_forced(ckpt64: Callable[[str], Path], tmp_path):
     src = ckpt64("qwen3_moe")
     quantize_model(src, ["int4"], out=tmp_path)
-    with pytest.raises(CheckpointError, match=r"another method \('hqq', now 'rtn'\).*--force"):
+    with pytest.raises(CheckpointError, match=r"another method \('search', now 'rtn'\).*--force"):
         quantize_model(src, ["int4"], out=tmp_path, method="rtn")
     with pytest.raises(CheckpointError, match="another method"):  # checked before int8 writes anything
         quantize_model(src, ["int8", "int4"], out=tmp_path, method="rtn")

@@ -82,7 +82,9 @@ def test_native_decode_is_as_close_to_fp32_as_torch_bf16() -> None:
 def test_dense_precision_quantises_projections(dense: str) -> None:
     ids = _ids(120)
     with _engine(True, dense_precision=dense) as q, _engine(True) as full:
-        assert isinstance(q.decoder.lm_head, decode.QDense) and q.decoder.lm_head.bits == decode.DENSE_BITS[dense]
+        layer0 = q.decoder.layers[0]
+        assert isinstance(layer0.wqkv, decode.QDense) and layer0.wqkv.bits == decode.DENSE_BITS[dense]
+        assert isinstance(q.decoder.lm_head, decode.QDense) and q.decoder.lm_head.bits == 8  # as Q4_0's Q6_K head
         lq, lf = _decode_logits(q, ids), _decode_logits(full, ids)
     agree = float((lq.argmax(-1) == lf.argmax(-1)).float().mean())
     assert agree >= (0.97 if dense == "int8" else 0.75), agree

@@ -75,7 +75,8 @@ DensePrecision = Annotated[
     str,
     typer.Option("--dense-precision", metavar="full|int8|int4", rich_help_panel="Precision",
                  help="Non-expert weights (attention projections, output head): full, or quantised in blocks of 32 "
-                      "as llama.cpp's Q8_0 (int8) / Q4_0 (int4) files hold them; needs the native kernels."),
+                      "as llama.cpp's Q8_0 (int8) / Q4_0 (int4) files hold them (the output head at Q8_0 under "
+                      "both); needs the native kernels."),
 ]  # fmt: skip
 KernelCache = Annotated[
     Path | None,

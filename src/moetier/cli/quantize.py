@@ -18,6 +18,7 @@ from moetier.cli.console import consoles, emit_json, progress_bar, register_comm
 from moetier.cli.options import Groups, JsonOut, Model, parse_groups
 from moetier.cli.tables import quant_table
 from moetier.formats.qtier import tier_summary
+from moetier.formats.quant import DEFAULT_METHOD
 from moetier.formats.quantize import quantize_model
 
 
@@ -26,11 +27,22 @@ def quantize(
     precisions: Annotated[str, typer.Option("--precisions", help="Comma-separated, of int8, int4, int2.")] = "int4",
     group: Groups = None,
     out: Annotated[Path | None, typer.Option(metavar="DIR", help="Tier root; default MODEL/moetier-quant.")] = None,
-    method: Annotated[str, typer.Option(help="hqq (half-quadratic fit, default) or rtn (round to nearest).")] = "hqq",
+    method: Annotated[
+        str,
+        typer.Option(
+            help="search (scale search with least-squares refits, default), hqq (the earlier range search + "
+            "half-quadratic zero solve: slower, no better) or rtn (min/max, round to nearest)."
+        ),
+    ] = DEFAULT_METHOD,
     force: Annotated[bool, typer.Option("--force", help="Delete an incompatible existing tier, start over.")] = False,
-    for_sparsity: Annotated[bool, typer.Option(
-        "--for-sparsity", help="Write the layout --sparsity reads (down projection as rows, quantised along the "
-                               "hidden size) to <precision>-g<group>-rows.")] = False,
+    for_sparsity: Annotated[
+        bool,
+        typer.Option(
+            "--for-sparsity",
+            help="Write the layout --sparsity reads (down projection as rows, quantised along the "
+            "hidden size) to <precision>-g<group>-rows.",
+        ),
+    ] = False,
     json_out: JsonOut = False,
 ) -> None:
     """Write quantized disk tiers of the routed experts, one per precision (resumable: rerun to go on)."""

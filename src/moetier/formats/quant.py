@@ -13,14 +13,20 @@ to an integer, HQQ style). Canonical tensors of one matrix: `q` uint8 [N, K * bi
 Invariants:
 - `unpack_bits(pack_bits(q, b), b, K) == q` exactly; dequantisation is a pure function
   of the canonical tensors.
-- method "rtn": min/max scale and zero. Method "hqq": per group the best of a small search over
-  shrunk ranges (min/max clipping), then HQQ's half-quadratic proximal solve of the zero
-  (Badri & Shaji 2023: p = 0.7, beta = 10, kappa = 1.01, 20 iterations, best iterate kept).
-  HQQ alone fixes the scale at min/max, which leaves int2 at ~44% error on a gaussian; the
-  range search brings it to ~32%.
-- "hqq" never measures worse than "rtn" in Frobenius weight error: every group keeps the
-  better of the two fits after the bf16 rounding of scale and zero.
-- Everything is vectorised over all groups of a matrix at once, in fp32.
+- method "rtn": min/max scale and zero, rounded to bf16, the zero refit by least squares
+  where that is better. Method "search" (the default): per group, the scale search of
+  llama.cpp's K-quants: a few candidate scales (SEARCH_PLANS, per bit width), each rounded
+  and refit (scale and offset) by least squares, the best kept, then a few alternating
+  re-round / refit steps. Method "hqq" (the earlier default, ~10x slower and no better):
+  the best of ten shrunk min/max ranges, then HQQ's half-quadratic proximal solve of the
+  zero (Badri & Shaji 2023: p = 0.7, beta = 10, kappa = 1.01, 20 iterations, best kept).
+- "search" and "hqq" never measure worse than "rtn" in Frobenius weight error: every group
+  keeps the better of the two fits after the bf16 rounding of scale and zero.
+- Every group is fitted independently of the others: quantising a matrix's rows together
+  or apart, or several experts' matrices stacked (`quantize_stack`), gives the same bytes.
+  Everything is vectorised over the groups of a chunk of rows (CHUNK_ELEMENTS), in fp32.
+- `QMatrix.sq_err`, set by quantize_matrix, is ||W - dequantize||_F^2 summed per group in
+  fp32 from the written q, scale and zero.
 """
 
 from __future__ import annotations
@@ -36,13 +42,36 @@ from moetier.types import Precision
 BITS = {Precision.INT8: 8, Precision.INT4: 4, Precision.INT2: 2}
 DEFAULT_GROUP = {Precision.INT4: 128, Precision.INT2: 64}  # int8: one group per row (g = K)
 FALLBACK_GROUPS = (256, 128, 64, 32)
-METHODS = ("hqq", "rtn")
+METHODS = ("search", "hqq", "rtn")
+DEFAULT_METHOD = "search"
 MATRICES = ("w13", "w2")
+# rows fitted together by quantize_matrix: its fp32 temporaries (a few of this size, 4 MiB) stay in the
+# caches; per element, 4x larger chunks measured ~4x slower on one core (memory-bound ops)
+CHUNK_ELEMENTS = 1 << 20
 
 # HQQ proximal solver (Badri & Shaji 2023), defaults of the paper.
 HQQ_ITERS, HQQ_BETA, HQQ_KAPPA, HQQ_P = 20, 10.0, 1.01, 0.7
 # Shrink factors of the min/max range tried (per group) to initialise the HQQ solve.
 RANGE_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """How "search" fits a group: the inverse scales tried are (qmax + d) / (max - min) for d in `deltas`,
+    over a window `centred` on the group's range or starting at its minimum; then up to `refits`
+    alternating re-rounding / least-squares steps (stopped early once no group improves)."""
+
+    deltas: tuple[float, ...]
+    centred: bool
+    refits: int
+
+
+# per bit width; chosen by measurement on gaussian matrices and the benchmark model (docs/precision.md)
+SEARCH_PLANS = {
+    8: SearchPlan((-0.5, 0.5), centred=False, refits=2),
+    4: SearchPlan((0.0, 0.5, 1.0), centred=False, refits=4),
+    2: SearchPlan((-0.5, 0.5, 1.5), centred=True, refits=6),
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +127,7 @@ class QMatrix:
     n: int
     k: int
     spec: QuantSpec
+    sq_err: float | None = None  # ||W - dequantize||_F^2 as measured by the fit (None: not known)
 
     @property
     def group(self) -> int:
@@ -130,7 +160,141 @@ def unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).view(n, k)  # [N, K/per, per] -> [N, K]
 
 
-# --------------------------------------------------------------------------- fitting
+# --------------------------------------------------------------------------- fitting: "search" and "rtn"
+
+
+@dataclass(frozen=True)
+class _Stats:
+    """One chunk of groups in the centred frame x = W - mid, mid = (min + max) / 2 of the group."""
+
+    x: torch.Tensor  # [M, G, g] fp32
+    n: int  # g, elements per group
+    sx: torch.Tensor  # [M, G, 1] sum of x
+    sxx: torch.Tensor  # [M, G, 1] sum of x * x
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _round_into(x: torch.Tensor, inv: torch.Tensor, off: torch.Tensor | float, qmax: int, out: torch.Tensor) -> None:
+    """out = clamp(round(x * inv + off), 0, qmax): the integer codes. x, out [M, G, g]; inv, off [M, G, 1] or scalar"""
+    torch.mul(x, inv, out=out).add_(off).round_().clamp_(0, qmax)
+
+
+def _sums(q: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group sum(q), sum(q * q), sum(q * x). q, x, tmp (scratch) [M, G, g] -> three [M, G, 1]"""
+    sq = q.sum(-1, keepdim=True)
+    sqq = torch.mul(q, q, out=tmp).sum(-1, keepdim=True)
+    sqx = torch.mul(q, x, out=tmp).sum(-1, keepdim=True)
+    return sq, sqq, sqx
+
+
+def _line_fit(q: torch.Tensor, st: _Stats, tmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Least-squares line x ~ a * q + b per group for fixed codes q [M, G, g], and its squared error
+    (inf where q is constant or the slope is not positive). -> a, b, sse [M, G, 1]"""
+    sq, sqq, sqx = _sums(q, st.x, tmp)
+    det = st.n * sqq - sq * sq
+    a = (st.n * sqx - sq * st.sx) / det
+    b = (st.sx - a * sq) / st.n
+    sse = st.sxx - a * sqx - b * st.sx
+    ok = (det > 0) & (a > 0) & torch.isfinite(sse)
+    return a, b, torch.where(ok, sse, torch.full_like(sse, float("inf")))
+
+
+def _search(
+    st: _Stats, span: torch.Tensor, qmax: int, plan: SearchPlan, q: torch.Tensor, tmp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scale search of llama.cpp's K-quants (make_qkx2_quants), all groups at once: for each inverse
+    scale (qmax + d) / span of the plan, round, fit scale and offset by least squares, keep per group the
+    best; then alternate re-rounding with the kept line and refitting while any group improves.
+    A group that does not improve keeps its line, so the result of a group does not depend on the other
+    groups fitted with it. span [M, G, 1] -> a, b, sse [M, G, 1] (x ~ a * q + b; sse inf: no fit)"""
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for d in plan.deltas:
+        # window of (qmax + d) steps: centred on the range, or starting at its minimum (x = -span / 2)
+        _round_into(st.x, (qmax + d) / span, qmax / 2 if plan.centred else (qmax + d) / 2, qmax, q)
+        fit = _line_fit(q, st, tmp)
+        if best is None:
+            best = fit
+            continue
+        better = fit[2] < best[2]  # [M, G, 1]
+        best = (torch.where(better, fit[0], best[0]), torch.where(better, fit[1], best[1]),
+                torch.where(better, fit[2], best[2]))  # fmt: skip
+    assert best is not None
+    a, b, sse = best
+    for _ in range(plan.refits):
+        inv = 1.0 / a
+        _round_into(st.x, inv, -b * inv, qmax, q)  # nearest codes of the kept line
+        a2, b2, sse2 = _line_fit(q, st, tmp)
+        better = sse2 < sse
+        if not bool(better.any()):
+            break
+        a, b, sse = torch.where(better, a2, a), torch.where(better, b2, b), torch.where(better, sse2, sse)
+    return a, b, sse
+
+
+def _bf16_params(
+    st: _Stats, mid: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: int, q: torch.Tensor,
+    tmp: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Round scale and zero [M, G, 1] to bf16, take the nearest codes for them, and refit the zero by least
+    squares for those codes (rounded to bf16 again) where that lowers the group's error.
+    -> scale, zero (bf16 values in fp32), sse [M, G, 1] (from the group sums)"""
+    s = _bf16(scale)
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an underflowed (or undefined) scale
+    z = _bf16(zero)
+    inv = 1.0 / s
+    _round_into(st.x, inv, mid * inv + z, qmax, q)  # W / s + z = x / s + mid / s + z
+    sq, sqq, sqx = _sums(q, st.x, tmp)
+
+    def sse(c: torch.Tensor) -> torch.Tensor:  # sum((x - s q + c)^2), c = mid + s z
+        return st.sxx - 2 * s * sqx + 2 * c * st.sx + s * s * sqq - 2 * s * c * sq + st.n * c * c
+
+    z2 = _bf16(((s * sq - st.sx) / st.n - mid) / s)  # the least-squares c, as a zero
+    e1, e2 = sse(mid + s * z), sse(mid + s * z2)
+    better = e2 < e1
+    return s, torch.where(better, z2, z), torch.where(better, e2, e1)
+
+
+def _fit_chunk(
+    wg: torch.Tensor, qmax: int, method: str, plan: SearchPlan
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fit one chunk of groups with "rtn" or "search". wg [M, G, g] fp32 (not modified)
+    -> q [M, G, g] (fp32 integers), scale, zero (bf16 values) [M, G, 1], squared error [M, G, 1]"""
+    mn, mx = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)  # [M, G, 1]; NaN and inf show here
+    if not bool(torch.isfinite(mn).all()) or not bool(torch.isfinite(mx).all()):
+        raise _NonFinite
+    mid = (mn + mx) / 2
+    # bf16 parameters resolve ~2^-8 of the group's magnitude: a flatter group is a constant
+    span = torch.maximum(mx - mn, torch.maximum(mn.abs(), mx.abs()) * 2.0**-7)
+    span = torch.where(span > 0, span, torch.ones_like(span))  # an all-zero group
+    x = wg - mid  # [M, G, g]
+    q, tmp = torch.empty_like(x), torch.empty_like(x)  # codes, scratch [M, G, g]
+    st = _Stats(x, x.shape[-1], x.sum(-1, keepdim=True), torch.mul(x, x, out=tmp).sum(-1, keepdim=True))
+    s_rtn = span / qmax
+    scale, zero, sse = _bf16_params(st, mid, s_rtn, -mn / s_rtn, qmax, q, tmp)  # min/max (rtn)
+    if method == "search":
+        a, b, fit_sse = _search(st, span, qmax, plan, q, tmp)
+        ok = torch.isfinite(fit_sse)  # else keep rtn's, which is also compared below
+        a = torch.where(ok, a, s_rtn)
+        z = torch.where(ok, -(b + mid) / a, -mn / s_rtn)  # x ~ a q + b  <=>  W ~ (q - z) a
+        s2, z2, sse2 = _bf16_params(st, mid, a, z, qmax, q, tmp)
+        better = sse2 < sse  # never worse than rtn, after the bf16 rounding of both
+        scale, zero = torch.where(better, s2, scale), torch.where(better, z2, zero)
+    inv = 1.0 / scale
+    _round_into(x, inv, mid * inv + zero, qmax, q)  # the nearest codes of the kept parameters
+    err = torch.mul(q, scale, out=tmp)
+    torch.sub(x, err, out=err).add_(mid + scale * zero)  # W - (q - zero) * scale
+    sq_err = torch.mul(err, err, out=err).sum(-1, keepdim=True)
+    return q, scale, zero, sq_err
+
+
+class _NonFinite(Exception):
+    """A chunk holds NaN or inf (turned into a CheckpointError naming the matrix)."""
+
+
+# --------------------------------------------------------------------------- fitting: "hqq"
 
 
 def _rtn_params(wg: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,35 +389,59 @@ def _finalize(
     return torch.where(better, q2, q), s, torch.where(better, z2, z), torch.where(better, sse2, sse)
 
 
-def quantize_matrix(w: torch.Tensor, spec: QuantSpec, method: str = "hqq") -> QMatrix:
-    """w [N, K] float -> canonical QMatrix. "rtn": min/max scale, round to nearest. "hqq": per group the
-    best of a range search, then HQQ's proximal zero solve; whichever of hqq and rtn fits a group better
-    (after bf16 rounding) is kept, so hqq is never worse than rtn in weight error."""
+def _fit_hqq(wg: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "hqq" fit (the default before "search"; slower, kept for tiers written with it): per group the
+    better of rtn and a range search + HQQ zero solve, after bf16 rounding. wg [M, G, g] fp32
+    -> q [M, G, g], scale, zero [M, G, 1], squared error [M, G, 1]"""
+    if not bool(torch.isfinite(wg).all()):
+        raise _NonFinite
+    q, s, z, sse = _finalize(wg, *_rtn_params(wg, qmax), qmax)
+    s_h, z_h = _range_search(wg, qmax)
+    q_h, s_h, z_h, sse_h = _finalize(wg, s_h, _hqq_zero(wg, s_h, z_h, qmax), qmax)
+    better = sse_h < sse  # [M, G, 1]
+    return (torch.where(better, q_h, q), torch.where(better, s_h, s), torch.where(better, z_h, z),
+            torch.where(better, sse_h, sse))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- quantize_matrix
+
+
+def quantize_matrix(w: torch.Tensor, spec: QuantSpec, method: str = DEFAULT_METHOD) -> QMatrix:
+    """w [N, K] float -> canonical QMatrix (its `sq_err` set). "rtn": min/max scale and zero; "search":
+    per group the best of a scale search with least-squares refits (see the module docstring); "hqq": the
+    earlier range search + HQQ zero solve. "search" and "hqq" keep per group whichever of their fit and
+    rtn's is better after bf16 rounding, so they never measure worse than rtn in weight error.
+    Rows are fitted in chunks of about CHUNK_ELEMENTS; every group's result is independent of the
+    others, so quantising rows together or apart gives the same bytes."""
     if method not in METHODS:
         raise ConfigError(f"unknown quantisation method {method!r}; expected one of {METHODS}")
     if w.dim() != 2 or not w.is_floating_point():
         raise CheckpointError(f"can only quantise a 2-D float matrix, got {w.dtype} of shape {list(w.shape)}")
     n, k = w.shape
     g = resolve_group(spec, k, shape=(n, k))
-    wf = w.detach().to(torch.float32)
-    if not bool(torch.isfinite(wf).all()):
-        raise CheckpointError(f"matrix of shape {[n, k]} holds non-finite values (inf or nan); cannot quantise it")
+    w = w.detach()
     qmax = 2**spec.bits - 1
-    wg = wf.reshape(n, k // g, g)  # [N, G, g]
-    q, s, z, sse = _finalize(wg, *_rtn_params(wg, qmax), qmax)
-    if method == "hqq":
-        s_h, z_h = _range_search(wg, qmax)
-        q_h, s_h, z_h, sse_h = _finalize(wg, s_h, _hqq_zero(wg, s_h, z_h, qmax), qmax)
-        better = sse_h < sse  # [N, G, 1]
-        q, s, z = torch.where(better, q_h, q), torch.where(better, s_h, s), torch.where(better, z_h, z)
-    return QMatrix(
-        q=pack_bits(q.reshape(n, k), spec.bits),
-        scale=s.reshape(n, k // g).to(torch.bfloat16),
-        zero=z.reshape(n, k // g).to(torch.bfloat16),
-        n=n,
-        k=k,
-        spec=spec,
-    )
+    plan = SEARCH_PLANS[spec.bits]
+    packed = torch.empty((n, k * spec.bits // 8), dtype=torch.uint8, device=w.device)
+    scale = torch.empty((n, k // g), dtype=torch.bfloat16, device=w.device)
+    zero = torch.empty((n, k // g), dtype=torch.bfloat16, device=w.device)
+    sq_err = 0.0
+    # hqq's zero solve stops when no group of the whole matrix improves: it is fitted in one piece
+    rows = n if method == "hqq" else max(1, CHUNK_ELEMENTS // k)
+    for r0 in range(0, n, rows):  # over row chunks (cache-sized), not over groups
+        r1 = min(n, r0 + rows)
+        wg = w[r0:r1].to(torch.float32).contiguous().view(r1 - r0, k // g, g)  # [M, G, g], row-major: sums in one order
+        try:
+            q, s, z, sse = _fit_hqq(wg, qmax) if method == "hqq" else _fit_chunk(wg, qmax, method, plan)
+        except _NonFinite:
+            raise CheckpointError(
+                f"matrix of shape {[n, k]} holds non-finite values (inf or nan); cannot quantise it"
+            ) from None
+        packed[r0:r1] = pack_bits(q.reshape(r1 - r0, k), spec.bits)
+        scale[r0:r1] = s.reshape(r1 - r0, k // g)
+        zero[r0:r1] = z.reshape(r1 - r0, k // g)
+        sq_err += float(sse.sum(dtype=torch.float64))
+    return QMatrix(q=packed, scale=scale, zero=zero, n=n, k=k, spec=spec, sq_err=sq_err)
 
 
 # --------------------------------------------------------------------------- dequantisation
@@ -311,8 +499,23 @@ def expert_tensor_specs(
     return out
 
 
+def quantize_stack(w: torch.Tensor, spec: QuantSpec, method: str = DEFAULT_METHOD) -> tuple[list[QMatrix], float]:
+    """w [B, N, K], one matrix per expert -> (B QMatrix, each what quantize_matrix(w[b]) gives, and their
+    total squared error). Fitted together, as one [B * N, K] matrix, where the method allows it; "hqq" is
+    fitted matrix by matrix."""
+    if w.dim() != 3:
+        raise CheckpointError(f"quantize_stack needs [experts, N, K], got shape {list(w.shape)}")
+    b, n, k = w.shape
+    if method == "hqq":
+        qms = [quantize_matrix(m, spec, method) for m in w]
+        return qms, sum(qm.sq_err or 0.0 for qm in qms)
+    qm = quantize_matrix(w.reshape(b * n, k), spec, method)  # [B * N, K]
+    q, scale, zero = qm.q.view(b, n, -1), qm.scale.view(b, n, -1), qm.zero.view(b, n, -1)
+    return [QMatrix(q[e], scale[e], zero[e], n, k, spec) for e in range(b)], qm.sq_err or 0.0
+
+
 def quantize_expert(
-    pieces: dict[str, torch.Tensor], spec: QuantSpec, method: str = "hqq", down_rows: bool = False
+    pieces: dict[str, torch.Tensor], spec: QuantSpec, method: str = DEFAULT_METHOD, down_rows: bool = False
 ) -> dict[str, torch.Tensor]:
     """Full-precision canonical pieces {gate [I,H], up [I,H], down [H,I], (gate_bias, up_bias, down_bias)}
     -> canonical quantised tensors {w13.q, w13.scale, w13.zero, w2.*, (b13 [2I], b2 [H])}. With

@@ -2,10 +2,12 @@
 
 For each precision, a directory `<model>/moetier-quant/<precision>-g<group>/` (or
 `<out>/<precision>-g<group>/`) gets one safetensors file per MoE layer and a
-`manifest.json` (format in formats/qtier.py, which reads it back). Experts are read one
-at a time through the model's ExpertReader in fp32, checked finite, quantised in fp32
-by formats/quant.py's `quantize_expert` and streamed into the layer file, so memory stays
-at one expert whatever the model size. Each expert is read once for all precisions.
+`manifest.json` (format in formats/qtier.py, which reads it back). Experts are read in
+batches (about BATCH_ELEMENTS fp32 weights, at least one expert) through the model's
+ExpertReader in fp32, checked finite, quantised in fp32 by formats/quant.py's
+`quantize_stack` (the w13 rows of every expert of the batch in one fit, the w2 rows in
+another) and streamed into the layer file expert by expert, so memory stays at one batch
+whatever the model size. Each expert is read once for all precisions.
 
 Invariants:
 - a layer file is written to `<name>.tmp`, fsynced and renamed, and only then recorded
@@ -16,7 +18,9 @@ Invariants:
 - a directory holding a tier of another source, precision, group, method or dtype is
   refused unless `force=True`, which deletes that tier's files first;
 - a non-finite source expert weight stops the run with a CheckpointError naming the
-  checkpoint tensor, layer and expert; its layer is never recorded.
+  checkpoint tensor, layer and expert; its layer is never recorded;
+- the bytes written for an expert are those of `quantize_expert` on that expert alone
+  (every group is fitted independently of the others it is batched with).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from moetier.formats.qtier import (
     source_mismatch,
     tier_dir,
 )
-from moetier.formats.quant import METHODS, QMatrix, QuantSpec, dequantize, expert_tensor_specs, quantize_expert
+from moetier.formats.quant import DEFAULT_METHOD, MATRICES, METHODS, QuantSpec, expert_tensor_specs, quantize_stack
 from moetier.formats.safetensors import ExpertReader
 from moetier.models.open import expert_dtype, open_checkpoint, resolve_dtype
 from moetier.types import ExpertKey, Precision
@@ -62,6 +66,8 @@ from moetier.types import ExpertKey, Precision
 log = logging.getLogger(__name__)
 # manifest fields a resumed run must agree with (besides the source fingerprint)
 _IDENTITY = ("precision", "bits", "group", "group_sizes", "method", "dtype", "layout", "num_experts", "moe_layers")
+# experts read and fitted together: about this many fp32 weights (32 MiB), at least one expert
+BATCH_ELEMENTS = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -182,23 +188,29 @@ class _TierWriter:
         self._file.write(data)
         self._hash.update(data)
 
-    def add_expert(self, pieces: dict[str, torch.Tensor], method: str) -> None:
-        q = quantize_expert(pieces, self.spec, method, down_rows=self.layout.down_rows)
-        for name, (dt, shape) in self.specs.items():
-            t = q.get(name)
-            if t is None or tuple(t.shape) != shape:
-                raise RuntimeError(f"quantize_expert gave {name} {None if t is None else tuple(t.shape)}, not {shape}")
-            if t.dtype != dt:
-                if name not in ("b13", "b2"):
-                    raise RuntimeError(f"quantize_expert gave {name} as {t.dtype}, not {dt}")
-                t = t.to(dt)
-            self._write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
-        ref = {"w13": torch.cat([pieces["gate"], pieces["up"]]), "w2": pieces["down"]}  # [2I, H], [H, I] or [I, H]
-        for m, w in ref.items():
-            n, k = w.shape
-            deq = dequantize(QMatrix(q[f"{m}.q"], q[f"{m}.scale"], q[f"{m}.zero"], n, k, self.spec))  # [N, K]
-            self._sq["sq_err"][m] += float((deq.float() - w).square().sum())
-            self._sq["sq_ref"][m] += float(w.square().sum())
+    def add_batch(self, batch: _Batch, method: str) -> None:
+        """Quantise the batch's experts (one fit per matrix kind) and append them to the layer file."""
+        n = batch.count
+        fits = {}
+        for m, w in (("w13", batch.w13[:n]), ("w2", batch.w2[:n])):  # [B, 2I, H], [B, H, I] or [B, I, H]
+            fits[m], sq_err = quantize_stack(w, self.spec, method)
+            self._sq["sq_err"][m] += sq_err
+            self._sq["sq_ref"][m] += batch.sq_ref[m]
+        for e in range(n):
+            tensors = {f"{m}.{part}": getattr(fits[m][e], part) for m in MATRICES for part in ("q", "scale", "zero")}
+            if batch.b13 is not None and batch.b2 is not None:
+                tensors |= {"b13": batch.b13[e], "b2": batch.b2[e]}  # [2I], [H]
+            for name, (dt, shape) in self.specs.items():
+                t = tensors.get(name)
+                if t is None or tuple(t.shape) != shape:
+                    raise RuntimeError(
+                        f"quantize_stack gave {name} {None if t is None else tuple(t.shape)}, not {shape}"
+                    )
+                if t.dtype != dt:
+                    if name not in ("b13", "b2"):
+                        raise RuntimeError(f"quantize_stack gave {name} as {t.dtype}, not {dt}")
+                    t = t.to(dt)
+                self._write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
 
     def end_layer(self, layer: int) -> dict[str, float]:
         assert self._file is not None
@@ -237,7 +249,7 @@ class _TierWriter:
 
 def quantize_model(
     model_dir: str | os.PathLike[str], precisions: Sequence[Precision | str], out: str | os.PathLike[str] | None = None,
-    group_sizes: dict[Any, int | None] | None = None, method: str = "hqq", progress: ProgressArg = None,
+    group_sizes: dict[Any, int | None] | None = None, method: str = DEFAULT_METHOD, progress: ProgressArg = None,
     force: bool = False, down_rows: bool = False,
 ) -> list[Path]:  # fmt: skip
     """Write one quantized disk tier per precision; returns their directories (see the module docstring).
@@ -281,11 +293,48 @@ def quantize_model(
         o.reader.close()
 
 
+class _Batch:
+    """Up to `size` experts of one layer in fp32, each expert's pieces views into stacked matrices."""
+
+    def __init__(self, reader: ExpertReader, size: int) -> None:
+        layout = reader.layout
+        h, i = layout.hidden, layout.inter
+        self.w13 = torch.empty((size, 2 * i, h))  # [B, 2I, H]: gate rows, then up rows
+        self.w2 = torch.empty((size, *layout.pieces["down"][1]))  # [B, H, I] ([B, I, H] with down_rows)
+        self.b13 = torch.empty((size, 2 * i)) if layout.has_bias else None  # [B, 2I]
+        self.b2 = torch.empty((size, h)) if layout.has_bias else None  # [B, H]
+        self.reader, self.count = reader, 0
+        self.keys: list[ExpertKey] = []
+        self.sq_ref = {"w13": 0.0, "w2": 0.0}
+
+    def pieces(self, b: int) -> dict[str, torch.Tensor]:
+        """Expert b's pieces, in the reader's names and shapes (contiguous views)."""
+        i = self.w13.shape[1] // 2
+        out = {"gate": self.w13[b, :i], "up": self.w13[b, i:], "down": self.w2[b]}
+        if self.b13 is not None and self.b2 is not None:
+            out |= {"gate_bias": self.b13[b, :i], "up_bias": self.b13[b, i:], "down_bias": self.b2[b]}
+        return out
+
+    def fill(self, keys: list[ExpertKey]) -> None:
+        """Read `keys` (at most `size`), check them finite, and measure their squared norms."""
+        self.keys, self.count = keys, len(keys)
+        for b, key in enumerate(keys):
+            self.reader.read_into(key, self.pieces(b))
+        n = self.count
+        stacked = [t[:n] for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        if not all(bool(torch.isfinite(t.sum())) for t in stacked):  # one cheap pass; NaN and inf show here
+            for b, key in enumerate(keys):
+                _check_finite(self.reader, key, self.pieces(b))  # names the tensor (a finite overflow goes on)
+        self.sq_ref = {"w13": float(torch.linalg.vector_norm(self.w13[:n])) ** 2,
+                       "w2": float(torch.linalg.vector_norm(self.w2[:n])) ** 2}  # fmt: skip
+
+
 def _run(
     reader: ExpertReader, writers: list[_TierWriter], layers: list[int], num_experts: int, method: str,
     rep: _Reporter,
 ) -> None:  # fmt: skip
-    pieces = {name: torch.empty(shape, dtype=torch.float32) for name, (_, shape) in reader.layout.pieces.items()}
+    size = max(1, min(num_experts, BATCH_ELEMENTS // reader.layout.numel))
+    batch = _Batch(reader, size)
     for layer in layers:
         todo = [w for w in writers if layer not in w.done]
         for w in writers:
@@ -298,11 +347,10 @@ def _run(
         try:
             for w in todo:
                 w.begin_layer(layer, num_experts)
-            for e in range(num_experts):
-                reader.read_into(ExpertKey(layer, e), pieces)
-                _check_finite(reader, ExpertKey(layer, e), pieces)
+            for e0 in range(0, num_experts, size):  # over batches of experts
+                batch.fill([ExpertKey(layer, e) for e in range(e0, min(num_experts, e0 + size))])
                 for w in todo:
-                    w.add_expert(pieces, method)
+                    w.add_batch(batch, method)
             errors = [w.end_layer(layer) for w in todo]
         finally:
             for w in todo:

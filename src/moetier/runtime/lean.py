@@ -69,7 +69,8 @@ class LeanDecoder:
     ) -> None:
         """`native`: the decode kernels are loaded (kernels/decode.py); the projections of up to
         decode.NATIVE_ROWS rows take them. `dense_precision` int8 / int4 quantises the attention projections
-        and the output head (Q8_0 / Q4_0 blocks, needs `native`); the bf16 copies stay in the model's modules."""
+        (Q8_0 / Q4_0 blocks, needs `native`) and the output head (Q8_0 under both); the bf16 copies stay in the
+        model's modules."""
         cfg, model = loaded.config, loaded.model
         if dense_precision != "full" and not native:
             raise ConfigError(f"dense precision {dense_precision} needs the native decode kernels")
@@ -90,7 +91,8 @@ class LeanDecoder:
         self.final_norm = inner.norm.weight  # [H]
         full: Any = model
         head = full.get_output_embeddings()
-        self.lm_head = self._dense(head.weight)  # [V, H]
+        # the output head at 8 bits under int4, as llama.cpp's Q4_0 files keep it at 6 (Q6_K; no 6-bit kernel here)
+        self.lm_head = self._dense(head.weight, 8 if self.dense_bits else 0)  # [V, H]
         self.layers = [self._layer(layer) for layer in inner.layers]
         self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
         # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
@@ -104,9 +106,10 @@ class LeanDecoder:
         self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.pos = 0
 
-    def _dense(self, w: torch.Tensor) -> torch.Tensor | QDense:
-        """A projection's weight as the decoder reads it: quantised when dense_bits is set."""
-        return decode.quantize_dense(w.detach(), self.dense_bits) if self.dense_bits else w
+    def _dense(self, w: torch.Tensor, bits: int | None = None) -> torch.Tensor | QDense:
+        """A projection's weight as the decoder reads it: quantised to `bits` (default dense_bits) when set."""
+        bits = self.dense_bits if bits is None else bits
+        return decode.quantize_dense(w.detach(), bits) if bits else w
 
     def _layer(self, layer: Any) -> _Layer:
         a = layer.self_attn

@@ -182,11 +182,37 @@ static inline __m256i block_ivec(int bits, int sym, const uint8_t* restrict q, c
 }
 #endif
 
+#if MT_AVX2
+/* symmetric int8 / int4 rows with one scale per block of 32 (the dense Q8_0 / Q4_0 layouts): the scales of
+ * 8 blocks at a time are converted and folded into the activation's block scales with vector ops, and
+ * four accumulators keep the FMA chains independent */
+static float dot_q_g32(int bits, const uint8_t* restrict q, const uint16_t* restrict s, const act_t* act, int64_t K) {
+    const int64_t nb = K / QB;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float sc[8];
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m256i s16 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(s + b)));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s16, 16)), _mm256_loadu_ps(act->d + b)));
+        for (int j = 0; j < 8; j++)
+            acc[j & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(bits, 1, q, act->a, b + j)), _mm256_set1_ps(sc[j]),
+                                         acc[j & 3]);
+    }
+    for (; b < nb; b++)
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(bits, 1, q, act->a, b)),
+                                 _mm256_set1_ps(act->d[b] * bf2f(s[b])), acc[0]);
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+#endif
+
 /* quantised row (bits, its scale/zero rows of K/group entries; zero NULL = symmetric) . activation:
  * sum over groups of s_g * (sum_b d_b isum_b - z_g sum_b d_b asum_b), isum_b the block's integer dot */
 static float dot_q(int bits, const uint8_t* restrict q, const uint16_t* restrict s, const uint16_t* restrict z,
                    int64_t group, const act_t* act, int64_t K) {
     const int64_t nb = K / QB, per = group / QB;
+#if MT_AVX2
+    if (per == 1 && z == NULL && bits != 2) return dot_q_g32(bits, q, s, act, K);
+#endif
     const float zc = bits == 8 ? 128.0f : (bits == 4 ? 8.0f : 2.0f); /* symmetric zero, stored units */
     /* the zero term: asymmetric rows, and symmetric int2 (and int4 in plain C); AVX2 takes int4's 8 in the
      * integer dot (v - 8, as llama.cpp's Q4_0) */

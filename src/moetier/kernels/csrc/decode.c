@@ -205,6 +205,43 @@ static float dot_q_g32(int bits, const uint8_t* restrict q, const uint16_t* rest
 }
 #endif
 
+#if MT_AVX2
+/* asymmetric rows (the experts' per-group scale and zero), one function per width so every block's unpack
+ * is straight-line code; four accumulators keep the FMA chains independent */
+#define DEFINE_DOT_ASYM(BITS, ZSHIFT)                                                                          \
+    static float dot_asym##BITS(const uint8_t* restrict q, const uint16_t* restrict s, const uint16_t* restrict z, \
+                                int64_t per, const act_t* act, int64_t K) {                                    \
+        const int64_t nb = K / QB;                                                                             \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),                  \
+               a3 = _mm256_setzero_ps();                                                                       \
+        float zterm = 0.0f;                                                                                    \
+        for (int64_t g0 = 0, gi = 0; g0 < nb; g0 += per, gi++) {                                             \
+            const float sg = bf2f(s[gi]);                                                                      \
+            float xs = 0.0f;                                                                                   \
+            for (int64_t b = g0; b < g0 + per; b++) xs += act->da[b];                                         \
+            zterm += sg * (bf2f(z[gi]) - (ZSHIFT)) * xs;                                                       \
+            int64_t b = g0;                                                                                    \
+            for (; b + 4 <= g0 + per; b += 4) {                                                                \
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(BITS, 0, q, act->a, b)),                   \
+                                     _mm256_set1_ps(act->d[b] * sg), a0);                                     \
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(BITS, 0, q, act->a, b + 1)),               \
+                                     _mm256_set1_ps(act->d[b + 1] * sg), a1);                                 \
+                a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(BITS, 0, q, act->a, b + 2)),               \
+                                     _mm256_set1_ps(act->d[b + 2] * sg), a2);                                 \
+                a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(BITS, 0, q, act->a, b + 3)),               \
+                                     _mm256_set1_ps(act->d[b + 3] * sg), a3);                                 \
+            }                                                                                                  \
+            for (; b < g0 + per; b++)                                                                          \
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_ivec(BITS, 0, q, act->a, b)),                    \
+                                     _mm256_set1_ps(act->d[b] * sg), a0);                                     \
+        }                                                                                                      \
+        return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) - zterm;                     \
+    }
+DEFINE_DOT_ASYM(8, 128.0f) /* q is stored minus 128 */
+DEFINE_DOT_ASYM(4, 0.0f)
+DEFINE_DOT_ASYM(2, 0.0f)
+#endif
+
 /* quantised row (bits, its scale/zero rows of K/group entries; zero NULL = symmetric) . activation:
  * sum over groups of s_g * (sum_b d_b isum_b - z_g sum_b d_b asum_b), isum_b the block's integer dot */
 static float dot_q(int bits, const uint8_t* restrict q, const uint16_t* restrict s, const uint16_t* restrict z,
@@ -212,6 +249,8 @@ static float dot_q(int bits, const uint8_t* restrict q, const uint16_t* restrict
     const int64_t nb = K / QB, per = group / QB;
 #if MT_AVX2
     if (per == 1 && z == NULL && bits != 2) return dot_q_g32(bits, q, s, act, K);
+    if (z != NULL) return bits == 4 ? dot_asym4(q, s, z, per, act, K)
+                        : (bits == 8 ? dot_asym8(q, s, z, per, act, K) : dot_asym2(q, s, z, per, act, K));
 #endif
     const float zc = bits == 8 ? 128.0f : (bits == 4 ? 8.0f : 2.0f); /* symmetric zero, stored units */
     /* the zero term: asymmetric rows, and symmetric int2 (and int4 in plain C); AVX2 takes int4's 8 in the

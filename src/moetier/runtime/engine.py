@@ -355,6 +355,7 @@ class Engine:
             "tiers": {k: v for k, v in s.items() if k in ("host", "accel")},
             "decoder": type(self.decoder).__name__,
             "kernels": self._kernels(),
+            "dense_precision": self.config.runtime.dense_precision,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (

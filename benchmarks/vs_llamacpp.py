@@ -98,6 +98,7 @@ import torch
 
 import moetier
 from benchmarks._models import qwen3_bench_model
+from benchmarks.decode import _Clock
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_SRC = REPO / "models" / "tiny-shakespeare-moe"
@@ -446,19 +447,6 @@ def llama_bench(cmd: list[str]) -> list[dict[str, Any]]:
     return list(json.loads(out[out.index("[") :]))
 
 
-class _Clock:
-    """A transformers streamer: the first put() is the prompt, each later one a new token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def bf16_bytes_per_token(s: Setup) -> float:
     return moetier_bytes_per_token(s, "full", "full", None)
 
@@ -506,7 +494,9 @@ def moetier_bytes_per_token(s: Setup, experts: str, dense: str, slot_bytes: int 
     else:
         k_in = (c["hidden_size"], c["moe_intermediate_size"])
         expert = p["experts"] * k / n_exp * expert_bytes_per_param(experts, k_in)
-    dense_b = (p["attention"] + p["router"] + p["head"]) * DENSE_BYTES[dense]
+    # moetier quantizes attention per dense precision, keeps the router bf16, the head at Q8_0 under int4
+    head_b = DENSE_BYTES["int8" if dense == "int4" else dense]
+    dense_b = p["attention"] * DENSE_BYTES[dense] + p["router"] * 2 + p["head"] * head_b
     rest = p["norms"] * 2 + p["embedding"] / c["vocab_size"] * 2 + p["other"] * 2
     return expert + dense_b + rest
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 SOURCES = (Path(__file__).with_name("csrc") / "sparse_swiglu.c", Path(__file__).with_name("csrc") / "decode.c")
+HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)  # included by the sources: part of the build key
 ABI = 4  # csrc/sparse_swiglu.c
 DECODE_ABI = 1  # csrc/decode.c
 LIB_PREFIX = "moetier-kernels-"
@@ -164,7 +165,7 @@ def _load(enabled: bool, root: Path) -> ctypes.CDLL | None:
     torch.zeros(1).add_(1)  # torch's libgomp is loaded before ours binds to it
     errors = []
     try:
-        source = b"\0".join(src.read_bytes() for src in SOURCES)
+        source = b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     except OSError as exc:
         _errors[key] = f"kernel source missing: {exc}"
         return None

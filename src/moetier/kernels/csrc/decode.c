@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MT_AVX2 1
@@ -42,21 +44,6 @@
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_AVX2 ? 2 : 0; } /* 2 = AVX2+FMA, 0 = plain C */
-
-static inline float bf2f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* ------------------------------------------------------------------------------------------ activations */
 

@@ -105,9 +105,9 @@ def test_dense_quantised_q8_q4(lib: object, bits: int) -> None:
     assert torch.all(wd[5, :32] == 0)
     x = torch.randn(2, 512, generator=g).to(BF16)
     check(decode.dense_linear(x, qd, None, True), wd, quantise_act(x))
-    # the bf16 path of dense_linear: native for few rows, torch beyond NATIVE_ROWS, both F.linear's math
+    # the bf16 path of dense_linear: native up to native_rows(), torch beyond, both F.linear's math
     wb = w.to(BF16)
-    for rows in (1, decode.NATIVE_ROWS + 1):
+    for rows in (1, decode.native_rows(), decode.native_rows() + 1):
         xr = torch.randn(rows, 512, generator=g).to(BF16)
         check(decode.dense_linear(xr, wb, None, True), wb, xr)
 
@@ -200,3 +200,18 @@ def test_thread_count_does_not_change_results(lib: object) -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
+
+
+def test_rms_norm_matches_float64(lib: object) -> None:
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(3, 16, 64, generator=g) * 3).to(BF16)  # per-head rows, as the q/k norms use it
+    w = torch.randn(64, generator=g).to(BF16)
+    y = decode.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    ref = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert y.shape == x.shape and y.dtype == BF16
+    assert torch.all((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6)
+    close = F.rms_norm(x, (64,), w, 1e-6)  # torch's bf16 op: the same function up to rounding
+    assert float((y.float() - close.float()).abs().max()) <= 2.0**-7 * float(close.float().abs().max())
+    with pytest.raises(ValueError, match="rms_norm"):
+        decode.rms_norm(x.float(), w, 1e-6)

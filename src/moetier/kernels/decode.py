@@ -1,6 +1,7 @@
 """The native decode kernels (csrc/decode.c) as typed torch ops, and the dense weights they read.
 
-Two ops, registered with torch.library under `moetier::` (tensors and plain lists in, a tensor out):
+Three ops, registered with torch.library under `moetier::` (tensors and plain lists in, a tensor out):
+- `moetier::rms_norm(x, w, eps) -> y`: RMSNorm of bf16 rows in fp32, rounded once (the decode step's norms);
 - `moetier::gemv(x, q, scale, zero, kind, group) -> y`: x [M, K] bf16 @ W[N, K].T -> [M, N] bf16, for a
   bf16 weight (kind 16) or a quantised one (kind 8 / 4 / 2; csrc/decode.c gives the byte layouts);
 - `moetier::moe(x, slots, layout, start, tok, rw, inter) -> out`: every active expert of one MoE layer
@@ -12,7 +13,7 @@ Two ops, registered with torch.library under `moetier::` (tensors and plain list
 Dense weights: `QDense` is a non-expert matrix (attention, output head) quantised the way llama.cpp's
 Q8_0 / Q4_0 files hold them (blocks of 32, one scale each, symmetric); `quantize_dense` makes one and
 `dense_linear` computes with a bf16 tensor or a QDense, picking the native kernel for up to
-`NATIVE_ROWS` rows.
+`native_rows()` rows.
 
 Where the kernels come from: kernels/native.py builds the C library; `load(enabled, cache_dir)` binds
 it to the ops (the ops raise until a library is bound). Without a compiler, or with
@@ -40,7 +41,17 @@ KIND_BF16 = 16
 QBLOCK = 32  # activation (and dense weight) quantisation block
 DESC = 10  # int64 per expert of the C descriptor: address, kind, then 4 per matrix
 LAYOUT = DESC - 1  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
-NATIVE_ROWS = 16  # rows up to which dense_linear takes the native kernel (more: torch's GEMM)
+NATIVE_ROWS = 16  # rows up to which the native kernels beat torch's oneDNN GEMMs (AVX-512 / AMX CPUs)
+NATIVE_ROWS_NO_ONEDNN = 512  # the same where oneDNN takes no bf16 product (AVX2): torch's own bf16 GEMM is slower
+
+
+def native_rows() -> int:
+    """Rows (tokens) up to which a bf16 product takes the native kernels rather than torch's GEMM: 16 where
+    oneDNN takes bf16 products (its blocked GEMMs win from there), 512 where it does not (AVX2 CPUs: on this
+    project's AVX2 machine native prefill of 128 tokens ran at 284 tok/s against 82 through torch)."""
+    return NATIVE_ROWS if matmul.onednn_takes_bf16() else NATIVE_ROWS_NO_ONEDNN
+
+
 DENSE_BITS = {"int8": 8, "int4": 4}
 _BF16 = torch.bfloat16
 _bound: list[ctypes.CDLL] = []  # the library the ops call (one per process; every build has the same code)
@@ -157,6 +168,18 @@ def _moe_impl(
     return out
 
 
+def _rms_norm_impl(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.shape[-1] if x.dim() else 0
+    if x.dtype != _BF16 or w.dtype != _BF16 or not x.is_cpu or w.shape != (h,) or h == 0:
+        raise ValueError(f"rms_norm: x must be bf16 CPU [..., H] and w bf16 [H], got {list(x.shape)}, {list(w.shape)}")
+    xc, wc = x.contiguous(), w.contiguous()
+    y = torch.empty_like(xc)
+    _lib().moetier_rms_norm(xc.data_ptr(), wc.data_ptr(), xc.numel() // h, h, eps, y.data_ptr())
+    return y
+
+
+_LIB.define("rms_norm(Tensor x, Tensor w, float eps) -> Tensor")
+_LIB.impl("rms_norm", _rms_norm_impl, "CPU")
 _LIB.impl("gemv", _gemv_impl, "CPU")
 _LIB.impl("moe", _moe_impl, "CPU")
 
@@ -166,6 +189,11 @@ def _gemv_fake(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, kind: int, group: int
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))
+
+
+@torch.library.register_fake("moetier::rms_norm", lib=_LIB)
+def _rms_norm_fake(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("moetier::moe", lib=_LIB)
@@ -180,6 +208,12 @@ def gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: tor
          group: int) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ W.T -> [M, N] bf16 by `moetier::gemv` (see the module docstring)."""
     out: torch.Tensor = torch.ops.moetier.gemv(x, q, scale, zero, kind, group)
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., H] bf16 with weight w [H] bf16 by `moetier::rms_norm`: fp32 math, rounded once."""
+    out: torch.Tensor = torch.ops.moetier.rms_norm(x, w, eps)
     return out
 
 
@@ -272,7 +306,7 @@ def dense_linear(
     x: torch.Tensor, w: torch.Tensor | QDense, bias: torch.Tensor | None, native_bf16: bool
 ) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias) -> [..., N]. A QDense always takes the native kernel (bf16 x); a bf16
-    weight takes it for up to NATIVE_ROWS bf16 rows when `native_bf16`, else matmul.linear."""
+    weight takes it for up to native_rows() bf16 rows when `native_bf16`, else matmul.linear."""
     if isinstance(w, QDense):
         x2 = x.reshape(-1, w.k)
         y = gemv(x2.to(_BF16).contiguous(), w.q, w.scale, None, w.bits, QBLOCK)
@@ -281,7 +315,7 @@ def dense_linear(
         return y.view(*x.shape[:-1], w.n).to(x.dtype)
     if native_bf16 and x.dtype == _BF16 and w.dtype == _BF16 and x.is_cpu and w.is_contiguous():
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= NATIVE_ROWS:
+        if x2.shape[0] <= native_rows():
             y = gemv(x2.contiguous(), w, None, None, KIND_BF16, 0)
             if bias is not None:
                 y = y + bias
@@ -290,6 +324,7 @@ def dense_linear(
 
 
 __all__ = [
-    "DENSE_BITS", "KIND_BF16", "LAYOUT", "NATIVE_ROWS", "QBLOCK", "QDense", "dense_linear", "dequantize_dense",
-    "formats_available", "gemv", "isa", "load", "moe", "pack_crumbs", "pack_nibbles", "quantize_dense",
+    "DENSE_BITS", "KIND_BF16", "LAYOUT", "NATIVE_ROWS", "NATIVE_ROWS_NO_ONEDNN", "QBLOCK", "QDense", "dense_linear",
+    "dequantize_dense", "formats_available", "gemv", "isa", "load", "moe", "native_rows", "pack_crumbs",
+    "pack_nibbles", "quantize_dense", "rms_norm",
 ]  # fmt: skip

@@ -38,7 +38,7 @@ import torch
 SOURCES = (Path(__file__).with_name("csrc") / "sparse_swiglu.c", Path(__file__).with_name("csrc") / "decode.c")
 HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)  # included by the sources: part of the build key
 ABI = 4  # csrc/sparse_swiglu.c
-DECODE_ABI = 1  # csrc/decode.c
+DECODE_ABI = 2  # csrc/decode.c
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -65,6 +65,7 @@ _DECODE_ARGTYPES: dict[str, list[Any]] = {
     "moetier_moe_scratch_bytes": [_I64, _I64, _I64, _I64],  # T, H, I, P
     # x, M, K, N, kind, q, scale, zero, group, y, scratch, nthreads
     "moetier_gemv": [_P, _I64, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _I],
+    "moetier_rms_norm": [_P, _P, _I64, _I64, ctypes.c_float, _P],  # x, w, M, H, eps, y
     # x, T, H, I, n_exp, desc, start, tok, rw, out, accumulate, scratch, nthreads
     "moetier_moe": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I],
 }
@@ -142,7 +143,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.moetier_sparse_moe_quant.restype, lib.moetier_sparse_moe_quant.argtypes = ctypes.c_int64, _QUANT_ARGTYPES
     for name, argtypes in _DECODE_ARGTYPES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int64, argtypes
+        fn.restype, fn.argtypes = (None if name == "moetier_rms_norm" else ctypes.c_int64), argtypes
     return lib
 
 

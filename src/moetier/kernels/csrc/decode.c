@@ -39,7 +39,7 @@
 #define MT_AVX2 0
 #endif
 
-#define ABI 1
+#define ABI 2
 #define QB 32 /* activation quantisation block */
 
 int64_t moetier_decode_abi(void) { return ABI; }
@@ -454,3 +454,21 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------ RMSNorm */
+
+/* y [M, H] bf16 = x / sqrt(mean(x^2) + eps) * w, per row, in fp32, rounded once; one thread (rows are
+ * short: a decode step's hidden state or its heads) */
+void moetier_rms_norm(const uint16_t* x, const uint16_t* w, int64_t M, int64_t H, float eps, uint16_t* y) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* xr = x + m * H;
+        float ss = 0.0f;
+        for (int64_t j = 0; j < H; j++) {
+            const float v = bf2f(xr[j]);
+            ss += v * v;
+        }
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t j = 0; j < H; j++) y[m * H + j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+    }
+}
+

@@ -1,11 +1,12 @@
 """The native executor: every routed expert of a decode-sized call in one C call (kernels/decode.py).
 
-For calls of up to `max_tokens` tokens (decode, a small batch) the executor acquires every expert of
-the plan in plan order (resident first), hands their pool slots to `moetier::moe` once, and releases
-them: gate, up, SwiGLU, down and the weighted combine of all pairs run in C on both cores, in
-ascending expert id. Longer calls (prefill) and calls whose experts do not fit the compute tier's slots
-at once take the dense executor's path, expert by expert (its matmuls still reach the native kernels
-for quantised slots through kernels/qformat.linear).
+For calls of up to `max_tokens` tokens (decode and small batches; on CPUs where oneDNN takes no
+bf16 products, such as AVX2 ones, prefill chunks of up to decode.native_rows() tokens too) the
+executor acquires every expert of the plan in plan order (resident first), hands their pool slots
+to `moetier::moe` once, and releases them: gate, up, SwiGLU, down and the weighted combine of all
+pairs run in C on both cores, in ascending expert id. Longer calls and calls whose experts do not fit
+the compute tier's slots at once take the per-expert torch path (its matmuls still reach the native
+kernels for quantised slots through kernels/qformat.linear).
 
 Chosen by runtime/wire.py on a CPU bf16 model whose experts are SwiGLU with SiLU and no biases when the
 kernel library loads (RuntimeConfig.native_kernels) and sparsity is off; full-precision slots are read as
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
-from moetier.kernels import decode
+from moetier.kernels import decode, matmul
 from moetier.kernels.experts import SwiGLU
 from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
 from moetier.models.families import Family
@@ -36,7 +37,7 @@ from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.store.pool import SlotViews
 from moetier.types import Domain, Plan
 
-MAX_TOKENS = 8  # calls of more tokens take the dense path (torch's GEMMs beat GEMVs there)
+MAX_TOKENS = 8  # calls of more tokens take the torch path where oneDNN takes bf16 (its GEMMs win there)
 
 
 class NativeState:
@@ -79,9 +80,11 @@ def _layout_row(views: Any) -> tuple[torch.Tensor, list[int]] | None:
 class NativeExecutor:
     """Steps 3-5 of one MoE layer call: up to MAX_TOKENS tokens in one native call, else the dense path."""
 
-    def __init__(self, store: ExpertStoreLike, fn: Any, num_experts: int, inter: int, state: NativeState) -> None:
+    def __init__(
+        self, store: ExpertStoreLike, fn: Any, num_experts: int, inter: int, state: NativeState, max_tokens: int
+    ) -> None:
         self.store, self.fn, self.num_experts = store, fn, num_experts
-        self.inter, self.state = inter, state
+        self.inter, self.state, self.max_tokens = inter, state, max_tokens
         self._rows: dict[int, tuple[Any, tuple[torch.Tensor, list[int]] | None]] = {}  # id(views) -> row
         self.capacity = int(getattr(store, "capacity", 0))
 
@@ -100,7 +103,12 @@ class NativeExecutor:
         """x [T, H] -> sum_k w * expert(x) as [T, H]."""
         t = x.shape[0]
         tasks = plan.tasks
-        if t > MAX_TOKENS or x.dtype != torch.bfloat16 or not tasks or (self.capacity and len(tasks) > self.capacity):
+        if (
+            t > self.max_tokens
+            or x.dtype != torch.bfloat16
+            or not tasks
+            or (self.capacity and len(tasks) > self.capacity)
+        ):
             self.state.fallback_calls += 1
             return execute_per_expert(self.store, self.fn, x, plan, grouped)
         # 1. pairs per expert in ascending expert id
@@ -172,11 +180,14 @@ def build(ctx: BuildContext) -> Built:
         raise ConfigError("the native executor needs the kernel library (kernels/native.py load_error says why)")
     state = NativeState(decode.isa(lib))
     inter = int(loaded.info.expert_intermediate)
+    # where oneDNN takes bf16 products its GEMMs beat the native GEMV-shaped kernel above a few tokens;
+    # elsewhere (AVX2) the native kernel wins for whole prefill chunks (docs/engine.md)
+    max_tokens = MAX_TOKENS if matmul.onednn_takes_bf16() else decode.native_rows()
     return Built(
         {
             b.layer: (
                 ResidentFirst(b.store, Domain.HOST),
-                NativeExecutor(b.store, b.expert_fn, b.num_experts, inter, state),
+                NativeExecutor(b.store, b.expert_fn, b.num_experts, inter, state, max_tokens),
             )
             for b in loaded.blocks
         },

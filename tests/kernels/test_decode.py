@@ -215,3 +215,19 @@ def test_rms_norm_matches_float64(lib: object) -> None:
     assert float((y.float() - close.float()).abs().max()) <= 2.0**-7 * float(close.float().abs().max())
     with pytest.raises(ValueError, match="rms_norm"):
         decode.rms_norm(x.float(), w, 1e-6)
+
+
+def test_moe_in_groups_gives_the_bits_of_one_call(lib: object) -> None:
+    """moe_acc over groups of experts in ascending id, then one rounding: what a compute tier with fewer
+    slots than the call's experts runs (runtime/executors/native.py)."""
+    h, i = 256, 128
+    slots, layout, _ = _slots(h, i, ["bf16", "int4", "int8", "int4", "bf16"], seed=11)
+    x = torch.randn(2, h, generator=torch.Generator().manual_seed(12)).to(BF16)
+    start, tok, rw = [0, 2, 3, 5, 6, 7], [0, 1, 1, 0, 1, 0, 1], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    one = decode.moe(x, slots, layout, start, tok, rw, i)
+    acc = torch.zeros(2, h)
+    for g0, g1 in ((0, 2), (2, 4), (4, 5)):
+        lo, hi = start[g0], start[g1]
+        decode.moe_acc(x, slots[g0:g1], layout[9 * g0 : 9 * g1], [p - lo for p in start[g0 : g1 + 1]], tok[lo:hi],
+                       rw[lo:hi], i, acc)  # fmt: skip
+    assert torch.equal(acc.to(BF16), one)

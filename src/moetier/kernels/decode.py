@@ -8,7 +8,8 @@ Three ops, registered with torch.library under `moetier::` (tensors and plain li
   call in one call: x [T, H] bf16, the experts' pool slots (one tensor each, the slot's memory), per
   expert its format row (`layout`: kind, then per matrix group, q / scale / zero byte offsets in the
   slot), the (token, router weight) pairs grouped by expert -> sum over pairs w * SwiGLU_e(x[t]) as
-  [T, H] bf16.
+  [T, H] bf16; `moetier::moe_acc` adds a group of a call's experts to an fp32 accumulator instead (a
+  compute tier with fewer slots than the call has experts), with the bits of one call;
 
 Dense weights: `QDense` is a non-expert matrix (attention, output head) quantised the way llama.cpp's
 Q8_0 / Q4_0 files hold them (blocks of 32, one scale each, symmetric); `quantize_dense` makes one and
@@ -140,6 +141,24 @@ def _moe_impl(
     x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
     rw: list[float], inter: int,
 ) -> torch.Tensor:  # fmt: skip
+    out = torch.empty(x.shape, dtype=_BF16)  # [T, H]
+    _moe_call(x, slots, layout, start, tok, rw, inter, out, 0)
+    return out
+
+
+def _moe_acc_impl(
+    x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
+    rw: list[float], inter: int, acc: torch.Tensor,
+) -> None:  # fmt: skip
+    if acc.dtype != torch.float32 or acc.shape != x.shape or not acc.is_contiguous() or not acc.is_cpu:
+        raise ValueError(f"moe_acc: acc must be contiguous fp32 on the CPU of x's shape, got {list(acc.shape)}")
+    _moe_call(x, slots, layout, start, tok, rw, inter, acc, 2)
+
+
+def _moe_call(
+    x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
+    rw: list[float], inter: int, out: torch.Tensor, accumulate: int,
+) -> None:  # fmt: skip
     n_exp = len(slots)
     if x.dim() != 2 or x.dtype != _BF16 or not x.is_contiguous() or not x.is_cpu:
         raise ValueError(f"moe: x must be a contiguous bf16 CPU [T, H] tensor, got {x.dtype} {list(x.shape)}")
@@ -157,15 +176,13 @@ def _moe_impl(
             desc[DESC * e + 1 + j] = layout[LAYOUT * e + j]
     lib = _lib()
     p = len(tok)
-    out = torch.empty((t, h), dtype=_BF16)  # [T, H]
     scratch = _scratch.get(lib.moetier_moe_scratch_bytes(t, h, inter, p))
     rc = lib.moetier_moe(
         x.data_ptr(), t, h, inter, n_exp, desc, (ctypes.c_int64 * (n_exp + 1))(*start), (ctypes.c_int32 * p)(*tok),
-        (ctypes.c_float * p)(*rw), out.data_ptr(), 0, scratch, torch.get_num_threads(),
+        (ctypes.c_float * p)(*rw), out.data_ptr(), accumulate, scratch, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"moe: the kernel refused H={h}, I={inter} for the experts' kinds")
-    return out
 
 
 def _rms_norm_impl(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,6 +199,11 @@ _LIB.define("rms_norm(Tensor x, Tensor w, float eps) -> Tensor")
 _LIB.impl("rms_norm", _rms_norm_impl, "CPU")
 _LIB.impl("gemv", _gemv_impl, "CPU")
 _LIB.impl("moe", _moe_impl, "CPU")
+_LIB.define(
+    "moe_acc(Tensor x, Tensor[] slots, int[] layout, int[] start, int[] tok, float[] rw, int inter, "
+    "Tensor(a!) acc) -> ()"
+)
+_LIB.impl("moe_acc", _moe_acc_impl, "CPU")
 
 
 @torch.library.register_fake("moetier::gemv", lib=_LIB)
@@ -224,6 +246,15 @@ def moe(
     """Every active expert of one layer call: x [T, H] bf16 -> [T, H] bf16 by `moetier::moe`."""
     out: torch.Tensor = torch.ops.moetier.moe(x, slots, layout, start, tok, rw, inter)
     return out
+
+
+def moe_acc(
+    x: torch.Tensor, slots: list[torch.Tensor], layout: list[int], start: list[int], tok: list[int],
+    rw: list[float], inter: int, acc: torch.Tensor,
+) -> None:  # fmt: skip
+    """`moe` for a group of a call's experts: adds their weighted outputs to acc [T, H] fp32, unrounded, so
+    groups taken in ascending expert id give the bits of one `moe` call (acc.to(bf16) at the end)."""
+    torch.ops.moetier.moe_acc(x, slots, layout, start, tok, rw, inter, acc)
 
 
 # --------------------------------------------------------------------------------------------- dense weights
@@ -325,6 +356,6 @@ def dense_linear(
 
 __all__ = [
     "DENSE_BITS", "KIND_BF16", "LAYOUT", "NATIVE_ROWS", "NATIVE_ROWS_NO_ONEDNN", "QBLOCK", "QDense", "dense_linear",
-    "dequantize_dense", "formats_available", "gemv", "isa", "load", "moe", "native_rows", "pack_crumbs",
+    "dequantize_dense", "formats_available", "gemv", "isa", "load", "moe", "moe_acc", "native_rows", "pack_crumbs",
     "pack_nibbles", "quantize_dense", "rms_norm",
 ]  # fmt: skip

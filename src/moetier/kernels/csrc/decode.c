@@ -378,7 +378,9 @@ static inline char* take(char** cur, int64_t bytes) {
     return p;
 }
 
-/* out [T, H] bf16 (+)= sum over pairs; pairs of expert e are start[e] .. start[e + 1] - 1 (token tok[p],
+/* out [T, H] bf16 (+)= sum over pairs (accumulate 0: out = the sum, 1: out += the sum, both rounded to bf16
+ * once; 2: out is fp32 [T, H] and the sum is added to it unrounded, so a call split over groups of experts
+ * in ascending id gives the bits of one call); pairs of expert e are start[e] .. start[e + 1] - 1 (token tok[p],
  * router weight rw[p]); experts in the order given. Returns 0, or -1 for a shape the kinds refuse. */
 int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t n_exp, const int64_t* desc,
                     const int64_t* start, const int32_t* tok, const float* rw, uint16_t* out, int accumulate,
@@ -398,7 +400,7 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     float* h = (float*)take(&cur, P * 2 * I * 4);
     char* hb = take(&cur, act_bytes(16, P, I));
     char* hq = take(&cur, act_bytes(8, P, I));
-    float* ys = (float*)take(&cur, T * H * 4);
+    float* ys = accumulate == 2 ? (float*)(void*)out : (float*)take(&cur, T * H * 4);
 #pragma omp parallel num_threads(nthreads)
     {
         /* 0. the tokens' activations, in the forms the experts' kinds read */
@@ -438,8 +440,9 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t chunk = ((H + nt - 1) / nt + 15) / 16 * 16;
         const int64_t lo = me * chunk < H ? me * chunk : H, hi = lo + chunk < H ? lo + chunk : H;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = lo; j < hi; j++) ys[t * H + j] = accumulate ? bf2f(out[t * H + j]) : 0.0f;
+        if (accumulate != 2)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t j = lo; j < hi; j++) ys[t * H + j] = accumulate ? bf2f(out[t * H + j]) : 0.0f;
         for (int64_t e = 0; e < n_exp; e++) {
             const wmat_t w = desc_mat(desc + e * DESC, 1);
             for (int64_t p = start[e]; p < start[e + 1]; p++) {
@@ -449,8 +452,9 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
                 for (int64_t j = lo; j < hi; j++) y[j] += wp * dot_row(&w, j, &a, I);
             }
         }
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = lo; j < hi; j++) out[t * H + j] = f2bf(ys[t * H + j]);
+        if (accumulate != 2)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t j = lo; j < hi; j++) out[t * H + j] = f2bf(ys[t * H + j]);
     }
     return 0;
 }

@@ -103,12 +103,7 @@ class NativeExecutor:
         """x [T, H] -> sum_k w * expert(x) as [T, H]."""
         t = x.shape[0]
         tasks = plan.tasks
-        if (
-            t > self.max_tokens
-            or x.dtype != torch.bfloat16
-            or not tasks
-            or (self.capacity and len(tasks) > self.capacity)
-        ):
+        if t > self.max_tokens or x.dtype != torch.bfloat16 or not tasks:
             self.state.fallback_calls += 1
             return execute_per_expert(self.store, self.fn, x, plan, grouped)
         # 1. pairs per expert in ascending expert id
@@ -125,6 +120,9 @@ class NativeExecutor:
                 tok += tk.tolist()
                 rw += wk.float().tolist()
                 start.append(len(tok))
+        x = x.contiguous()
+        if self.capacity and len(tasks) > self.capacity:  # fewer slots than experts: groups, same bits
+            return self._in_groups(x, experts, start, tok, rw, plan, grouped)
         # 2. move: acquire every expert in plan order (resident first), then compute in one call
         store = self.store
         held: list[Any] = []
@@ -137,7 +135,7 @@ class NativeExecutor:
             if all(r is not None for r in rows):
                 slots = [r[0] for r in rows if r is not None]
                 layout = [v for r in rows if r is not None for v in r[1]]
-                out = decode.moe(x.contiguous(), slots, layout, start, tok, rw, self.inter)
+                out = decode.moe(x, slots, layout, start, tok, rw, self.inter)
             else:
                 out = None  # a slot format the kernel does not read (a shape its layouts refuse)
         finally:
@@ -148,6 +146,40 @@ class NativeExecutor:
             return execute_per_expert(self.store, self.fn, x, plan, grouped)
         self.state.calls += 1
         return out
+
+    def _in_groups(
+        self, x: torch.Tensor, experts: list[int], start: list[int], tok: list[int], rw: list[float], plan: Plan,
+        grouped: Grouped,
+    ) -> torch.Tensor:  # fmt: skip
+        """A call with more experts than the compute tier has slots: groups of `capacity` experts in ascending
+        id, each acquired, added unrounded to one fp32 sum (moetier::moe_acc) and released, so the result is
+        the bits of one native call whatever the residency."""
+        key_of = {task.key.expert: task.key for task in plan.tasks}
+        acc = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        for g0 in range(0, len(experts), self.capacity):
+            group = experts[g0 : g0 + self.capacity]
+            held: list[Any] = []
+            try:
+                rows = []
+                for e in group:
+                    views = self.store.acquire(key_of[e])
+                    held.append(key_of[e])
+                    rows.append(self._row(views))
+                if any(r is None for r in rows):
+                    break  # a slot format the kernel does not read
+                lo, hi = start[g0], start[g0 + len(group)]
+                decode.moe_acc(
+                    x, [r[0] for r in rows if r is not None], [v for r in rows if r is not None for v in r[1]],
+                    [p - lo for p in start[g0 : g0 + len(group) + 1]], tok[lo:hi], rw[lo:hi], self.inter, acc,
+                )  # fmt: skip
+            finally:
+                for key in held:
+                    self.store.release(key)
+        else:
+            self.state.calls += 1
+            return acc.to(torch.bfloat16)
+        self.state.fallback_calls += 1
+        return execute_per_expert(self.store, self.fn, x, plan, grouped)
 
 
 def _is_silu(act: Any) -> bool:

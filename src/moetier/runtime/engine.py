@@ -244,31 +244,19 @@ class Engine:
             ids = ids[:max_tokens]
         if len(ids) < 2:
             raise ConfigError(f"perplexity needs at least 2 tokens, got {len(ids)}")
-        limit = min(int(getattr(self.loaded.config, "max_position_embeddings", 1024)), 1024, self._max_len())
-        if window > self._max_len():
-            raise ConfigError(f"window of {window} tokens exceeds the KV cache of {self._max_len()} tokens")
-        window = window or limit
-        starts = range(0, len(ids) - 1, window)
         nll, count = 0.0, 0
-        for n_done, start in enumerate(starts):
-            chunk = ids[start : start + window + 1]
-            if len(chunk) < 2:
-                break
-            logits = self._eval_logits(torch.tensor([chunk[:-1]]), start // window)[0].float()  # [T, V]
-            target = torch.tensor(chunk[1:], device=logits.device)
+        for _, logits, target in self.window_logits(ids, window, on_window):  # logits [T, V], target [T]
             nll += F.cross_entropy(logits, target, reduction="sum").item()
-            count += len(chunk) - 1
-            if on_window is not None:
-                on_window(n_done + 1, len(starts))
+            count += target.numel()
         return EvalResult(ppl=math.exp(nll / count), tokens=count, nll=nll / count, stats=self.stats())
 
     @torch.inference_mode()
     def window_logits(
         self, ids: list[int], window: int = 0, on_window: Callable[[int, int], None] | None = None
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """perplexity()'s windows one at a time, for measures that need the logits themselves (runtime/quality.py):
-        yields (start, logits [T, V] float32, targets [T]) per non-overlapping window of `window` tokens (0: the
-        context length, capped at 1024 and at the KV cache), with perplexity()'s forwards and trace step indices."""
+        """The windows perplexity() scores, one at a time (it and runtime/quality.py read them): yields (start,
+        logits [T, V] float32, targets [T]) per non-overlapping window of `window` tokens (0: the context length,
+        capped at 1024 and at the KV cache); each window is a fresh sequence, its trace step index start // window."""
         if len(ids) < 2:
             raise ConfigError(f"scoring needs at least 2 tokens, got {len(ids)}")
         if window > self._max_len():

@@ -77,8 +77,20 @@ def _layout_row(views: Any) -> tuple[torch.Tensor, list[int]] | None:
     return None
 
 
+def _packed(rows: list[tuple[torch.Tensor, list[int]] | None]) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The slots and the flat layout `moetier::moe` takes for these experts' rows, or None when one of them is
+    in a format the kernel does not read."""
+    slots, layout = [], []
+    for r in rows:
+        if r is None:
+            return None
+        slots.append(r[0])
+        layout += r[1]
+    return slots, layout
+
+
 class NativeExecutor:
-    """Steps 3-5 of one MoE layer call: up to MAX_TOKENS tokens in one native call, else the dense path."""
+    """Steps 3-5 of one MoE layer call: up to `max_tokens` tokens in one native call, else the torch path."""
 
     def __init__(
         self, store: ExpertStoreLike, fn: Any, num_experts: int, inter: int, state: NativeState, max_tokens: int
@@ -131,13 +143,9 @@ class NativeExecutor:
             for task in tasks:
                 views_of[task.key.expert] = store.acquire(task.key)
                 held.append(task.key)
-            rows = [self._row(views_of[e]) for e in experts]
-            if all(r is not None for r in rows):
-                slots = [r[0] for r in rows if r is not None]
-                layout = [v for r in rows if r is not None for v in r[1]]
-                out = decode.moe(x, slots, layout, start, tok, rw, self.inter)
-            else:
-                out = None  # a slot format the kernel does not read (a shape its layouts refuse)
+            packed = _packed([self._row(views_of[e]) for e in experts])
+            # None: a slot format the kernel does not read (a shape its layouts refuse)
+            out = decode.moe(x, *packed, start, tok, rw, self.inter) if packed is not None else None
         finally:
             for key in held:
                 store.release(key)
@@ -165,12 +173,13 @@ class NativeExecutor:
                     views = self.store.acquire(key_of[e])
                     held.append(key_of[e])
                     rows.append(self._row(views))
-                if any(r is None for r in rows):
+                packed = _packed(rows)
+                if packed is None:
                     break  # a slot format the kernel does not read
                 lo, hi = start[g0], start[g0 + len(group)]
                 decode.moe_acc(
-                    x, [r[0] for r in rows if r is not None], [v for r in rows if r is not None for v in r[1]],
-                    [p - lo for p in start[g0 : g0 + len(group) + 1]], tok[lo:hi], rw[lo:hi], self.inter, acc,
+                    x, *packed, [p - lo for p in start[g0 : g0 + len(group) + 1]], tok[lo:hi], rw[lo:hi], self.inter,
+                    acc,
                 )  # fmt: skip
             finally:
                 for key in held:

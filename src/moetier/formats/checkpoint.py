@@ -31,8 +31,13 @@ class TensorLocation:
     file: Path
     offset: int  # absolute byte offset of the tensor's data in `file`
     nbytes: int
-    dtype: str  # safetensors dtype string, e.g. "BF16"
-    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype string, e.g. "BF16"; for an encoded tensor its codec name (formats/encoded.py)
+    shape: tuple[int, ...]  # for an encoded tensor, the logical (decoded) shape
+    parts: tuple[TensorLocation, ...] = ()  # an encoded tensor: the stored tensors it decodes from, in codec order
+
+    @property
+    def encoded(self) -> bool:
+        return bool(self.parts)
 
 
 def read_header(path: Path) -> dict[str, TensorLocation]:

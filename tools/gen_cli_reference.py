@@ -37,7 +37,9 @@ HEADER = """# CLI reference
 Every `moetier` command with every flag, as `moetier COMMAND --help` prints them. Sizes (`SIZE`) are a
 byte count or a number with a unit (`4096`, `512MiB`, `2GiB`, `1.5GB`). Errors are one line
 `error: <message>` on stderr with exit code 2. `--json` always means: the last line of stdout is one
-JSON object, everything else goes to stderr. The CLI sets `HF_HUB_OFFLINE=1` unless you set it.
+JSON object, everything else goes to stderr. MODEL is a local checkpoint folder (or `.gguf` file) or a Hugging
+Face hub id `owner/name[@revision][:QUANT|:FILE.gguf]`, fetched into the hub's cache (offline with
+`HF_HUB_OFFLINE=1`: read from it); once MODEL is resolved the command runs with `HF_HUB_OFFLINE=1` unless you set it.
 
 Worked examples: [quickstart.md](quickstart.md), [real-checkpoints.md](real-checkpoints.md),
 [new-machine.md](new-machine.md), [serving.md](serving.md), [reports.md](reports.md).

@@ -105,7 +105,8 @@ class SchedulerConfig:
     profile: str | None = None
 
 
-PRECISION_MODES = ("full", "int8", "int4", "int2", "dynamic")
+PRECISION_MODES = ("full", "int8", "int4", "int2", "stored", "dynamic")
+STORED = "stored"  # slots hold the checkpoint's own (quantised) bytes; its bits depend on the checkpoint
 _BITS = PRECISION_BITS
 
 
@@ -139,10 +140,12 @@ class PrecisionConfig:
         if self.mode not in PRECISION_MODES:
             raise ConfigError(f"precision must be one of {', '.join(PRECISION_MODES)}, got {self.mode!r}")
         for name in ("hi", "lo"):
-            if getattr(self, name) not in _BITS:
+            if getattr(self, name) not in _BITS and getattr(self, name) != STORED:
                 value = getattr(self, name)
-                raise ConfigError(f"--{name} precision must be one of full, int8, int4, int2, got {value!r}")
-        if self.mode == "dynamic" and _BITS[self.hi] <= _BITS[self.lo]:
+                raise ConfigError(f"--{name} precision must be one of full, int8, int4, int2, stored, got {value!r}")
+        # "stored" has no fixed bits: with it, hi above lo is checked by slot bytes when the store is built
+        below = self.hi == self.lo or (STORED not in (self.hi, self.lo) and _BITS[self.hi] <= _BITS[self.lo])
+        if self.mode == "dynamic" and below:
             raise ConfigError(f"dynamic precision needs hi above lo, got hi={self.hi} lo={self.lo}")
         for prec, group in self.groups:
             if prec not in ("int8", "int4", "int2"):
@@ -210,6 +213,7 @@ class RuntimeConfig:
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
     lean: bool = True  # use the engine's own decoder where the family supports it
+    seam: bool = False  # run transformers' own MoE blocks with moetier's experts even where a family row exists
     max_seq_len: int = 0  # KV-cache length for the lean decoder; 0 = the model's own limit, capped at 4096
     native_kernels: bool = True  # build and use the C sparse kernel (kernels/native.py); False: torch ops
     kernel_cache: str | None = None  # folder of kernel builds and tipping profiles; None = ~/.cache/moetier

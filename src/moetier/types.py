@@ -40,6 +40,7 @@ class Precision(StrEnum):
     INT8 = "int8"
     INT4 = "int4"
     INT2 = "int2"
+    STORED = "stored"  # as the checkpoint stores it (FP8, MXFP4, GPTQ ...), dequantised per call; no fixed bits
 
 
 # Bits per stored weight of each precision, highest first: the one table (config, hwprofile, specs). "full" is a

@@ -235,7 +235,9 @@ def test_cuda_without_cuda(tiny: Path) -> None:
 
 
 def test_not_a_checkpoint(tmp_path: Path) -> None:
-    assert_user_error(invoke("info", tmp_path / "missing"), "error:", "config.json")
+    assert_user_error(invoke("info", tmp_path / "missing"), "error:", "missing", "neither an existing path nor a "
+                      "Hugging Face hub id")  # fmt: skip
+    assert_user_error(invoke("info", tmp_path), "error:", "config.json")  # a folder, but not a checkpoint
 
 
 @pytest.fixture(scope="module")

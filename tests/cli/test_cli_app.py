@@ -1,4 +1,5 @@
-"""cli/app.py: importing the command line changes nothing; `main` makes the Hub offline unless the user chose;
+"""cli/app.py: importing the command line changes nothing; `offline_by_default` (which a command calls once its MODEL
+is resolved, cli/model_arg.py) makes the Hub offline unless the user chose;
 every command is registered once, in the order of `moetier --help`."""
 
 from __future__ import annotations

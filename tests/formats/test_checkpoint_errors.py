@@ -275,11 +275,11 @@ def test_tensor_in_two_files(ckpt_copy):
     assert "extra.safetensors" in str(err) and "model.safetensors" in str(err) and "model." in str(err)
 
 
-def test_quantized_checkpoint_is_refused(ckpt_copy):
-    path = ckpt_copy("gpt_oss", config={"quantization_config": {"quant_method": "mxfp4"}})
+def test_unsupported_quantization_is_refused(ckpt_copy):
+    path = ckpt_copy("gpt_oss", config={"quantization_config": {"quant_method": "bitsandbytes"}})
     err = load_error(path)
     assert isinstance(err, CheckpointError)
-    assert "mxfp4" in str(err) and "config.json" in str(err)
+    assert "bitsandbytes" in str(err) and "config.json" in str(err) and "mxfp4" in str(err)
 
 
 # -- malformed metadata: typed errors, never a traceback -----------------------------------------------------

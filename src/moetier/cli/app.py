@@ -11,8 +11,10 @@ Invariants:
   (an unparseable or negative size, an unknown device) exit 2 with click's message;
 - with `--json`, stdout holds exactly one line, a JSON object; tokens, progress and
   tables go to stderr;
-- `main` makes Hugging Face Hub access offline unless HF_HUB_OFFLINE is set explicitly; importing
-  this module changes neither the environment nor huggingface_hub;
+- the Hugging Face Hub is reached only to resolve a hub id given as MODEL (cli/model_arg.py), and not at
+  all when the user set HF_HUB_OFFLINE=1; once MODEL is resolved, the command runs offline
+  (`offline_by_default`: HF_HUB_OFFLINE=1 unless the user set it); importing this module changes neither the
+  environment nor huggingface_hub;
 - a command's module is imported only when that command runs or shows its own help (`COMMANDS`,
   `LazyGroup`): `moetier --help` and the study commands (simulate, replay, synth, sweep, report) never
   import torch or transformers, which the engine's commands need and which take seconds to import.
@@ -135,7 +137,8 @@ def _root(
 
 def offline_by_default() -> None:
     """HF_HUB_OFFLINE=1 unless the user set it. huggingface_hub read the variable when it was imported
-    (before main ran), so its constant is updated too."""
+    (before main ran), so its constant is updated too. Called by cli/model_arg.open_model once MODEL is
+    resolved: the rest of the command (transformers reading the local checkpoint) never reaches the network."""
     if "HF_HUB_OFFLINE" in os.environ:
         return
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -143,8 +146,9 @@ def offline_by_default() -> None:
 
 
 def main() -> None:
-    """Console-script entry point (`moetier = "moetier.cli.app:main"`): offline by default, then the app."""
-    offline_by_default()
+    """Console-script entry point (`moetier = "moetier.cli.app:main"`). The Hub stays reachable (unless
+    HF_HUB_OFFLINE is set) until a command has resolved its MODEL (cli/model_arg.open_model), which then
+    makes the rest of the run offline."""
     app()
 
 

@@ -81,7 +81,8 @@ DensePrecision = Annotated[
 KernelCache = Annotated[
     Path | None,
     typer.Option("--kernel-cache", metavar="DIR", envvar="MOETIER_CACHE", rich_help_panel="Engine",
-                 help="Folder of native kernel builds and measured tipping profiles (default ~/.cache/moetier)."),
+                 help="Folder of native kernel builds, measured tipping profiles and the quantized tiers and sparsity "
+                      "tables of hub models (hub/OWNER--NAME/) (default ~/.cache/moetier)."),
 ]  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from rich.console import Console
 
 from moetier.cli.console import consoles, emit_json, progress_bar, read_text, register_command, user_errors
 from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags, engine_session
+from moetier.cli.model_arg import open_model
 from moetier.cli.options import JsonOut, Model
 from moetier.cli.tables import eval_report
 from moetier.config import EngineConfig
@@ -119,20 +120,22 @@ def eval_(
     with user_errors():
         config = flags.config()
         body = read_text(text)
+        arg = open_model(model, err, flags.kernel_cache)
+        config, path = arg.defaults(config), arg.path
         if kl_ref is not None and save_logits is not None:
             raise ConfigError("--save-logits and --kl-ref go in separate runs: save the reference, then compare")
         if save_logits is not None and save_logits.is_dir():
             raise ConfigError(f"--save-logits {save_logits} is a directory; give a file name")
-        declared = declared_window(model)
+        declared = declared_window(path)
         ref: RefLogprobs | None = None
         ref_name = kl_ref
         if kl_ref == "full":
-            ref, ref_name = _score_reference(model, text, body, max_tokens, window, declared, config, err), "full"
+            ref, ref_name = _score_reference(path, text, body, max_tokens, window, declared, config, err), "full"
         elif kl_ref is not None:
             ref = RefLogprobs.load(Path(kl_ref))
         quality: QualitySummary | None = None
-        with flags.session(model, config, err, run_trace(run_dir, flags.trace)) as engine:
-            rec = RunRecorder.for_eval(run_dir, engine, model)
+        with flags.session(path, config, err, run_trace(run_dir, flags.trace)) as engine:
+            rec = RunRecorder.for_eval(run_dir, engine, path)
             ids = engine.encode(body)[:max_tokens]
             if len(ids) < 2:
                 raise ConfigError(f"{text}: eval needs at least 2 tokens, got {len(ids)}")
@@ -144,11 +147,11 @@ def eval_(
                 if ref is not None:
                     source = f"reference logits file {kl_ref}" if kl_ref != "full" else "the fp32 reference"
                     vocab = int(getattr(engine.loaded.config, "vocab_size", ref.vocab))
-                    ref.check_matches(source, vocab, model_fingerprint(model), ids)
+                    ref.check_matches(source, vocab, model_fingerprint(path), ids)
                     quality = compare(engine, ids, win, ref, source, on_window).summary
                     ppl, nll, tokens = quality.ppl, math.log(quality.ppl), quality.tokens
                 elif save_logits is not None:
-                    saved = collect(engine, ids, win, _record_meta(model, text, config), on_window)
+                    saved = collect(engine, ids, win, _record_meta(path, text, config), on_window)
                     saved.save(save_logits)
                     nll, tokens = saved.nll_sum / saved.tokens, saved.tokens
                     ppl = math.exp(nll)
@@ -158,7 +161,7 @@ def eval_(
             elapsed = time.perf_counter() - t0
             stats = engine.stats()
         payload = {
-            "model": str(model), "text_file": str(text), "ppl": ppl, "nll": nll,
+            "model": arg.label, "text_file": str(text), "ppl": ppl, "nll": nll,
             "tokens": tokens, "window": win, "window_from": win_from, "eval_s": elapsed,
             "eval_tok_s": tokens / elapsed if elapsed > 0 else 0.0,
             **({"kl_ref": ref_name, **quality.as_dict()} if quality is not None else {}),

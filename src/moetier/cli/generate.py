@@ -16,6 +16,7 @@ import typer
 
 from moetier.cli.console import TokenStream, consoles, emit_json, register_command, user_errors
 from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
+from moetier.cli.model_arg import open_model
 from moetier.cli.options import JsonOut, Model
 from moetier.cli.tables import generation_report
 from moetier.config import SamplingConfig
@@ -40,8 +41,10 @@ def generate(
     with user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
         config = flags.config()
-        with flags.session(model, config, err, run_trace(run_dir, flags.trace)) as engine:
-            rec = RunRecorder.for_generate(run_dir, engine, model, max_new_tokens)
+        arg = open_model(model, err, flags.kernel_cache)
+        config = arg.defaults(config)
+        with flags.session(arg.path, config, err, run_trace(run_dir, flags.trace)) as engine:
+            rec = RunRecorder.for_generate(run_dir, engine, arg.path, max_new_tokens)
             stream = TokenStream(engine, sys.stderr if json_out else sys.stdout)
             try:
                 result = engine.generate(prompt, max_new_tokens, sampling, on_token=rec.on_token(stream),
@@ -49,7 +52,7 @@ def generate(
             finally:
                 stream.finish()  # ends the line, also before an error message
         payload = {
-            "model": str(model), "text": result.text, "token_ids": result.token_ids,
+            "model": arg.label, "text": result.text, "token_ids": result.token_ids,
             "prompt_tokens": result.prompt_tokens, "new_tokens": len(result.token_ids),
             "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s, **result.stats,
         }  # fmt: skip

@@ -12,11 +12,11 @@ from __future__ import annotations
 import typer
 
 from moetier.cli.console import consoles, emit_json, register_command, user_errors
+from moetier.cli.model_arg import open_model
 from moetier.cli.options import JsonOut, Model, QuantDir
 from moetier.cli.tables import info_table, quant_table
 from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import list_tiers, source_fingerprint
-from moetier.kernels.sparse import default_table_path
 from moetier.models.open import describe
 from moetier.runtime.calibrate import model_identity, table_summary
 
@@ -25,12 +25,13 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
     """Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and non-expert bytes."""
     report, err = consoles(json_out)
     with user_errors():
-        with err.status(f"reading {model}"):
-            described = describe(model)
+        arg = open_model(model, err)
+        with err.status(f"reading {arg.label}"):
+            described = describe(arg.path)
             data = described.as_dict()
-            tiers = list_tiers(model, root=quant_dir)
-            fingerprint = source_fingerprint(CheckpointIndex(model))["fingerprint"]
-            sparsity = table_summary(default_table_path(model), model_identity(described, fingerprint))
+            tiers = list_tiers(arg.path, root=quant_dir or arg.quant_root)
+            fingerprint = source_fingerprint(CheckpointIndex(arg.path))["fingerprint"]
+            sparsity = table_summary(arg.sparsity_table, model_identity(described, fingerprint))
         data["sparsity_table"] = sparsity
         data["moe_layers"] = list(data["moe_layers"])
         data["total_params_bytes"] = data["total_expert_bytes"] + data["non_expert_bytes"]

@@ -46,9 +46,13 @@ def size_flag(text: str) -> int:
 _SIZE_HELP = "Bytes, or a number with a unit: 512MiB, 2GiB, 1.5GB."
 _ENGINE = "Engine"
 Model = Annotated[
-    Path,
-    typer.Argument(metavar="MODEL", help="Local Hugging Face checkpoint folder (config.json + *.safetensors)."),
-]
+    str,
+    typer.Argument(metavar="MODEL",
+                   help="A local Hugging Face checkpoint folder (config.json + *.safetensors), or a hub id "
+                        "owner/name[@revision] fetched into the Hugging Face cache (a GGUF repository with :QUANT, "
+                        "e.g. :Q4_K_M, or :FILE.gguf); an existing path always wins. Offline (HF_HUB_OFFLINE=1) "
+                        "only the cache is read."),
+]  # fmt: skip
 HostMem = Annotated[
     int | None,
     typer.Option("--host-expert-mem", parser=size_flag, metavar="SIZE", rich_help_panel=_ENGINE,
@@ -143,8 +147,11 @@ Groups = Annotated[
 ]  # fmt: skip
 QuantDir = Annotated[
     Path | None,
-    typer.Option(metavar="DIR", rich_help_panel=_PREC, help="Where quantized tiers live; default MODEL/moetier-quant."),
-]
+    typer.Option(metavar="DIR", rich_help_panel=_PREC,
+                 help="Where quantized tiers live; default MODEL/moetier-quant (for a hub id: "
+                      "CACHE/hub/OWNER--NAME/moetier-quant, CACHE = --kernel-cache, $MOETIER_CACHE or "
+                      "~/.cache/moetier)."),
+]  # fmt: skip
 Warmup = Annotated[
     Path | None,
     typer.Option(metavar="FILE", rich_help_panel=_PREC,
@@ -167,7 +174,8 @@ Sparsity = Annotated[
 SparsityTable = Annotated[
     Path | None,
     typer.Option("--sparsity-table", metavar="FILE", rich_help_panel=_SPARSE,
-                 help="Threshold table; default MODEL/moetier-sparsity/thresholds.json."),
+                 help="Threshold table; default MODEL/moetier-sparsity/thresholds.json (for a hub id: "
+                      "CACHE/hub/OWNER--NAME/moetier-sparsity/thresholds.json)."),
 ]  # fmt: skip
 SparsityBlock = Annotated[
     int,

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from moetier.cli.console import consoles, emit_json, progress_bar, register_command, user_errors
+from moetier.cli.model_arg import open_model
 from moetier.cli.options import Groups, JsonOut, Model, parse_groups
 from moetier.cli.tables import quant_table
 from moetier.formats.qtier import tier_summary
@@ -26,7 +27,13 @@ def quantize(
     model: Model,
     precisions: Annotated[str, typer.Option("--precisions", help="Comma-separated, of int8, int4, int2.")] = "int4",
     group: Groups = None,
-    out: Annotated[Path | None, typer.Option(metavar="DIR", help="Tier root; default MODEL/moetier-quant.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Tier root; default MODEL/moetier-quant (for a hub id: CACHE/hub/OWNER--NAME/moetier-quant).",
+        ),
+    ] = None,
     method: Annotated[
         str,
         typer.Option(
@@ -49,14 +56,15 @@ def quantize(
     report, err = consoles(json_out)
     with user_errors():
         precs = [p.strip() for p in precisions.split(",") if p.strip()]
+        arg = open_model(model, err)
         groups: dict[str, int | None] = dict(parse_groups(group))
         with progress_bar(err) as progress:
-            paths = quantize_model(model, precs, out=out, group_sizes=groups, method=method, progress=progress,
-                                   force=force, down_rows=for_sparsity)  # fmt: skip
+            paths = quantize_model(arg.path, precs, out=out or arg.quant_root, group_sizes=groups, method=method,
+                                   progress=progress, force=force, down_rows=for_sparsity)  # fmt: skip
         rows = [tier_summary(p) | {"path": str(p)} for p in paths]
         report.print(quant_table(rows))
         if json_out:
-            emit_json({"model": str(model), "tiers": rows})
+            emit_json({"model": arg.label, "tiers": rows})
 
 
 def register(app: typer.Typer) -> None:

@@ -21,6 +21,7 @@ import uvicorn
 
 from moetier.cli.console import consoles, register_command, user_errors
 from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
+from moetier.cli.model_arg import open_model
 from moetier.cli.options import Model
 from moetier.errors import ConfigError
 from moetier.serve import create_app
@@ -39,7 +40,8 @@ MaxQueue = Annotated[
 ModelName = Annotated[
     str | None,
     typer.Option("--model-name", rich_help_panel=_SERVER,
-                 help="Model id clients send; default: the checkpoint folder's name."),
+                 help="Model id clients send; default: the hub id (owner/name) of a hub MODEL, else the checkpoint "
+                      "folder's name."),
 ]  # fmt: skip
 LogLevel = Annotated[str, typer.Option(rich_help_panel=_SERVER, help="uvicorn log level (info, warning, debug).")]
 
@@ -72,9 +74,12 @@ def serve_cmd(
         # 1. flags -> config, and the port, before the (slow) load
         config = flags.config()
         _check_port(host, port)
-        # 2. load, build the app, serve until Ctrl-C
-        with flags.session(model, config, err, flags.trace) as engine:
-            app = create_app(engine, model_name=model_name, max_batch=max_batch, max_queue=max_queue)
+        # 2. MODEL (a hub id is fetched now), load, build the app, serve until Ctrl-C
+        arg = open_model(model, err, flags.kernel_cache)
+        config = arg.defaults(config)
+        name = model_name or (arg.hub.repo_id if arg.hub is not None else None)
+        with flags.session(arg.path, config, err, flags.trace) as engine:
+            app = create_app(engine, model_name=name, max_batch=max_batch, max_queue=max_queue)
             err.print(f"serving {app.state.model_name!r} on http://{host}:{port}/v1", highlight=False)
             with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled gracefully
                 uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -6,6 +6,12 @@ the whole file. Validation happens here, once, at open: a header that does not p
 a tensor whose byte range overruns the file (a truncated download), overlapping or
 mis-sized ranges, an index that names a missing file or tensor: each raises
 CheckpointError naming the file and tensor.
+
+A quantised checkpoint (config.json's `quantization_config`, passed as `quantization`) is
+indexed by logical tensor: formats/quantized.py replaces each group of stored tensors (an FP8
+weight and its scale grid, MXFP4 blocks and scales, GPTQ's qweight / qzeros / scales / g_idx)
+by one encoded TensorLocation (formats/encoded.py) after validating it. `tensors` then holds
+logical names only; the stored tensors are reachable through `parts`.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import itertools
 import json
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+from typing import Any
 
 from moetier.errors import CheckpointError
+from moetier.formats.quantized import apply_quantization
 
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
@@ -96,9 +105,10 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
 
 
 class CheckpointIndex:
-    """All tensors of a checkpoint folder: `index[name] -> TensorLocation`."""
+    """All tensors of a checkpoint folder: `index[name] -> TensorLocation`; with `quantization` (config.json's
+    quantization_config), quantised groups are indexed as logical encoded tensors."""
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], quantization: Mapping[str, Any] | None = None) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a directory (expected a Hugging Face checkpoint folder)")
@@ -112,6 +122,9 @@ class CheckpointIndex:
                 raise CheckpointError(f"{self.folder}: no *.safetensors files and no model.safetensors.index.json")
             for file in files:
                 self._add_file(file)
+        self.quantization = dict(quantization) if quantization else None
+        if self.quantization is not None:
+            self.tensors = apply_quantization(self.tensors, self.quantization, self.folder)
 
     def _load_indexed(self, index_file: Path) -> None:
         try:

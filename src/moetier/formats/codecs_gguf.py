@@ -1,7 +1,199 @@
-"""Codecs of GGUF block types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...), decoded with torch."""
+"""Codecs of GGUF block types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...), decoded with torch.
+
+A GGUF tensor is stored row by row; each row of `n` weights is `n / block_size` blocks of
+`type_size` bytes (GGML_QUANT_SIZES). An encoded GGUF tensor (formats/gguf.py) has one part: the
+raw block bytes as uint8. Every decoder here turns the bytes of whole blocks into fp32 values in
+row-major order, vectorised over all blocks at once (no Python loop over blocks), with the same
+float32 operation order as the numpy reference `gguf.quants.dequantize`, so results are
+bit-identical to it (tests/formats/test_gguf_codecs.py).
+
+Two codecs per block type:
+- `gguf:<TYPE>`: parts[0] holds the tensor's bytes in stored order (any shape; it is flattened).
+- `gguf:<TYPE>+unpermute`: parts[0] has shape [n_head, head_dim / 2, 2, row_bytes]: the rows of
+  a llama-architecture q or k projection that llama.cpp's converter permuted for its interleaved
+  RoPE. The decoder restores transformers' row order (head, half, index within half) before
+  dequantising; rows are whole blocks, so this is a byte-row reorder.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from moetier.formats.encoded import Codec
 
-GGUF_CODECS: dict[str, Codec] = {}
+QK_K = 256  # weights per K-quant super-block
+
+# type name -> (weights per block, bytes per block), as GGML_QUANT_SIZES in gguf.constants
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}  # fmt: skip
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 2] (little-endian fp16) -> fp32 [n, 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _shift(x: torch.Tensor, shifts: list[int], dim: int) -> torch.Tensor:
+    """int32 x with a new axis of size len(shifts) inserted at `dim`, holding x >> shift."""
+    s = torch.tensor(shifts, dtype=torch.int32)
+    view = [1] * (x.dim() + 1)
+    view[dim] = len(shifts)
+    return x.unsqueeze(dim) >> s.view(view)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:  # b: uint8 [n, 34] -> fp32 [n, 32]
+    d = _f16(b[:, :2])
+    x = b[:, 2:].contiguous().view(torch.int8).float()
+    return x * d
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 16] -> int32 [n, 32]: low nibbles (weights 0..15), then high nibbles (16..31)."""
+    return (_shift(qs.int(), [0, 4], 1) & 0xF).reshape(qs.shape[0], 32)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 4] (a little-endian uint32) -> int32 [n, 32], bit j of the word."""
+    return (_shift(qh.int(), list(range(8)), 2) & 1).reshape(qh.shape[0], 32)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:  # [n, 18] -> [n, 32]
+    d = _f16(b[:, :2])
+    return d * (_nibbles(b[:, 2:]) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:  # [n, 20] -> [n, 32]
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return d * _nibbles(b[:, 4:]).float() + m
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:  # [n, 22] -> [n, 32]
+    d = _f16(b[:, :2])
+    q = _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)
+    return d * (q - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:  # [n, 24] -> [n, 32]
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
+    return d * q.float() + m
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:  # [n, 84] -> [n, 256]
+    n = b.shape[0]
+    scales = b[:, :16].int()
+    qs = b[:, 16:80].int()
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (scales & 0xF).float()).view(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).view(n, 16, 1)
+    q = (_shift(qs.view(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, 16, 16).float()  # [n, half, shift, 32]
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:  # [n, 110] -> [n, 256]
+    n = b.shape[0]
+    hmask, qs, packed = b[:, :32].int(), b[:, 32:96].int(), b[:, 96:108].int()
+    d = _f16(b[:, 108:110])
+    low = (_shift(packed[:, :8], [0, 4], 1) & 0xF).reshape(n, 16)  # [n, shift, 8]
+    high = (_shift(packed[:, 8:12], [0, 2, 4, 6], 1) & 3).reshape(n, 16)  # [n, shift, 4]
+    scales = ((low | (high << 4)) - 32).float()
+    dl = (d * scales).view(n, 16, 1)
+    ql = (_shift(qs.view(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, 16, 16)
+    qh = (_shift(hmask.view(n, 1, 32), list(range(8)), 2) & 1).reshape(n, 16, 16)
+    q = (ql - ((qh ^ 1) << 2)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _scale_min_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 packed scale bytes of a Q4_K / Q5_K block -> 8 six-bit scales and 8 mins (int32 [n, 8])."""
+    p = packed.int().view(-1, 3, 4)
+    d, m, md = p[:, 0], p[:, 1], p[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0xF) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:  # [n, 144] -> [n, 256]
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    dl = (d * sc.float()).view(n, 8, 1)
+    ml = (dmin * mn.float()).view(n, 8, 1)
+    q = (_shift(b[:, 16:].int().view(n, 4, 32), [0, 4], 2) & 0xF).reshape(n, 8, 32).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:  # [n, 176] -> [n, 256]
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    dl = (d * sc.float()).view(n, 8, 1)
+    ml = (dmin * mn.float()).view(n, 8, 1)
+    ql = (_shift(b[:, 48:].int().view(n, 4, 32), [0, 4], 2) & 0xF).reshape(n, 8, 32)
+    qh = (_shift(b[:, 16:48].int().view(n, 1, 32), list(range(8)), 2) & 1).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:  # [n, 210] -> [n, 256]
+    n = b.shape[0]
+    ql_b, qh_b = b[:, :128].int(), b[:, 128:192].int()
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = _f16(b[:, 208:210])
+    dl = (d * scales).view(n, 16, 1)
+    ql = (_shift(ql_b.view(n, 2, 64), [0, 4], 2) & 0xF).reshape(n, 8, 32)
+    qh = (_shift(qh_b.view(n, 2, 32), [0, 2, 4, 6], 2) & 3).reshape(n, 8, 32)
+    q = ((ql | (qh << 4)) - 32).reshape(n, 16, 16).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _f32(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float32)
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _bf16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.bfloat16).float()
+
+
+_BLOCK_DECODERS = {
+    "F32": _f32, "F16": _fp16, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1,
+    "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+}  # fmt: skip
+
+
+def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of a GGUF tensor of `type_name` (uint8, any shape) -> fp32 [shape]."""
+    _, type_size = BLOCK_SIZES[type_name]
+    blocks = raw.reshape(-1, type_size)  # [n_blocks, type_size]
+    return _BLOCK_DECODERS[type_name](blocks).reshape(shape)
+
+
+def unpermute_rows(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 [n_head, head_dim / 2, 2, row_bytes] (llama.cpp's q/k row order) -> [n_head, 2, head_dim / 2,
+    row_bytes] (transformers' rotate-half order), contiguous."""
+    if raw.dim() != 4 or raw.shape[2] != 2:
+        raise ValueError(f"an unpermute part must have shape [n_head, head_dim/2, 2, row_bytes], got {list(raw.shape)}")
+    return raw.transpose(1, 2).contiguous()
+
+
+def _codec(type_name: str, unpermute: bool) -> Codec:
+    block, size = BLOCK_SIZES[type_name]
+
+    def decode(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        raw = unpermute_rows(parts[0]) if unpermute else parts[0]
+        return dequantize(raw, type_name, shape)
+
+    name = f"gguf:{type_name}" + ("+unpermute" if unpermute else "")
+    return Codec(name, decode, bits=8.0 * size / block)
+
+
+GGUF_CODECS: dict[str, Codec] = {
+    c.name: c for t in BLOCK_SIZES for c in (_codec(t, unpermute=False), _codec(t, unpermute=True))
+}

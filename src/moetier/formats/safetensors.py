@@ -6,23 +6,40 @@ raises CheckpointError naming it. A read is `os.preadv` into the slot's own memo
 when the stored dtype and layout already match the slot; otherwise it goes through
 one staging buffer allocated at start (dtype cast, transpose, de-interleave). No
 file is mapped into the process, so reading never leaves a whole file resident.
+
+An encoded expert tensor (a quantised checkpoint, formats/encoded.py) is read part by part
+into the staging buffer (for a fused tensor [E, ...], the expert's slice of every part),
+decoded by its codec to float32, then the family op is applied while copying into the slot
+piece: the slot holds the dequantised expert in the compute dtype. `staging_bytes` counts the
+raw parts plus DECODE_WORKSPACE float32 copies of the decoded slice (the codec's output and
+its temporaries), so budgets include the decode's transient memory.
+
+`read_tensor(loc)` reads one whole tensor (decoded for an encoded one) for the non-expert
+weights, with pread as well.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
+from moetier.formats.codecs import CODECS
 from moetier.formats.layout import ExpertLayout, ExpertSource
 from moetier.types import ExpertKey
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+STORED_DTYPES = TORCH_DTYPES | {
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+DECODE_WORKSPACE = 4  # float32 copies of a decoded slice a codec may hold at once (output + temporaries)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -54,14 +71,32 @@ def _after(views: list[memoryview], n: int) -> list[memoryview]:
 
 
 @dataclass(frozen=True)
+class _Part:
+    """One stored part of an encoded tensor, restricted to one expert."""
+
+    loc: TensorLocation
+    offset: int  # absolute file offset
+    nbytes: int
+    shape: tuple[int, ...]  # the expert's slice as stored
+
+
+@dataclass(frozen=True)
 class _Read:
     """One contiguous byte range of the checkpoint feeding one or more pieces."""
 
     loc: TensorLocation
     offset: int  # absolute file offset
     nbytes: int
-    src_shape: tuple[int, ...]  # shape of this expert's slice as stored
+    src_shape: tuple[int, ...]  # shape of this expert's slice as stored (decoded, for an encoded tensor)
     pieces: tuple[tuple[str, str], ...]  # (piece, op)
+    parts: tuple[_Part, ...] = ()  # an encoded tensor: this expert's byte range of each stored part
+
+    @property
+    def staging(self) -> int:
+        """Transient bytes this read needs beyond the slot (0 if direct; see the module docstring)."""
+        if not self.parts:
+            return self.nbytes
+        return self.nbytes + DECODE_WORKSPACE * 4 * prod(self.src_shape)
 
 
 def _expected_src_shape(op: str, dest: tuple[int, ...]) -> tuple[int, ...]:
@@ -70,9 +105,39 @@ def _expected_src_shape(op: str, dest: tuple[int, ...]) -> tuple[int, ...]:
         "T": tuple(reversed(dest)),
         "T_even": (dest[-1], 2 * dest[0]),
         "T_odd": (dest[-1], 2 * dest[0]),
-        "even": (2 * dest[0],),
-        "odd": (2 * dest[0],),
+        "even": (2 * dest[0], *dest[1:]),
+        "odd": (2 * dest[0], *dest[1:]),
+        "top": (2 * dest[0], *dest[1:]),
+        "bottom": (2 * dest[0], *dest[1:]),
+        "T_top": (dest[-1], 2 * dest[0]),
+        "T_bottom": (dest[-1], 2 * dest[0]),
     }[op]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One checkpoint tensor of an expert as a stored-form slot keeps it (store/source.py StoredSource): the
+    same for every expert of the checkpoint."""
+
+    codec: str | None  # an encoded tensor's codec (formats/codecs.py); None: a plain tensor in its stored dtype
+    parts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # per stored part: dtype, the expert's slice shape
+    shape: tuple[int, ...]  # the decoded slice, the family op's source
+    pieces: tuple[tuple[str, str], ...]  # (canonical piece, op) it feeds
+
+    @property
+    def part_bytes(self) -> tuple[int, ...]:
+        return tuple(prod(shape) * dtype.itemsize for dtype, shape in self.parts)
+
+
+def decode_stored(t: StoredTensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts of one stored tensor (views in their stored dtype and shape) -> its decoded slice [t.shape]:
+    float32 for an encoded tensor, the stored tensor itself for a plain one."""
+    return CODECS[t.codec].decode(parts, t.shape) if t.codec is not None else parts[0]
+
+
+def apply_op(src: torch.Tensor, op: str) -> torch.Tensor:
+    """A family op (models/families.py) applied to a decoded source slice: a view, no copy."""
+    return _apply_op(src, op)
 
 
 def _apply_op(src: torch.Tensor, op: str) -> torch.Tensor:
@@ -82,6 +147,12 @@ def _apply_op(src: torch.Tensor, op: str) -> torch.Tensor:
         return src.t()
     if op in ("T_even", "T_odd"):
         return src.t()[0::2] if op == "T_even" else src.t()[1::2]
+    if op in ("T_top", "T_bottom"):
+        src = src.t()
+        op = op[2:]
+    if op in ("top", "bottom"):
+        half = src.shape[0] // 2
+        return src[:half] if op == "top" else src[half:]
     return src[0::2] if op == "even" else src[1::2]
 
 
@@ -102,9 +173,9 @@ class ExpertReader:
         for layer, prefix in prefixes.items():
             for e in range(num_experts):
                 self.plans[ExpertKey(layer, e)] = self._plan(prefix, e, sources)
-        staging = [r.nbytes for plan in self.plans.values() for r in plan if not self._direct(r)]
-        self.staging_bytes = max(staging, default=0)
-        self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
+        staged = [r for plan in self.plans.values() for r in plan if not self._direct(r)]
+        self.staging_bytes = max((r.staging for r in staged), default=0)  # buffer + decode workspace
+        self._staging = torch.empty(max((r.nbytes for r in staged), default=0), dtype=torch.uint8)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -117,10 +188,10 @@ class ExpertReader:
         pieces = self.layout.pieces
         for name, members in groups.items():
             loc = self.index[name]
-            if loc.dtype not in TORCH_DTYPES:
+            if loc.dtype not in TORCH_DTYPES and not loc.encoded:
                 raise CheckpointError(
                     f"{loc.file}: expert tensor {name!r} has dtype {loc.dtype}; moetier reads F32, F16, BF16 "
-                    "(quantized checkpoints such as MXFP4 must be dequantized to bf16 first)"
+                    "and the quantised formats its config.json's quantization_config declares"
                 )
             ops = [(piece, self._op(piece, src.op)) for piece, src in members]
             shapes = {_expected_src_shape(op, pieces[piece][1]) for piece, op in ops}
@@ -132,11 +203,23 @@ class ExpertReader:
                     f"{loc.file}: expert tensor {name!r} has shape {list(loc.shape)}, expected {list(full_want)} "
                     "from config.json"
                 )
+            parts = tuple(self._part(p, e, fused) for p in loc.parts)
             nbytes = loc.nbytes // self.num_experts if fused else loc.nbytes
             offset = loc.offset + (e * nbytes if fused else 0)
-            reads.append(_Read(loc, offset, nbytes, want, tuple(ops)))
+            reads.append(_Read(loc, offset, nbytes, want, tuple(ops), parts))
             self.consumed.add(name)
         return reads
+
+    def _part(self, p: TensorLocation, e: int, fused: bool) -> _Part:
+        if not fused:
+            return _Part(p, p.offset, p.nbytes, p.shape)
+        if not p.shape or p.shape[0] != self.num_experts:
+            raise CheckpointError(
+                f"{p.file}: tensor {p.name!r} has shape {list(p.shape)}, expected a leading dimension of "
+                f"{self.num_experts} experts"
+            )
+        nbytes = p.nbytes // self.num_experts
+        return _Part(p, p.offset + e * nbytes, nbytes, p.shape[1:])
 
     def _op(self, piece: str, op: str) -> str:
         """The family's op for `piece`, transposed once more when the layout stores down rows."""
@@ -148,8 +231,9 @@ class ExpertReader:
 
     def _direct(self, r: _Read) -> bool:
         return (
-            len(r.pieces) == 1 and r.pieces[0][1] == "copy" and TORCH_DTYPES[r.loc.dtype] == self.dtype
-        )
+            not r.parts and len(r.pieces) == 1 and r.pieces[0][1] == "copy"
+            and TORCH_DTYPES[r.loc.dtype] == self.dtype
+        )  # fmt: skip
 
     def _fd(self, loc: TensorLocation) -> int:
         key = str(loc.file)
@@ -170,17 +254,93 @@ class ExpertReader:
         before = self.bytes_read
         with self._lock:
             for r in plan:
-                if self._direct(r):
-                    self._pread(r.loc, r.offset, pieces[r.pieces[0][0]])
-                    continue
-                raw = self._staging[: r.nbytes]
-                self._pread(r.loc, r.offset, raw)
-                src = raw.view(TORCH_DTYPES[r.loc.dtype]).view(r.src_shape)
-                for piece, op in r.pieces:
-                    pieces[piece].copy_(_apply_op(src, op))
+                self._fill(r, pieces)
         return self.bytes_read - before
+
+    def _fill(self, r: _Read, pieces: Mapping[str, torch.Tensor]) -> None:
+        """One read into the slot pieces it feeds: straight from the file when it matches, else via staging."""
+        if self._direct(r):
+            self._pread(r.loc, r.offset, pieces[r.pieces[0][0]])
+            return
+        if r.parts:
+            src = self._decode(r)
+        else:
+            raw = self._staging[: r.nbytes]
+            self._pread(r.loc, r.offset, raw)
+            src = raw.view(TORCH_DTYPES[r.loc.dtype]).view(r.src_shape)
+        for piece, op in r.pieces:
+            pieces[piece].copy_(_apply_op(src, op))
+
+    def stored_tensors(self) -> tuple[StoredTensor, ...]:
+        """How every expert is stored, read by read (CheckpointError if two experts are stored differently:
+        a stored-form pool needs one slot layout)."""
+        first: tuple[StoredTensor, ...] | None = None
+        for key, plan in self.plans.items():
+            got = tuple(self._stored(r) for r in plan)
+            if first is None:
+                first = got
+            elif got != first:
+                loc = next(r.loc for r, a, b in zip(plan, got, first, strict=True) if a != b)
+                raise CheckpointError(
+                    f"{loc.file}: expert tensor {loc.name!r} (layer {key.layer}, expert {key.expert}) is stored "
+                    "unlike the first expert's; stored-form slots need every expert stored alike"
+                )
+        return first or ()
+
+    def _stored(self, r: _Read) -> StoredTensor:
+        if r.parts:
+            parts = tuple((STORED_DTYPES[p.loc.dtype], p.shape) for p in r.parts)
+            return StoredTensor(r.loc.dtype, parts, r.src_shape, r.pieces)
+        return StoredTensor(None, ((TORCH_DTYPES[r.loc.dtype], r.src_shape),), r.src_shape, r.pieces)
+
+    def read_stored(
+        self, key: ExpertKey, dests: Sequence[Sequence[torch.Tensor] | None], pieces: Mapping[str, torch.Tensor]
+    ) -> int:
+        """Expert `key` as stored: read i's parts are pread as raw bytes into `dests[i]` (uint8 views, one per
+        part, of `stored_tensors()[i].part_bytes`); a read whose dest is None is decoded into `pieces` as
+        read_into does (e.g. biases kept in the compute dtype). Returns bytes read from disk."""
+        plan = self.plans.get(key)
+        if plan is None:
+            raise KeyError(f"no expert {key} in this checkpoint")
+        before = self.bytes_read
+        with self._lock:
+            for r, dest in zip(plan, dests, strict=True):
+                if dest is not None:
+                    spans = [(p.loc, p.offset) for p in r.parts] if r.parts else [(r.loc, r.offset)]
+                    for (loc, offset), view in zip(spans, dest, strict=True):
+                        self._pread(loc, offset, view)
+                    continue
+                self._fill(r, pieces)
+        return self.bytes_read - before
+
+    def _decode(self, r: _Read) -> torch.Tensor:
+        """Read the expert's slice of every part of an encoded tensor into staging; decode to fp32 [src_shape]."""
+        views, at = [], 0
+        for p in r.parts:
+            raw = self._staging[at : at + p.nbytes]
+            self._pread(p.loc, p.offset, raw)
+            views.append(raw.view(STORED_DTYPES[p.loc.dtype]).view(p.shape))
+            at += p.nbytes
+        return CODECS[r.loc.dtype].decode(views, r.src_shape)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def read_tensor(loc: TensorLocation) -> torch.Tensor:
+    """One whole tensor from its file by pread (no mmap): decoded float32 [shape] for an encoded tensor,
+    else the stored tensor in its stored dtype. CheckpointError naming file and tensor if the file is short."""
+    if loc.encoded:
+        return CODECS[loc.dtype].decode([read_tensor(p) for p in loc.parts], loc.shape)
+    dtype = STORED_DTYPES.get(loc.dtype)
+    if dtype is None:
+        raise CheckpointError(f"{loc.file}: tensor {loc.name!r} has dtype {loc.dtype}, which moetier cannot read")
+    out = torch.empty(loc.nbytes, dtype=torch.uint8)  # [nbytes]
+    fd = os.open(loc.file, os.O_RDONLY)
+    try:
+        pread_exact(fd, [byte_view(out)], loc.offset, f"{loc.file}: unexpected end of file reading tensor {loc.name!r}")
+    finally:
+        os.close(fd)
+    return out.view(dtype).view(loc.shape)  # [shape]

@@ -27,6 +27,13 @@ Formats (per matrix; `kind` of QLinearWeight), W = (q - zero) * scale in canonic
 - "generic" (anything else: fp32/fp16 models, CUDA, shapes the kernels refuse, int8 with g < K):
   the canonical q/scale/zero; dequantised to x's dtype per call, then matmul.linear.
 
+Stored form ("stored" precision, `StoredFormat`): the slot keeps one expert's tensors exactly as the
+checkpoint stores them (FP8 + block scales, MXFP4 blocks + scales, GPTQ words + zeros + scales, or plain
+bf16 / fp32), each stored part on a 64-byte boundary, then the biases in the model dtype. Its views are
+`StoredWeight`s of kind "stored": `linear` decodes each segment with its codec (formats/codecs.py), applies
+the family op (gate and up may be separate stored tensors, or one interleaved tensor) into the rows of a
+temporary [N, K] in x's dtype, then matmul.linear. Sparse execution (down rows) is not offered for it.
+
 Measured on this project's CPU (torch 2.13, AVX-512): _weight_int8pack_mm needs K % 16 == 0,
 and, for bf16, x rows 32-byte aligned and q8 rows 16-byte aligned (aligned vector loads; a
 violation reads garbage or crashes); fp32 x needs fp32 scales and runs a scalar loop. The int4
@@ -47,9 +54,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moetier.errors import CheckpointError
+from moetier.errors import CheckpointError, ConfigError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
+from moetier.formats.safetensors import StoredTensor, apply_op, decode_stored
 from moetier.kernels import decode, matmul
 from moetier.types import Precision
 
@@ -114,6 +122,121 @@ class QExpertViews:
     b13: torch.Tensor | None  # [2I], model dtype
     b2: torch.Tensor | None  # [H]
     row: torch.Tensor  # uint8 [slot_bytes], the whole slot
+
+
+@dataclass(eq=False)
+class StoredSegment:
+    """One stored checkpoint tensor inside a stored-form slot, and the rows of its matrix it fills."""
+
+    tensor: StoredTensor
+    parts: list[torch.Tensor]  # views of the slot, each part in its stored dtype and shape
+    rows: tuple[tuple[str, int, int], ...]  # (family op, first row, end row) per piece it feeds
+
+
+@dataclass(eq=False)
+class StoredWeight:
+    """One matrix of a stored-form slot (kind "stored"): its segments decode into its [N, K] rows."""
+
+    kind: str  # "stored"
+    n: int
+    k: int
+    segments: tuple[StoredSegment, ...]
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor:
+        """The matrix [N, K] in `dtype` (allocated per call; the codecs' float32 temporaries are transient)."""
+        device = self.segments[0].parts[0].device
+        out = torch.empty((self.n, self.k), dtype=dtype, device=device)  # [N, K]
+        for seg in self.segments:
+            src = decode_stored(seg.tensor, seg.parts)  # [seg.tensor.shape], float32 or as stored
+            for op, r0, r1 in seg.rows:
+                out[r0:r1].copy_(apply_op(src, op))
+        return out
+
+
+@dataclass
+class StoredExpertViews:
+    w13: StoredWeight  # [2I, H]
+    w2: StoredWeight  # [H, I]
+    b13: torch.Tensor | None  # [2I], model dtype
+    b2: torch.Tensor | None  # [H]
+    row: torch.Tensor  # uint8 [slot_bytes], the whole slot
+    dests: list[list[torch.Tensor] | None]  # per stored tensor: uint8 views its raw parts are read into, or
+    # None for one decoded into `pieces` when read (the biases)
+    pieces: dict[str, torch.Tensor]  # gate_bias / up_bias / down_bias views of b13, b2
+
+
+_MATRIX_ROWS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of I rows)
+
+
+class StoredFormat:
+    """The byte layout of one expert kept as the checkpoint stores it (`tensors`: ExpertReader.stored_tensors),
+    plus its biases in the model dtype."""
+
+    def __init__(self, layout: ExpertLayout, tensors: tuple[StoredTensor, ...], dtype: torch.dtype) -> None:
+        if layout.down_rows:
+            raise ConfigError("the stored precision does not run sparse execution (down rows); use full or a "
+                              "quantized tier from `moetier quantize`")  # fmt: skip
+        self.layout, self.tensors, self.dtype = layout, tensors, dtype
+        h, i = layout.hidden, layout.inter
+        self.shapes = {"w13": (2 * i, h), "w2": (h, i)}
+        self.part_slices: list[list[_Slice] | None] = []
+        self.rows: list[tuple[str, tuple[tuple[str, int, int], ...]] | None] = []  # per tensor: matrix, rows
+        off = 0
+        for t in tensors:
+            kinds = {piece in _MATRIX_ROWS for piece, _ in t.pieces}
+            if kinds == {False}:  # biases: decoded into the bias slices when read
+                self.part_slices.append(None)
+                self.rows.append(None)
+                continue
+            if kinds != {True} or len({_MATRIX_ROWS[p][0] for p, _ in t.pieces}) != 1:
+                raise CheckpointError(f"stored tensor feeding {[p for p, _ in t.pieces]} mixes matrices and biases")
+            slices = []
+            for nbytes in t.part_bytes:
+                slices.append(_Slice(_align(off), torch.uint8, (nbytes,)))
+                off = slices[-1].offset + nbytes
+            self.part_slices.append(slices)
+            matrix = _MATRIX_ROWS[t.pieces[0][0]][0]
+            size = i if matrix == "w13" else h
+            rows = tuple((op, _MATRIX_ROWS[p][1] * size, (_MATRIX_ROWS[p][1] + 1) * size) for p, op in t.pieces)
+            self.rows.append((matrix, rows))
+        self.bias: dict[str, _Slice] = {}
+        if layout.has_bias:
+            for piece, shape in (("b13", (2 * i,)), ("b2", (h,))):
+                self.bias[piece] = sl = _Slice(_align(off), dtype, shape)
+                off = sl.offset + sl.nbytes
+        self.slot_bytes = _align(off)
+        # per call, per matrix: the decoded [N, K] in x's dtype plus the codec's float32 temporaries
+        self.compute_scratch_bytes = max(n * k for n, k in self.shapes.values()) * (dtype.itemsize + 16)
+
+    def _view(self, row: torch.Tensor, sl: _Slice) -> torch.Tensor:
+        return row[sl.offset : sl.offset + sl.nbytes].view(sl.dtype).view(sl.shape)
+
+    def views(self, row: torch.Tensor) -> StoredExpertViews:
+        """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> its views (no copy)."""
+        if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != self.slot_bytes or not row.is_contiguous():
+            raise ValueError(
+                f"a slot row must be a contiguous uint8 [{self.slot_bytes}] tensor, got {row.dtype} {list(row.shape)}"
+            )
+        dests: list[list[torch.Tensor] | None] = []
+        segments: dict[str, list[StoredSegment]] = {"w13": [], "w2": []}
+        for t, slices, rows in zip(self.tensors, self.part_slices, self.rows, strict=True):
+            if slices is None or rows is None:
+                dests.append(None)
+                continue
+            raw = [self._view(row, sl) for sl in slices]  # uint8 [part bytes]
+            dests.append(raw)
+            typed = [r.view(dt).view(shape) for r, (dt, shape) in zip(raw, t.parts, strict=True)]
+            segments[rows[0]].append(StoredSegment(t, typed, rows[1]))
+        (n13, k13), (n2, k2) = self.shapes["w13"], self.shapes["w2"]
+        b13 = self._view(row, self.bias["b13"]) if "b13" in self.bias else None
+        b2 = self._view(row, self.bias["b2"]) if "b2" in self.bias else None
+        i = self.layout.inter
+        pieces = {} if b13 is None or b2 is None else {"gate_bias": b13[:i], "up_bias": b13[i:], "down_bias": b2}
+        return StoredExpertViews(
+            w13=StoredWeight("stored", n13, k13, tuple(segments["w13"])),
+            w2=StoredWeight("stored", n2, k2, tuple(segments["w2"])),
+            b13=b13, b2=b2, row=row, dests=dests, pieces=pieces,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- per-kind pieces and packing
@@ -232,12 +355,16 @@ _KERNELS: dict[str, Callable[[torch.Tensor, QLinearWeight], torch.Tensor]] = {
 }
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor | QLinearWeight | StoredWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] -> [..., N]: matmul.linear (F.linear's math, kernel chosen per call) for a plain
-    weight, the format's kernel for a QLinearWeight. Kernel formats compute in bf16 (another x dtype is
-    converted there and back)."""
+    weight, the format's kernel for a QLinearWeight, a per-call decode for a StoredWeight. Kernel formats
+    compute in bf16 (another x dtype is converted there and back)."""
     if isinstance(w, torch.Tensor):
         return matmul.linear(x, w, bias)
+    if isinstance(w, StoredWeight):
+        return matmul.linear(x, w.decode(x.dtype), bias)
     if w.kind == "generic":  # unverified on GPU (no CUDA device here)
         wd = torch.empty((w.n, w.k), dtype=x.dtype, device=x.device)  # [N, K]
         assert w.zero is not None

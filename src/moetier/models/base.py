@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.safetensors import read_tensor
 from moetier.models.families import Family
 
 
@@ -79,7 +79,9 @@ def find_moe_sites(model: nn.Module, family: Family) -> list[MoESite]:
 
 
 def checkpoint_name(name: str, sites: list[MoESite], family: Family) -> str:
-    """Model state-dict name -> checkpoint tensor name."""
+    """Model state-dict name -> checkpoint tensor name (the seam: by transformers' renamings, models/seam.py)."""
+    if family.seam:
+        return family.ckpt_names.get(name, name)
     for site in sites:
         if name.startswith(site.path + "."):
             name = site.ckpt_prefix + name[len(site.path) + 1 :]
@@ -117,18 +119,17 @@ def load_non_experts(
             )
         by_file.setdefault(str(loc.file), []).append((name, ckpt, current))
     for file, items in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name, ckpt, current in items:
-                tensor = f.get_tensor(ckpt)
-                if tensor.is_floating_point() != current.is_floating_point():
-                    raise CheckpointError(
-                        f"{file}: tensor {ckpt!r} is stored as {tensor.dtype}, but the model expects "
-                        f"{'a floating-point' if current.is_floating_point() else 'an integer'} tensor"
-                    )
-                if tensor.is_floating_point():
-                    tensor = tensor.to(torch.float32 if any(k in name for k in keep_fp32) else dtype)
-                _assign(model, name, tensor)
-                consumed.add(ckpt)
+        for name, ckpt, current in items:
+            tensor = read_tensor(index[ckpt])  # pread; a quantised tensor is dequantised here, once
+            if tensor.is_floating_point() != current.is_floating_point():
+                raise CheckpointError(
+                    f"{file}: tensor {ckpt!r} is stored as {tensor.dtype}, but the model expects "
+                    f"{'a floating-point' if current.is_floating_point() else 'an integer'} tensor"
+                )
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.float32 if any(k in name for k in keep_fp32) else dtype)
+            _assign(model, name, tensor)
+            consumed.add(ckpt)
     if tied:
         m: Any = model  # a transformers PreTrainedModel
         m.get_output_embeddings().weight = m.get_input_embeddings().weight

@@ -14,17 +14,20 @@ or from a fused tensor with a leading expert dimension, then applies `op`:
     copy   as stored
     T      transposed ([I, H] stored as [H, I], i.e. `x @ W` convention)
     T_even / T_odd   transpose, then every other row (gate/up interleaved in one tensor)
-    even / odd       every other element (interleaved biases)
+    even / odd       every other row (or element, for biases): gate/up interleaved
+    top / bottom     the first / second half of the rows (or elements): gate/up concatenated
+    T_top / T_bottom transpose, then the first / second half of the rows
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from moetier.errors import UnknownArchitectureError
 from moetier.formats.layout import ExpertSource
 
-OPS = ("copy", "T", "T_even", "T_odd", "even", "odd")
+OPS = ("copy", "T", "T_even", "T_odd", "even", "odd", "top", "bottom", "T_top", "T_bottom")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,8 @@ class Family:
     architectures: tuple[str, ...]
     sources: dict[str, ExpertSource]  # piece name -> source; pieces: gate, up, down, *_bias
     intermediate_attr: str  # config attribute with the routed expert's intermediate size
-    expert_kind: str = "swiglu"  # "swiglu" (act(gate) * up) or "gptoss" (clamped, biased, alpha-sigmoid)
+    expert_kind: str = "swiglu"  # "swiglu" (act(gate) * up), "gptoss" (clamped, biased, alpha-sigmoid), or "module"
+    # (the seam: the family experts module's own gating, models/seam.py)
     scoring: str = "softmax"  # how router logits become probabilities: softmax | sigmoid | topk_softmax
     block_attr: str = "mlp"  # attribute of the decoder layer holding the MoE block
     ckpt_block: str = "mlp"  # that block's name inside checkpoint tensor names
@@ -44,6 +48,8 @@ class Family:
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     lean_attention: str | None = None  # attention kind the engine's own decoder implements, or None
     extra_renames: tuple[tuple[str, str], ...] = field(default=())  # checkpoint -> model name fragments
+    seam: bool = False  # run transformers' own MoE blocks with moetier's experts module (models/seam.py)
+    ckpt_names: Mapping[str, str] = field(default_factory=dict)  # seam: non-expert model name -> checkpoint name
 
     def __post_init__(self) -> None:
         for piece, src in self.sources.items():
@@ -108,8 +114,8 @@ FAMILIES: tuple[Family, ...] = (
 )  # fmt: skip
 
 
-def find_family(model_type: str | None, architectures: list[str] | None) -> Family:
-    """The row for a checkpoint's config, by architecture name first, then model_type."""
+def find_row(model_type: str | None, architectures: list[str] | None) -> Family | None:
+    """The row for a checkpoint's config, by architecture name first, then model_type; None without one."""
     for arch in architectures or []:
         for fam in FAMILIES:
             if arch in fam.architectures:
@@ -117,6 +123,14 @@ def find_family(model_type: str | None, architectures: list[str] | None) -> Fami
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam
+    return None
+
+
+def find_family(model_type: str | None, architectures: list[str] | None) -> Family:
+    """The row for a checkpoint's config; UnknownArchitectureError without one."""
+    row = find_row(model_type, architectures)
+    if row is not None:
+        return row
     known = ", ".join(a for f in FAMILIES for a in f.architectures)
     raise UnknownArchitectureError(
         f"unsupported architecture {architectures or []} (model_type {model_type!r}); moetier knows: {known}. "

@@ -22,12 +22,16 @@ from transformers.activations import ACT2FN
 
 from moetier.errors import CheckpointError, ConfigError, UnknownArchitectureError
 from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.gguf import is_gguf
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.qtier import QuantTier
+from moetier.formats.quantized import check_method
 from moetier.formats.safetensors import TORCH_DTYPES, ExpertReader
 from moetier.kernels.experts import ExpertFn, GptOssGLU, SwiGLU
+from moetier.models import seam as seam_mod
 from moetier.models.base import MoESite, build_skeleton, find_moe_sites
-from moetier.models.families import Family, find_family
+from moetier.models.families import Family, find_row
+from moetier.models.gguf_config import open_gguf
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -53,7 +57,12 @@ class ModelInfo:
         return dict(self.__dict__)
 
 
-def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family]:
+def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family | None]:
+    """config.json and the family's row (None: a family without a row, run through the seam, models/seam.py).
+    A GGUF model (a .gguf file or a folder of one) gets both from its metadata (models/gguf_config.py)."""
+    if is_gguf(path):
+        gguf = open_gguf(path)
+        return gguf.config, gguf.family
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
@@ -64,14 +73,24 @@ def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family]
         raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
-    family = find_family(raw.get("model_type"), raw.get("architectures"))
+    family = find_row(raw.get("model_type"), raw.get("architectures"))
     if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise CheckpointError(f"{cfg_file}: quantized checkpoints ({method}) are not supported; use a bf16 one")
+        check_method(raw["quantization_config"], str(cfg_file))  # supported methods: formats/quantized.py
+    archs, model_type = raw.get("architectures") or [], raw.get("model_type")
     try:
         config = AutoConfig.from_pretrained(str(folder))
     except (ValueError, KeyError) as exc:
-        raise UnknownArchitectureError(f"{cfg_file}: transformers cannot read this config: {exc}") from exc
+        raise UnknownArchitectureError(
+            f"{cfg_file}: unsupported architecture {archs} (model_type {model_type!r}): transformers cannot read "
+            f"this config ({exc}); moetier runs the families of models/families.py and every transformers MoE "
+            "family whose experts module has transformers' experts seam"
+        ) from exc
+    if family is None and not seam_mod.has_seam(config):
+        raise UnknownArchitectureError(
+            f"{cfg_file}: unsupported architecture {archs} (model_type {model_type!r}): no family row in "
+            "models/families.py and no experts module behind transformers' experts seam (a dense model, or an "
+            "MoE family whose experts transformers does not expose); see docs/engine.md for the refused families"
+        )
     return config, family
 
 
@@ -113,8 +132,7 @@ def expert_dtype(index: CheckpointIndex) -> str | None:
     return next((loc.dtype for name, loc in index.tensors.items() if ".experts." in name), None)
 
 
-def _check_top_k(config: PretrainedConfig, num_experts: int) -> None:
-    k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+def _check_top_k(k: int, num_experts: int) -> None:
     if not 1 <= k <= num_experts:
         raise CheckpointError(f"config.json: num_experts_per_tok is {k}, must be between 1 and {num_experts} experts")
 
@@ -128,31 +146,62 @@ class Opened:
     index: CheckpointIndex
     dtype: torch.dtype
     model: nn.Module
-    sites: list[MoESite]
+    sites: list[MoESite]  # row families: the MoE blocks; the seam: the experts modules
     num_experts: int
     hidden: int
     inter: int
     reader: ExpertReader
+    expert_fn: ExpertFn
+    top_k: int
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], dtype_name: str, device: torch.device, down_rows: bool = False
+    path: str | os.PathLike[str], dtype_name: str, device: torch.device, down_rows: bool = False, seam: bool = False
 ) -> Opened:
+    """Open a checkpoint without pools or weights. A family without a row in models/families.py, or any family
+    when `seam`, runs transformers' own MoE blocks with moetier's experts (models/seam.py)."""
     # 1. config and family; 2. the tensor index (headers validated) and the compute dtype
-    config, family = read_config(path)
-    index = CheckpointIndex(path)
+    config, row = read_config(path)
+    index = open_gguf(path).index if is_gguf(path) else CheckpointIndex(
+        path, quantization=getattr(config, "quantization_config", None))  # fmt: skip
     dtype = resolve_dtype(dtype_name, config, device, expert_dtype(index))
-    # 3. the skeleton (parameters on meta), its MoE blocks, and the expert reader, which
-    #    validates every expert tensor against the config
+    # 3. the skeleton (parameters on meta), its MoE blocks (or experts modules), and the expert reader,
+    #    which validates every expert tensor against the config
     model = build_skeleton(config, dtype)
-    sites = find_moe_sites(model, family)
-    experts: Any = sites[0].block.experts
-    num_experts = int(experts.num_experts)
-    _check_top_k(config, num_experts)
-    hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
+    if row is None or seam:
+        family, sites, shape, fn, prefixes = _open_seam(model, config, index, row)
+        num_experts, hidden, inter, top_k = shape.num_experts, shape.hidden, shape.inter, seam_mod.top_k_of(
+            config, [seam_mod.SeamSite(s.layer, s.path, s.block) for s in sites], model)  # fmt: skip
+    else:
+        family = row
+        sites = find_moe_sites(model, family)
+        experts: Any = sites[0].block.experts
+        num_experts = int(experts.num_experts)
+        hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
+        fn, top_k = expert_fn_for(family, config), int(getattr(config, "num_experts_per_tok", 0) or 0)
+        prefixes = {s.layer: s.ckpt_prefix for s in sites}
+    _check_top_k(top_k, num_experts)
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources, down_rows=down_rows)
-    reader = ExpertReader(index, family.sources, layout, {s.layer: s.ckpt_prefix for s in sites}, num_experts, dtype)
-    return Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader)
+    reader = ExpertReader(index, family.sources, layout, prefixes, num_experts, dtype)
+    return Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader, fn, top_k)
+
+
+def _open_seam(
+    model: nn.Module, config: PretrainedConfig, index: CheckpointIndex, row: Family | None
+) -> tuple[Family, list[MoESite], seam_mod.ExpertShape, ExpertFn, dict[int, str]]:
+    """The seam's sites, shape, family, expert function and checkpoint prefixes (models/seam.py)."""
+    model_type = str(config.model_type)
+    found = seam_mod.seam_sites(model)
+    if not found:
+        raise UnknownArchitectureError(
+            f"config.json: {model_type} has no MoE experts module moetier can run (transformers' "
+            "use_experts_implementation seam); moetier runs Mixture-of-Experts models only"
+        )
+    shape = seam_mod.expert_shape(found, model_type)
+    layout = seam_mod.checkpoint_layout(model, index, found, shape, model_type)
+    family = seam_mod.seam_family(config, layout, row)
+    sites = [MoESite(s.layer, s.path, layout.prefixes[s.layer], s.module) for s in found]
+    return family, sites, shape, seam_mod.expert_fn(found, shape), layout.prefixes
 
 
 def describe(path: str | os.PathLike[str]) -> ModelInfo:
@@ -161,7 +210,8 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
     (runtime/wire.py) does."""
     o = open_checkpoint(path, "auto", torch.device("cpu"))
     try:
-        return model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter)
+        return model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter,
+                          o.top_k)
     finally:
         o.reader.close()
 
@@ -169,7 +219,7 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
 
 def model_info(
     path: str | os.PathLike[str], family: Family, config: PretrainedConfig, sites: list[MoESite],
-    index: CheckpointIndex, reader: ExpertReader, num_experts: int, hidden: int, inter: int,
+    index: CheckpointIndex, reader: ExpertReader, num_experts: int, hidden: int, inter: int, top_k: int,
 ) -> ModelInfo:  # fmt: skip
     expert_bytes = sum(r.nbytes for r in next(iter(reader.plans.values())))
     total_expert = sum(r.nbytes for plan in reader.plans.values() for r in plan)
@@ -178,7 +228,7 @@ def model_info(
     return ModelInfo(
         path=str(path), family=family.name, architecture=(config.architectures or ["?"])[0],
         num_layers=int(config.num_hidden_layers), moe_layers=tuple(s.layer for s in sites),
-        num_experts=num_experts, top_k=int(config.num_experts_per_tok), hidden_size=hidden,
+        num_experts=num_experts, top_k=top_k, hidden_size=hidden,
         expert_intermediate=inter, checkpoint_dtype=first, expert_bytes=expert_bytes,
         total_expert_bytes=total_expert, non_expert_bytes=all_bytes - total_expert,
     )  # fmt: skip

@@ -59,3 +59,46 @@ def build_tiny_checkpoint(
     out = Path(out_dir)
     model.to(dtype).save_pretrained(out)
     return out
+
+
+# --------------------------------------------------------------------------- any family, from its default config
+
+# Sizes a tiny model of any transformers MoE family gets, for each attribute its config has. Families
+# name the same thing differently (num_experts / n_routed_experts / moe_num_experts ...); all are set.
+SMALL: dict[str, Any] = dict(
+    hidden_size=32, intermediate_size=48, moe_intermediate_size=16, expert_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=96, max_position_embeddings=256,
+    num_experts_per_tok=2, num_experts_per_token=2, moe_k=2, moe_topk=2, top_k=2, experts_per_token=2,
+    num_experts=6, num_local_experts=6, n_routed_experts=6, moe_num_experts=6,
+    n_shared_experts=1, num_shared_experts=1, moe_num_shared_experts=1, shared_expert_intermediate_size=24,
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
+    n_group=2, topk_group=1, num_expert_group=1, first_k_dense_replace=1, num_dense_layers=1,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2,
+    sliding_window=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+    mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2, attn_layer_offset=1,
+    expert_layer_period=2, expert_layer_offset=1, mlp_only_layers=[0], decoder_sparse_step=1,
+    index_head_dim=16, index_n_heads=2, index_topk=4,
+)  # fmt: skip
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """A tiny config of any transformers family: its defaults with every size in SMALL that it has set small,
+    layer-type lists cut to one layer per kind (at least 2 layers), MLA with one key/value head per head."""
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    kw = {k: v for k, v in SMALL.items() if k in defaults}
+    if "kv_lora_rank" in defaults:  # MLA: every head has its own key and value
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+        kw.pop("head_dim", None)
+    n_layers = kw.get("num_hidden_layers", 2)
+    for key in ("layer_types", "mlp_layer_types"):
+        if isinstance(defaults.get(key), list):
+            kinds = list(dict.fromkeys(defaults[key]))
+            n_layers = max(n_layers, len(kinds))
+    for key in ("layer_types", "mlp_layer_types"):
+        if isinstance(defaults.get(key), list):
+            kinds = list(dict.fromkeys(defaults[key]))
+            kw[key] = (kinds * n_layers)[:n_layers]
+    if "num_hidden_layers" in kw:
+        kw["num_hidden_layers"] = n_layers
+    return AutoConfig.for_model(model_type, **{**kw, **overrides})

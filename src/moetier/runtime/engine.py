@@ -31,7 +31,9 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from moetier.config import EngineConfig, SamplingConfig
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats.gguf import is_gguf
 from moetier.kernels import decode, native
+from moetier.models.gguf_config import open_gguf
 from moetier.models.open import ModelInfo
 from moetier.runtime.executors.sparse import SPEC as SPARSE_SPEC
 from moetier.runtime.executors.sparse import SparsityState
@@ -98,6 +100,8 @@ class Engine:
     # -- tokenizer -------------------------------------------------------------
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None and is_gguf(self.info.path):
+            self._tokenizer = open_gguf(self.info.path).tokenizer()  # from the GGUF metadata
         if self._tokenizer is None:
             names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
             if not any((Path(self.info.path) / n).exists() for n in names):

@@ -25,8 +25,8 @@ from transformers import PretrainedConfig
 from moetier.config import EngineConfig
 from moetier.models.base import check_all_consumed, ignored_unexpected, load_non_experts
 from moetier.models.families import Family
-from moetier.models.open import ModelInfo, Opened, expert_fn_for, model_info, open_checkpoint, resolve_device
-from moetier.runtime.moe_block import TieredMoE
+from moetier.models.open import ModelInfo, Opened, model_info, open_checkpoint, resolve_device
+from moetier.runtime.moe_block import TieredExperts, TieredMoE
 from moetier.runtime.precision import build_store
 from moetier.store.dynamic import DynamicStore
 from moetier.store.store import ExpertStore
@@ -52,7 +52,7 @@ class LoadedModel:
     family: Family
     config: PretrainedConfig
     model: nn.Module
-    blocks: list[TieredMoE]
+    blocks: list[TieredMoE | TieredExperts]
     store: ExpertStore | DynamicStore
     dtype: torch.dtype
     device: torch.device
@@ -61,8 +61,9 @@ class LoadedModel:
 def open_skeleton(path: str | os.PathLike[str], cfg: EngineConfig) -> Skeleton:
     """1-3. config, index, dtype, skeleton, MoE sites, expert reader."""
     device = resolve_device(cfg.runtime.device)
-    o = open_checkpoint(path, cfg.runtime.dtype, device, down_rows=cfg.sparsity.enabled)
-    info = model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter)
+    o = open_checkpoint(path, cfg.runtime.dtype, device, down_rows=cfg.sparsity.enabled, seam=cfg.runtime.seam)
+    info = model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter,
+                      o.top_k)
     return Skeleton(path, device, o, info)
 
 
@@ -70,18 +71,22 @@ def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
     """4-5. the store, the TieredMoE blocks, every other weight."""
     o, device = sk.opened, sk.device
     config, family, model, sites, dtype = o.config, o.family, o.model, o.sites, o.dtype
-    fn = expert_fn_for(family, config)
+    fn = o.expert_fn
     # 4. the tiered store; the non-expert weights' bytes are reserved on their device before
     #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
     store = build_store(o.reader, sk.path, cfg, dtype, device, reserve=non_expert, top_k=sk.info.top_k)  # MRS: 2k
     # 5. swap the blocks, load everything else, refuse leftovers (a refusal closes the store it made)
     try:
-        blocks = []
+        blocks: list[TieredMoE | TieredExperts] = []
         for site in sites:
-            block = TieredMoE(family, site.block, site.layer, o.num_experts, store, fn)
-            layer = model.get_submodule(site.path.rsplit(".", 1)[0])
-            setattr(layer, family.block_attr, block)
+            parent_path, attr = site.path.rsplit(".", 1)
+            parent = model.get_submodule(parent_path)
+            if family.seam:  # transformers' block keeps routing; its experts module becomes ours
+                block: TieredMoE | TieredExperts = TieredExperts(site.layer, o.num_experts, store, fn)
+            else:
+                block = TieredMoE(family, site.block, site.layer, o.num_experts, store, fn)
+            setattr(parent, attr, block)
             blocks.append(block)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         consumed = load_non_experts(model, o.index, sites, family, dtype, tied)

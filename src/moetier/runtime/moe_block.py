@@ -1,4 +1,5 @@
-"""TieredMoE: the MoE block every family's block is swapped for.
+"""TieredMoE: the MoE block a family row's block is swapped for; TieredExperts: the experts module swapped
+into transformers' own block for a family run through the seam (models/seam.py), which runs steps 2-4 only.
 
 One call runs the pipeline once, and this file says all of it:
 1. route: the family's own router module (kept from the reference block) gives top-k ids and
@@ -41,25 +42,49 @@ class Pipeline:
     observers: ObserverList
 
 
-class TieredMoE(nn.Module):
-    def __init__(
-        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: ExpertStoreLike,
-        expert_fn: ExpertFn,
-    ) -> None:  # fmt: skip
+class _Tiered(nn.Module):
+    """What both block kinds share: the layer, its store and expert function, the pipeline, steps 3-4."""
+
+    def __init__(self, layer: int, num_experts: int, store: ExpertStoreLike, expert_fn: ExpertFn) -> None:
         super().__init__()
-        self.family, self.layer, self.num_experts = family, layer, num_experts
+        self.layer, self.num_experts = layer, num_experts
         self.store, self.expert_fn = store, expert_fn  # what the wiring builds this layer's executor on
-        self.router_name = family.router_attr
-        self.add_module(family.router_attr, getattr(block, family.router_attr))
-        for attr in (family.shared_attr, family.shared_gate_attr):
-            if attr:
-                self.add_module(attr, getattr(block, attr))
         self.pipeline: Pipeline | None = None  # set once by the wiring (runtime/wire.py)
 
     def attach(self, pipeline: Pipeline) -> Pipeline | None:
         """Give this block its pipeline; returns the previous one (calibration swaps it for a while)."""
         previous, self.pipeline = self.pipeline, pipeline
         return previous
+
+    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]: steps 3-4 of `forward` alone.
+        3. the executor groups the tokens by expert and the scheduler plans the counts;
+        4. the executor moves, computes and combines the plan's experts."""
+        p = self._pipeline()
+        grouped = p.executor.group(ids, weights)
+        plan = p.scheduler.plan(self.layer, grouped.counts)
+        return p.executor.execute(x, plan, grouped)
+
+    def _pipeline(self) -> Pipeline:
+        if self.pipeline is None:
+            raise MoetierError(f"MoE layer {self.layer} has no pipeline: open models with moetier.load")
+        return self.pipeline
+
+
+class TieredMoE(_Tiered):
+    """A family row's MoE block: its router and shared experts kept, the experts ours."""
+
+    def __init__(
+        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: ExpertStoreLike,
+        expert_fn: ExpertFn,
+    ) -> None:  # fmt: skip
+        super().__init__(layer, num_experts, store, expert_fn)
+        self.family = family
+        self.router_name = family.router_attr
+        self.add_module(family.router_attr, getattr(block, family.router_attr))
+        for attr in (family.shared_attr, family.shared_gate_attr):
+            if attr:
+                self.add_module(attr, getattr(block, attr))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k]): the router alone, no observer."""
@@ -97,16 +122,26 @@ class TieredMoE(nn.Module):
         out = out.reshape(shape)
         return (out, weights) if self.family.returns_router_scores else out
 
-    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]: steps 3-4 of `forward` alone.
-        3. the executor groups the tokens by expert and the scheduler plans the counts;
-        4. the executor moves, computes and combines the plan's experts."""
-        p = self._pipeline()
-        grouped = p.executor.group(ids, weights)
-        plan = p.scheduler.plan(self.layer, grouped.counts)
-        return p.executor.execute(x, plan, grouped)
 
-    def _pipeline(self) -> Pipeline:
-        if self.pipeline is None:
-            raise MoetierError(f"MoE layer {self.layer} has no pipeline: open models with moetier.load")
-        return self.pipeline
+class TieredExperts(_Tiered):
+    """The seam (models/seam.py): stands in for a family's experts module inside transformers' own MoE block,
+    which has routed already; steps 1 and 5 are the family's code, this runs 2-4."""
+
+    def __init__(self, layer: int, num_experts: int, store: ExpertStoreLike, expert_fn: ExpertFn) -> None:
+        super().__init__(layer, num_experts, store, expert_fn)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
+        """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> sum_k w * expert(x) as [T, H]."""
+        p = self._pipeline()
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
+        ids = top_k_index.reshape(x.shape[0], -1)  # [T, k]
+        weights = top_k_weights.reshape(x.shape[0], -1)  # [T, k]
+        # 2. observe, before any expert is touched (no router logits: the router is the family's own code)
+        if p.observers:
+            route = Route(self.layer, x, ids, weights, None, "softmax", self.num_experts)
+            for obs in p.observers:
+                obs.observe(route)
+        # 3. plan, 4. move + compute + combine
+        out = self.experts_forward(x, ids, weights)  # [T, H]
+        return out.reshape(hidden_states.shape)

@@ -39,19 +39,24 @@ class Route:
     """One MoE layer call's routing, as the observers see it."""
 
     def __init__(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor,
-        scoring: str,
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor | None,
+        scoring: str, num_experts: int = 0,
     ) -> None:  # fmt: skip
         self.layer = layer
         self.x = x  # [T, H] the block's input
         self.ids = ids  # [T, k] top-k expert ids
         self.weights = weights  # [T, k] their gate weights
-        self.logits = logits  # [T, E] router logits
+        self.logits = logits  # [T, E] router logits; None through the seam (the family's router is its own code)
         self.scoring = scoring  # family.scoring: "softmax" | "sigmoid"
+        self.num_experts = num_experts  # E, for `probs` without logits
 
     @functools.cached_property
     def probs(self) -> torch.Tensor:
-        """Router probabilities [T, E] (float32), computed on first use."""
+        """Router probabilities [T, E] (float32), computed on first use. Without logits (the seam), the top-k
+        gate weights scattered into zeros: the probability mass the family's router gave the chosen experts."""
+        if self.logits is None:
+            probs = torch.zeros((self.ids.shape[0], self.num_experts), dtype=torch.float32, device=self.ids.device)
+            return probs.scatter_(1, self.ids.long(), self.weights.float())  # [T, E]
         return router_probs(self.logits, self.scoring)
 
 

@@ -3,6 +3,8 @@
 `build_store` turns EngineConfig.precision into a store:
 - full / int8 / int4 / int2: an ExpertStore whose pools hold that precision, read from
   the checkpoint (full) or from the quantized disk tier `moetier quantize` wrote;
+- stored: an ExpertStore whose pools hold the checkpoint's own stored bytes (FP8, MXFP4, GPTQ ...),
+  dequantised per call (store/source.py StoredSource); usable as hi or lo of dynamic, ordered by slot bytes;
 - dynamic: a DynamicStore whose hi and lo pools are sized by `split_budget` (paper 3.5)
   from the compute tier's expert budget, every expert resident at lo to begin with.
 
@@ -41,7 +43,7 @@ from moetier.policies.precision import ExpertState, PrecisionController, order_s
 from moetier.runtime.observers import Route, Stage
 from moetier.store.dynamic import DynamicStore
 from moetier.store.mover import Mover
-from moetier.store.source import ExpertSource, FullSource, QuantSource
+from moetier.store.source import ExpertSource, FullSource, QuantSource, StoredSource
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
 
@@ -54,6 +56,8 @@ def make_source(
     kernels' slot formats when `native`)."""
     if precision == "full":
         return FullSource(reader, dtype)
+    if precision == Precision.STORED.value:
+        return StoredSource(reader, dtype)
     spec = QuantSpec(Precision(precision), cfg.group(precision) or None)
     tier = QuantTier.open(model_dir, spec.precision, spec.group_size, root=cfg.quant_dir, reader=reader)
     if tier.layout != reader.layout:
@@ -85,6 +89,11 @@ def build_store(
     hi = make_source(pcfg.hi, reader, model_dir, pcfg, dtype, device, native)
     lo = make_source(pcfg.lo, reader, model_dir, pcfg, dtype, device, native)
     try:
+        if hi.slot_bytes <= lo.slot_bytes:  # "stored" has no fixed bits: hi above lo is by slot bytes
+            raise ConfigError(
+                f"dynamic precision needs hi above lo: a {pcfg.hi} expert takes {format_size(hi.slot_bytes)}, "
+                f"a {pcfg.lo} one {format_size(lo.slot_bytes)}"
+            )
         per_layer: dict[int, int] = {}
         for key in keys:
             per_layer[key.layer] = per_layer.get(key.layer, 0) + 1

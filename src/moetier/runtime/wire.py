@@ -33,7 +33,6 @@ from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.kernels import decode, native
 from moetier.models.families import Family
-from moetier.models.open import expert_fn_for
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
 from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
@@ -42,7 +41,7 @@ from moetier.runtime.executors.registry import EXECUTORS
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
 from moetier.runtime.loader import LoadedModel, Skeleton, build_model, open_skeleton
-from moetier.runtime.moe_block import Pipeline
+from moetier.runtime.moe_block import Pipeline, TieredMoE
 from moetier.runtime.observers import CacheScores, ObserverList
 from moetier.runtime.precision import Switching, store_capabilities
 from moetier.runtime.prefetch import NEEDS as PREFETCH_NEEDS
@@ -83,7 +82,7 @@ def native_ok(cfg: EngineConfig, sk: Skeleton) -> bool:
     loads; refuses a quantised --dense-precision the engine cannot run."""
     o = sk.opened
     cuda = sk.device.type == "cuda"
-    fits = native_fits(cfg, o.family, expert_fn_for(o.family, o.config), o.dtype, cuda)
+    fits = native_fits(cfg, o.family, o.expert_fn, o.dtype, cuda)
     lib = decode.load(cfg.runtime.native_kernels, cfg.runtime.kernel_cache) if not cuda else None
     if cfg.runtime.dense_precision != "full":
         if lib is None or o.dtype != torch.bfloat16:
@@ -117,6 +116,9 @@ def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], 
         sparse.check(cfg, family)
     if cfg.prefetch.enabled:
         refuse_missing(PREFETCH_NEEDS, capabilities)
+        if family.seam:
+            raise ConfigError(f"prefetch predicts with the next layer's router, which {family.name} keeps inside "
+                              "transformers' own MoE block (the experts seam, models/seam.py): run without --prefetch")
     if cuda and cfg.scheduler.name is not None:
         hybrid = EXECUTORS["hybrid"]
         refuse_missing(hybrid.needs, capabilities)
@@ -145,7 +147,8 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
         prefetcher = None
         if cfg.prefetch.enabled:
             assert pricing is not None
-            prefetcher = Prefetcher(loaded.blocks, static, pricing, cfg.prefetch)
+            rows = [b for b in loaded.blocks if isinstance(b, TieredMoE)]  # the seam refuses prefetch (refuse)
+            prefetcher = Prefetcher(rows, static, pricing, cfg.prefetch)
             observers.add(prefetcher)
         # 5. one pipeline per MoE layer, attached once
         built = spec.build(BuildContext(loaded, cfg, prepared, pricing))

@@ -2,7 +2,8 @@
 
 `SlotPool` holds full-precision experts (a [S, numel] tensor of the model dtype);
 `QuantPool` holds quantized ones (a [S, slot_bytes] uint8 tensor whose rows the
-precision's ExpertFormat views as packed weights and scales). A pool never allocates
+precision's ExpertFormat views as packed weights and scales); `StoredPool` holds experts as
+the checkpoint stores them (uint8 rows a StoredFormat views as raw parts). A pool never allocates
 after construction: loading an expert writes into a free slot's existing memory.
 Per-slot views (w13, w2, b13, b2 and each named piece) are built once so that the hot
 path indexes a Python list rather than slicing tensors.
@@ -18,7 +19,7 @@ import torch
 from moetier.formats.layout import ExpertLayout
 
 if TYPE_CHECKING:
-    from moetier.kernels.qformat import ExpertFormat, QExpertViews
+    from moetier.kernels.qformat import ExpertFormat, QExpertViews, StoredExpertViews, StoredFormat
 
 
 @dataclass
@@ -74,6 +75,18 @@ class QuantPool:
         self.buf = torch.empty((n_slots, self.slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
         self.nbytes = n_slots * self.slot_bytes
         self.views: list[QExpertViews] = [fmt.views(self.buf[s]) for s in range(n_slots)]
+
+
+class StoredPool:
+    def __init__(self, fmt: StoredFormat, n_slots: int, device: torch.device, pin: bool = False) -> None:
+        if n_slots < 1:
+            raise ValueError(f"a pool needs at least one slot, got {n_slots}")
+        self.fmt, self.n_slots, self.device = fmt, n_slots, device
+        pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.slot_bytes = fmt.slot_bytes
+        self.buf = torch.empty((n_slots, self.slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+        self.nbytes = n_slots * self.slot_bytes
+        self.views: list[StoredExpertViews] = [fmt.views(self.buf[s]) for s in range(n_slots)]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

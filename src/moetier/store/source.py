@@ -5,7 +5,10 @@ A source fills one pool slot with one expert at its precision:
   full-precision layout of formats/layout.py;
 - `QuantSource` reads a quantized disk tier written by `moetier quantize`
   (formats/qtier.py) into a staging area of canonical tensors allocated once, then packs
-  it into the slot's compute format (kernels/qformat.py).
+  it into the slot's compute format (kernels/qformat.py);
+- `StoredSource` reads the checkpoint's own stored bytes of an expert (FP8 + scales, MXFP4,
+  GPTQ words ...) into a uint8 slot (kernels/qformat.py StoredFormat), dequantised per call;
+  its slots count stored bytes, and only the biases are decoded when read.
 
 `make_pool` builds the fixed-slot pool of a precision. Every source is thread-safe (one
 lock), because the forward pass (demand loads) and the mover thread both read. The
@@ -21,11 +24,11 @@ import torch
 
 from moetier.formats.qtier import QuantTier
 from moetier.formats.safetensors import ExpertReader
-from moetier.kernels.qformat import ExpertFormat
-from moetier.store.pool import QuantPool, SlotPool
+from moetier.kernels.qformat import ExpertFormat, StoredFormat
+from moetier.store.pool import QuantPool, SlotPool, StoredPool
 from moetier.types import ExpertKey, Precision
 
-Pool = SlotPool | QuantPool
+Pool = SlotPool | QuantPool | StoredPool
 
 
 class ExpertSource(Protocol):
@@ -85,3 +88,23 @@ class QuantSource:
     def close(self) -> None:
         self.tier.close()
 
+
+class StoredSource:
+    """The checkpoint's experts as stored (precision "stored"): raw parts into the slot, biases decoded."""
+
+    precision = Precision.STORED
+
+    def __init__(self, reader: ExpertReader, dtype: torch.dtype) -> None:
+        self.reader, self.dtype = reader, dtype
+        self.fmt = StoredFormat(reader.layout, reader.stored_tensors(), dtype)
+        self.slot_bytes = self.fmt.slot_bytes
+        self.staging_bytes = reader.staging_bytes  # the biases' reads go through the reader's staging
+
+    def read_into(self, key: ExpertKey, views: Any) -> int:
+        return self.reader.read_stored(key, views.dests, views.pieces)
+
+    def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
+        return StoredPool(self.fmt, n_slots, device, pin=pin)
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,150 @@
+"""GGUF input: moetier's logits on a GGUF file against llama.cpp's on the same file (not a timing).
+
+Steps (each skipped when its output exists under `--cache-dir`, default `.bench/`):
+1. llama.cpp as benchmarks/vs_llamacpp.py builds it (`llama-perplexity`, `llama-quantize`, the vendored
+   `convert_hf_to_gguf.py`, with its one-line pre-tokenizer patch for the bundled tokenizer).
+2. A tiny random qwen3_moe checkpoint (`moetier.models.tiny`, fp32; hidden and expert sizes 256 so
+   K-quants apply; the bundled tokenizer, vocab 4096), converted to an F32 GGUF by llama.cpp's converter,
+   then `llama-quantize` to each of `--types` (default Q8_0, Q4_K_M).
+3. Per GGUF: `llama-perplexity --kl-divergence-base` dumps llama.cpp's log-probabilities (uint16 over the
+   top 16 nats of each row, so a resolution of 16/65535 = 2.4e-4 nats) for the second half of each
+   `--ctx`-token chunk of a text; moetier (fp32, full precision experts) runs the same token ids (the
+   chunk's first token replaced by BOS when the vocabulary adds one, as llama-perplexity does) and
+   its log-softmax is compared on the entries llama.cpp kept.
+
+Reported per file: max |log p_moetier - log p_llama.cpp|, mean KL(llama.cpp || moetier), top-1 agreement.
+llama.cpp's CPU matmuls quantise activations to 8 bits for quantised weights (and keep F32 otherwise),
+so only the F32 file is expected at the log-prob resolution; quantised files differ by activation
+quantisation.
+
+    python benchmarks/gguf_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--ctx 128] [--chunks 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moetier
+from moetier import EngineConfig, RuntimeConfig
+from moetier.formats.gguf import read_gguf
+from moetier.models.tiny import build_tiny_checkpoint
+from vs_llamacpp import (
+    LLAMACPP_VERSION,
+    TOKENIZER_FILES,
+    TOKENIZER_SRC,
+    get_llamacpp,
+    patch_pretokenizer,
+    run,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+            vocab_size=4096, initializer_range=0.05, bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+
+
+def make_ggufs(cache: Path, types: list[str]) -> dict[str, Path]:
+    lc = get_llamacpp(cache, LLAMACPP_VERSION, skip_build=False)
+    out = cache / "llamacpp" / "gguf_tiny"
+    src = out / "src"
+    if not (src / "model.safetensors").exists():
+        build_tiny_checkpoint("qwen3_moe", src, seed=1, **TINY)
+        for name in TOKENIZER_FILES:
+            shutil.copy2(TOKENIZER_SRC / name, src / name)
+    patch_pretokenizer(lc.tree, src)
+    files = {"F32": out / "tiny-F32.gguf", **{t: out / f"tiny-{t}.gguf" for t in types}}
+    if not files["F32"].exists():
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        run([sys.executable, str(lc.tree / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
+             "--outfile", str(files["F32"])], env=env)  # fmt: skip
+    for t in types:
+        if not files[t].exists():
+            run([str(lc.tool("llama-quantize")), "--allow-requantize", str(files["F32"]), str(files[t]), t, "2"])
+    return files
+
+
+def llama_logprobs(cache: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int) -> dict[str, Any]:
+    """Run llama-perplexity --kl-divergence-base; parse its file: tokens and per-row log-prob data."""
+    lc = get_llamacpp(cache, LLAMACPP_VERSION, skip_build=True)
+    dump = gguf.with_suffix(".kld")
+    run([str(lc.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
+         "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(dump)])  # fmt: skip
+    raw = dump.read_bytes()
+    if raw[:8] != b"_logits_":
+        raise RuntimeError(f"{dump}: not a llama-perplexity logits file")
+    n_ctx, n_vocab, n_chunk = struct.unpack_from("<iii", raw, 8)
+    at = 20
+    tokens = np.frombuffer(raw, dtype="<i4", count=n_chunk * n_ctx, offset=at).reshape(n_chunk, n_ctx)
+    at += 4 * n_chunk * n_ctx
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    first = n_ctx // 2
+    rows = n_ctx - 1 - first
+    data = np.frombuffer(raw, dtype="<u2", count=n_chunk * rows * nv, offset=at).reshape(n_chunk, rows, nv)
+    return {"tokens": tokens, "data": data, "first": first, "n_vocab": n_vocab}
+
+
+def compare(gguf: Path, ref: dict[str, Any], add_bos: bool, bos: int) -> dict[str, Any]:
+    engine = moetier.load(gguf, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32", lean=False)))
+    worst, kls, agree, n = 0.0, [], 0, 0
+    try:
+        for c, toks in enumerate(ref["tokens"]):
+            ids = torch.tensor(toks.astype(np.int64))[None]
+            if add_bos:
+                ids[0, 0] = bos
+            ours = torch.log_softmax(engine.logits(ids)[0].double(), -1).numpy()  # [T, V]
+            first = ref["first"]
+            for r, row in enumerate(ref["data"][c]):
+                head = row[:4].copy().view(np.float32)  # scale, min log-prob
+                q = row[4 : 4 + ref["n_vocab"]].astype(np.float64)
+                theirs = head[1] + head[0] * q
+                mine = ours[first + r]
+                kept = q > 0
+                worst = max(worst, float(np.abs(mine[kept] - theirs[kept]).max()))
+                p = np.exp(theirs) * kept
+                kls.append(float((p * (theirs - mine)).sum()))
+                agree += int(np.argmax(mine) == np.argmax(theirs))
+                n += 1
+    finally:
+        engine.close()
+    return {"max_abs_logprob": worst, "mean_kl": float(np.mean(kls)), "top1_agree": agree / n, "rows": n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-dir", type=Path, default=REPO / ".bench")
+    ap.add_argument("--types", default="Q8_0,Q4_K_M")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    files = make_ggufs(args.cache_dir, args.types.split(","))
+    text = args.cache_dir / "llamacpp" / "gguf_tiny" / "text.txt"
+    text.write_text((REPO / "README.md").read_text())  # tokenizes to far more than ctx * chunks tokens
+    rows = {}
+    for name, path in files.items():
+        meta = read_gguf(path).metadata
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        bos = int(meta.get("tokenizer.ggml.bos_token_id", 0))
+        ref = llama_logprobs(args.cache_dir, path, text, args.ctx, args.chunks, args.threads)
+        types = sorted({t.type_name for t in read_gguf(path).tensors.values()})
+        rows[name] = {**compare(path, ref, add_bos, bos), "tensor_types": types}
+    print(f"{'file':8} {'max|dlogp|':>11} {'mean KL':>10} {'top-1':>6}  tensor types")
+    for name, r in rows.items():
+        print(f"{name:8} {r['max_abs_logprob']:11.2e} {r['mean_kl']:10.2e} {r['top1_agree']:6.3f}  "
+              f"{','.join(r['tensor_types'])}")  # fmt: skip
+    print(json.dumps({"benchmark": "gguf_vs_llamacpp", "ctx": args.ctx, "chunks": args.chunks, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

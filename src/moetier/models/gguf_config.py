@@ -1,0 +1,321 @@
+"""GGUF models as checkpoints: metadata -> transformers config, GGUF tensor names -> transformers names.
+
+`open_gguf(path)` reads the header of a .gguf file (or of every shard of a split model, or of
+the one model in a folder; formats/gguf.py) and returns a `GGUFCheckpoint`:
+- `.config`: a transformers PretrainedConfig built from the `<arch>.*` metadata by the arch's
+  row in `ARCHS` (qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, olmoe -> olmoe, llama with
+  experts -> mixtral); `.family` its family row;
+- `.index`: a CheckpointIndex (formats/gguf.GGUFIndex) whose names are those of the
+  transformers checkpoint the GGUF came from, so the rest of moetier opens it like any folder:
+  a fused expert tensor `blk.N.ffn_gate_exps.weight` [E, I, H] becomes E per-expert tensors
+  named by the family row (e.g. `model.layers.N.mlp.experts.{e}.gate_proj.weight` [I, H]), each
+  pointing at that expert's contiguous bytes; non-expert tensors keep their shape;
+- `.tokenizer()`: transformers' own GGUF tokenizer conversion (offline; reads the metadata only).
+
+Invariants: every GGUF tensor is mapped or the open fails naming it; every metadata size the
+config uses is checked against the tensor that carries it (a mismatch is a CheckpointError
+naming the file and the tensor). llama.cpp's converter permutes the rows of q and k for the
+`llama` arch (interleaved RoPE); those tensors get the `+unpermute` codec (formats/codecs_gguf.py)
+so they decode to transformers' rotate-half order. Weights are never read here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from moetier.errors import CheckpointError, UnknownArchitectureError
+from moetier.formats.checkpoint import TensorLocation
+from moetier.formats.gguf import GGUFIndex, GGUFTensor, location, read_gguf_model
+from moetier.models.families import Family, find_family
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# per-layer GGUF tensor -> transformers name under model.layers.N. ("{blk}": the family's checkpoint block)
+_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "{blk}.gate.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "{blk}.{shared}.gate_proj.weight", "ffn_up_shexp.weight": "{blk}.{shared}.up_proj.weight",
+    "ffn_down_shexp.weight": "{blk}.{shared}.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "{blk}.{shared_gate}.weight",
+}  # fmt: skip
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}  # fmt: skip
+_EXPERT_PIECES = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one GGUF `general.architecture` becomes a transformers config."""
+
+    gguf_arch: str
+    model_type: str
+    architecture: str
+    config: Callable[[Meta], dict[str, Any]]  # arch-specific config fields from the metadata
+    unpermute_qk: bool = False  # llama.cpp's converter permuted q/k rows (interleaved RoPE)
+    norm_topk_default: bool = False  # llama.cpp's behaviour when `<arch>.expert_weights_norm` is absent
+
+
+class Meta:
+    """The `<arch>.*` metadata of a GGUF model, with typed getters whose errors name the file."""
+
+    def __init__(self, path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, GGUFTensor]) -> None:
+        self.path, self.arch, self.metadata, self.tensors = path, arch, metadata, tensors
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(f"{self.arch}.{key}", default)
+        if hasattr(value, "tolist"):
+            value = value.tolist()
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise CheckpointError(f"{self.path}: {self.arch}.{key} differs per layer ({value}); not supported")
+            value = value[0]
+        return value
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata lacks {self.arch}.{key}")
+        return value
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: GGUF tensor {name!r} is missing")
+        return t.shape
+
+    def moe_blocks(self) -> list[int]:
+        return sorted(
+            int(m.group(1)) for n in self.tensors if (m := _BLOCK.match(n)) and m.group(2) == "ffn_gate_inp.weight"
+        )
+
+    def expert_inter(self) -> int:
+        """The routed expert's intermediate size: the metadata's, checked against the first expert tensor."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            raise CheckpointError(f"{self.path}: no blk.N.ffn_gate_inp.weight: this GGUF model has no MoE layer")
+        name = f"blk.{blocks[0]}.ffn_gate_exps.weight"
+        stored = self.shape(name)[1]
+        value = self.get("expert_feed_forward_length", stored)
+        if int(value) != stored:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has {stored} rows per expert, metadata "
+                f"{self.arch}.expert_feed_forward_length says {value}"
+            )
+        return stored
+
+
+def _qwen3moe(m: Meta) -> dict[str, Any]:
+    inter = m.expert_inter()
+    blocks = m.moe_blocks()
+    dense = [i for i in range(int(m.need("block_count"))) if i not in blocks]
+    return dict(
+        moe_intermediate_size=inter,
+        intermediate_size=int(m.get("feed_forward_length", inter)),
+        num_experts=int(m.need("expert_count")),
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
+        attention_bias="blk.0.attn_q.bias" in m.tensors,
+    )
+
+
+def _qwen2moe(m: Meta) -> dict[str, Any]:
+    cfg = _qwen3moe(m)
+    del cfg["attention_bias"]
+    blocks = m.moe_blocks()
+    shared_name = f"blk.{blocks[0]}.ffn_up_shexp.weight"
+    shared = m.shape(shared_name)[0] if shared_name in m.tensors else 0
+    meta_shared = m.get("expert_shared_feed_forward_length", shared)
+    if int(meta_shared) != shared:
+        raise CheckpointError(
+            f"{m.path}: tensor {shared_name!r} has {shared} rows, metadata "
+            f"{m.arch}.expert_shared_feed_forward_length says {meta_shared}"
+        )
+    cfg.update(shared_expert_intermediate_size=shared, qkv_bias="blk.0.attn_q.bias" in m.tensors)
+    return cfg
+
+
+def _olmoe(m: Meta) -> dict[str, Any]:
+    return dict(intermediate_size=m.expert_inter(), num_experts=int(m.need("expert_count")),
+                attention_bias="blk.0.attn_q.bias" in m.tensors)  # fmt: skip
+
+
+def _mixtral(m: Meta) -> dict[str, Any]:
+    blocks = m.moe_blocks()
+    if len(blocks) != int(m.need("block_count")):
+        raise CheckpointError(f"{m.path}: a llama GGUF with experts in only some layers is not a Mixtral model")
+    return dict(intermediate_size=m.expert_inter(), num_local_experts=int(m.need("expert_count")), sliding_window=None)
+
+
+ARCHS: dict[str, GGUFArch] = {
+    a.gguf_arch: a
+    for a in (
+        GGUFArch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, norm_topk_default=True),
+        GGUFArch("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe),
+        GGUFArch("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe),
+        GGUFArch("llama", "mixtral", "MixtralForCausalLM", _mixtral, unpermute_qk=True, norm_topk_default=True),
+    )
+}
+
+
+def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    hidden = int(m.need("embedding_length"))
+    heads = int(m.need("attention.head_count"))
+    vocab, embd_hidden = m.shape("token_embd.weight")
+    if embd_hidden != hidden:
+        raise CheckpointError(
+            f"{m.path}: tensor 'token_embd.weight' has rows of {embd_hidden}, {m.arch}.embedding_length says {hidden}"
+        )
+    scaling = m.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.scaling.type {scaling!r} is not supported for GGUF input")
+    md = m.metadata
+    cfg: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=int(m.need("block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(m.get("attention.head_count_kv", heads)),
+        head_dim=int(m.get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(m.get("context_length", 4096)),
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 10000.0))},
+        num_experts_per_tok=int(m.need("expert_used_count")),
+        norm_topk_prob=bool(m.get("expert_weights_norm", arch.norm_topk_default)),
+        hidden_act="silu", tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_int_or_none(md.get("tokenizer.ggml.bos_token_id")),
+        eos_token_id=_int_or_none(md.get("tokenizer.ggml.eos_token_id")),
+        pad_token_id=_int_or_none(md.get("tokenizer.ggml.padding_token_id")),
+    )  # fmt: skip
+    scale = m.get("expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:
+        raise CheckpointError(f"{m.path}: {m.arch}.expert_weights_scale {scale} is not supported")
+    return cfg
+
+
+def _int_or_none(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def build_config(
+    path: Path, metadata: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[PretrainedConfig, GGUFArch]:
+    """GGUF metadata (+ the tensor shapes that carry sizes) -> (transformers config, arch row)."""
+    arch_name = metadata.get("general.architecture")
+    if not isinstance(arch_name, str):
+        raise CheckpointError(f"{path}: GGUF metadata lacks general.architecture")
+    arch = ARCHS.get(arch_name)
+    if arch is None:
+        raise UnknownArchitectureError(
+            f"{path}: GGUF architecture {arch_name!r} is not supported; moetier reads GGUF models of {', '.join(ARCHS)}"
+        )
+    m = Meta(path, arch_name, metadata, tensors)
+    if int(m.get("expert_count", 0)) == 0:
+        raise UnknownArchitectureError(
+            f"{path}: GGUF model of arch {arch_name!r} has no experts ({arch_name}.expert_count)"
+        )
+    kwargs = {**_common(m, arch, tensors), **arch.config(m)}
+    config = AutoConfig.for_model(arch.model_type, **kwargs)
+    config.architectures = [arch.architecture]
+    return config, arch
+
+
+def hf_locations(
+    path: Path, tensors: dict[str, GGUFTensor], config: PretrainedConfig, family: Family, arch: GGUFArch
+) -> list[TensorLocation]:
+    """Every GGUF tensor as TensorLocation(s) under transformers' checkpoint names (experts split per expert)."""
+    n_experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    fills = {
+        "blk": family.ckpt_block,
+        "shared": family.shared_attr or "?",
+        "shared_gate": family.shared_gate_attr or "?",
+    }
+    out: list[TensorLocation] = []
+    for gname, t in tensors.items():
+        if gname in _GLOBAL_NAMES:
+            out.append(location(t, _GLOBAL_NAMES[gname], t.shape))
+            continue
+        m = _BLOCK.match(gname)
+        if m is None:
+            raise CheckpointError(
+                f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {arch.model_type}"
+            )
+        layer, rest = int(m.group(1)), m.group(2)
+        prefix = f"model.layers.{layer}."
+        if rest in _EXPERT_PIECES:
+            if len(t.shape) != 3 or t.shape[0] != n_experts:
+                raise CheckpointError(
+                    f"{t.file}: tensor {gname!r} has shape {list(t.shape)}, expected {n_experts} experts first "
+                    f"({arch.gguf_arch}.expert_count)"
+                )
+            template = family.sources[_EXPERT_PIECES[rest]].tensor
+            for e in range(n_experts):
+                out.append(location(t, prefix + family.ckpt_block + "." + template.format(e=e), t.shape[1:], expert=e))
+            continue
+        if rest not in _LAYER_NAMES or ("{shared" in _LAYER_NAMES[rest] and family.shared_attr is None):
+            raise CheckpointError(
+                f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {arch.model_type}"
+            )
+        name = prefix + _LAYER_NAMES[rest].format(**fills)
+        shape = t.shape
+        if rest == "ffn_gate_inp_shexp.weight":
+            shape = (1, t.shape[-1])  # transformers' shared_expert_gate is a Linear(H, 1)
+        unpermute = None
+        if arch.unpermute_qk and rest in ("attn_q.weight", "attn_k.weight"):
+            unpermute = heads if rest == "attn_q.weight" else kv_heads
+        out.append(location(t, name, shape, unpermute_heads=unpermute))
+    return out
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    path: Path  # the first (or only) GGUF file
+    config: PretrainedConfig
+    family: Family
+    arch: GGUFArch
+    index: GGUFIndex
+    metadata: dict[str, Any]
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """transformers' tokenizer built from the GGUF metadata (tokenizer.ggml.*), offline."""
+        try:
+            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"{self.path}: transformers cannot build a tokenizer from its metadata ({exc})"
+            ) from exc
+        return tok
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """Read a GGUF model's header(s) into config, family and index; no weight is read. Cached per file state."""
+    return _open_cached(*_cache_key(path))
+
+
+def _cache_key(path: str | os.PathLike[str]) -> tuple[str, int, int]:
+    p = Path(path).resolve()
+    st = p.stat() if p.exists() else None
+    return str(p), st.st_size if st else -1, st.st_mtime_ns if st else -1
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime: int) -> GGUFCheckpoint:
+    files, metadata, tensors = read_gguf_model(path)
+    first = files[0].path
+    config, arch = build_config(first, metadata, tensors)
+    family = find_family(config.model_type, config.architectures)
+    index = GGUFIndex(first.parent, hf_locations(first, tensors, config, family, arch))
+    return GGUFCheckpoint(first, config, family, arch, index, metadata)

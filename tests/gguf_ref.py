@@ -1,0 +1,214 @@
+"""Writing GGUF files from tiny transformers checkpoints, for the tests of GGUF input (no llama.cpp needed).
+
+`write_gguf(src, out, qtype)` renames a tiny checkpoint's tensors to llama.cpp's GGUF names (the
+inverse mapping, written out here by hand, independent of moetier.models.gguf_config), stacks
+each layer's experts into [E, ...] tensors as llama.cpp's converter does, permutes the q/k rows
+of the llama arch (Mixtral) as that converter does, quantises 2-D weights to `qtype` with the
+numpy reference (`gguf.quants.quantize`), and writes metadata with `gguf.GGUFWriter`.
+`dequantized_twin(src, out, qtype)` writes the transformers checkpoint whose weights are the values
+that GGUF file decodes to (numpy reference `gguf.quants.dequantize`), the reference for logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_JSON = REPO / "models" / "tiny-shakespeare-moe" / "tokenizer.json"
+
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+# (checkpoint block, gate, up, down) of each family's per-expert tensors
+EXPERTS = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}  # fmt: skip
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}  # fmt: skip
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's row order for the llama arch's q / k (interleaved RoPE pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors (fp32 numpy) under GGUF names, experts stacked, q/k permuted for llama."""
+    cfg = json.loads((src / "config.json").read_text())
+    sd = {k: v.float().numpy() for k, v in load_file(src / "model.safetensors").items()}
+    block, g, u, d = EXPERTS[family]
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
+    out: dict[str, np.ndarray] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        for piece, gname in ((g, "ffn_gate_exps"), (u, "ffn_up_exps"), (d, "ffn_down_exps")):
+            names = [f"{pre}{block}.experts.{e}.{piece}.weight" for e in range(n_exp)]
+            out[f"blk.{i}.{gname}.weight"] = np.stack([sd.pop(n) for n in names])
+        for k in [k for k in sd if k.startswith(pre)]:
+            name = _LAYER[k[len(pre) :]]
+            w = sd.pop(k)
+            if family == "mixtral" and name == "attn_q.weight":
+                w = permute_qk(w, cfg["num_attention_heads"])
+            elif family == "mixtral" and name == "attn_k.weight":
+                w = permute_qk(w, cfg["num_key_value_heads"])
+            out[f"blk.{i}.{name}"] = w
+    for k, v in sd.items():
+        out[_GLOBAL[k]] = v
+    return out
+
+
+def _qtype_for(name: str, a: np.ndarray, qtype: str) -> gguf.GGMLQuantizationType:
+    t = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[t][0]
+    if a.ndim < 2 or "norm" in name or "ffn_gate_inp" in name or a.shape[-1] % block:
+        return gguf.GGMLQuantizationType.F32  # norms and routers stay F32, as llama.cpp keeps them
+    return t
+
+
+def encode(name: str, a: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    t = _qtype_for(name, a, qtype)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if t == gguf.GGMLQuantizationType.F32:
+        return a, t
+    if t == gguf.GGMLQuantizationType.F16:
+        return a.astype(np.float16), t
+    if t.name in K_SCALES:
+        return random_k_blocks(a.shape, t, seed=sum(name.encode())), t
+    return gguf.quants.quantize(a, t), t
+
+
+# K-quants: byte offsets of the fp16 super-block scales (d, then dmin where there is one) and their magnitude
+K_SCALES = {"Q2_K": ((80, 82), 2e-3), "Q3_K": ((108,), 2e-3), "Q4_K": ((0, 2), 1e-3), "Q5_K": ((0, 2), 5e-4),
+            "Q6_K": ((208,), 2e-5)}  # fmt: skip
+
+
+def random_k_blocks(shape: tuple[int, ...], t: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Random valid K-quant bytes for a tensor of `shape` (gguf-py cannot quantise K-quants): random
+    quants and sub-block scales, finite fp16 super-block scales of a small magnitude."""
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    offsets, mag = K_SCALES[t.name]
+    for off in offsets:
+        raw[:, off : off + 2] = (rng.uniform(0.2, 1.0, (n, 1)) * mag).astype(np.float16).view(np.uint8)
+    return raw.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def decode(raw: np.ndarray, t: gguf.GGMLQuantizationType) -> np.ndarray:
+    if t in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return raw.astype(np.float32)
+    return gguf.quants.dequantize(raw, t)
+
+
+def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokenizer: bool = False,
+               meta: dict[str, Any] | None = None, skip_meta: tuple[str, ...] = ()) -> Path:  # fmt: skip
+    """GGUF file `out` of the tiny checkpoint `src`; `meta` overrides / adds `<arch>.KEY` values, `skip_meta` drops
+    keys."""
+    cfg = json.loads((src / "config.json").read_text())
+    arch = ARCH[family]
+    w = gguf.GGUFWriter(str(out), arch)
+    heads = cfg["num_attention_heads"]
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
+    values: dict[str, Any] = {
+        "block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+        "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+        "attention.head_count": heads, "attention.head_count_kv": cfg["num_key_value_heads"],
+        "rope.freq_base": float(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)),
+        "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+        "expert_count": n_exp, "expert_used_count": cfg["num_experts_per_tok"],
+        "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    }  # fmt: skip
+    if "moe_intermediate_size" in cfg:
+        values["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if "shared_expert_intermediate_size" in cfg:
+        values["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    values.update(meta or {})
+    for key, v in values.items():
+        if key in skip_meta:
+            continue
+        full = f"{arch}.{key}"
+        if isinstance(v, float):
+            w.add_float32(full, v)
+        else:
+            w.add_uint32(full, int(v))
+    if tokenizer:
+        add_tokenizer(w)
+    for name, a in gguf_tensors(src, family).items():
+        raw, t = encode(name, a, qtype)
+        w.add_tensor(name, raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def add_tokenizer(w: gguf.GGUFWriter) -> None:
+    """The bundled model's byte-level BPE tokenizer as GGUF metadata (what llama.cpp's converter writes)."""
+    tok = json.loads(TOKENIZER_JSON.read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    special = {a["id"] for a in tok.get("added_tokens", [])}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+
+
+def dequantized_twin(src: Path, out: Path, family: str, qtype: str) -> Path:
+    """A transformers checkpoint whose weights are what the `qtype` GGUF of `src` decodes to (numpy reference),
+    q/k rows back in transformers' order."""
+    cfg = json.loads((src / "config.json").read_text())
+    sd = load_file(src / "model.safetensors")
+    back = {v: k for k, v in _GLOBAL.items()}
+    twin: dict[str, torch.Tensor] = {}
+    for name, a in gguf_tensors(src, family).items():
+        raw, t = encode(name, a, qtype)
+        deq = decode(raw, t).reshape(a.shape)
+        if name.startswith("blk."):
+            layer, rest = name.split(".", 2)[1:]
+            pre = f"model.layers.{layer}."
+            if rest.endswith("_exps.weight"):
+                block, g, u, d = EXPERTS[family]
+                piece = {"ffn_gate_exps.weight": g, "ffn_up_exps.weight": u, "ffn_down_exps.weight": d}[rest]
+                for e in range(deq.shape[0]):
+                    twin[f"{pre}{block}.experts.{e}.{piece}.weight"] = torch.from_numpy(deq[e].copy())
+                continue
+            if family == "mixtral" and rest in ("attn_q.weight", "attn_k.weight"):
+                n = cfg["num_attention_heads"] if rest == "attn_q.weight" else cfg["num_key_value_heads"]
+                deq = deq.reshape(n, deq.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(deq.shape)
+            hf = next(k for k, v in _LAYER.items() if v == rest and pre + k in sd)
+            twin[pre + hf] = torch.from_numpy(np.ascontiguousarray(deq))
+        else:
+            twin[back[name]] = torch.from_numpy(np.ascontiguousarray(deq))
+    assert set(twin) == set(sd), set(sd) ^ set(twin)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in twin.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -1,0 +1,155 @@
+"""GGUF models (models/gguf_config.py): config from metadata, names, and logits against transformers.
+
+GGUF files are written here from tiny random checkpoints (tests/gguf_ref.py, no llama.cpp); the reference
+is transformers on a twin checkpoint holding the values the GGUF file decodes to (numpy reference), so
+every block type is held to the fp32 bound: max |logits - reference| <= 1e-4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import moetier
+from gguf_ref import dequantized_twin, write_gguf
+from moetier import EngineConfig, RuntimeConfig
+from moetier.errors import CheckpointError, UnknownArchitectureError
+from moetier.models.gguf_config import open_gguf
+from moetier.models.open import describe, read_config
+from moetier.models.tiny import build_tiny_checkpoint
+
+RUNTIME = RuntimeConfig(device="cpu", dtype="fp32", lean=False)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+BOUND = 1e-4
+
+
+def _overrides(family: str, qtype: str) -> dict[str, Any]:
+    """K-quants need rows of 256 weights: hidden and expert sizes 256 (and the shared expert's)."""
+    if not qtype.endswith("_K"):
+        return {}
+    out: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 256}
+    if family in ("qwen3_moe", "qwen2_moe"):
+        out["moe_intermediate_size"] = 256
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = 256
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory: pytest.TempPathFactory):
+    """gguf_model(family, qtype) -> (src folder, GGUF file, dequantised twin folder), built once."""
+    root = tmp_path_factory.mktemp("gguf_models")
+    cache: dict[tuple[str, str], tuple[Path, Path, Path]] = {}
+
+    def get(family: str, qtype: str) -> tuple[Path, Path, Path]:
+        if (family, qtype) not in cache:
+            src = build_tiny_checkpoint(family, root / f"{family}_{qtype}_src", **_overrides(family, qtype))
+            g = write_gguf(src, root / f"{family}_{qtype}.gguf", family, qtype)
+            cache[(family, qtype)] = (src, g, dequantized_twin(src, root / f"{family}_{qtype}_twin", family, qtype))
+        return cache[(family, qtype)]
+
+    return get
+
+
+def _logits_diff(path: Path, ref_folder: Path, vocab: int = 96) -> float:
+    ids = torch.randint(3, vocab, (1, 14), generator=torch.Generator().manual_seed(4))
+    ref = AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    engine = moetier.load(path, EngineConfig(runtime=RUNTIME))
+    try:
+        got = engine.logits(ids)
+    finally:
+        engine.close()
+    assert want.abs().max().item() > 0.1  # non-trivial logits
+    return float((got - want).abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_matches_transformers_on_the_source_checkpoint(gguf_model, family):
+    src, g, _ = gguf_model(family, "F32")
+    assert _logits_diff(g, src) <= BOUND
+
+
+@pytest.mark.parametrize(("family", "qtype"), [
+    ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K"), ("qwen3_moe", "Q6_K"), ("qwen3_moe", "Q5_0"),
+    ("mixtral", "Q4_K"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q5_K"), ("olmoe", "Q4_1"), ("olmoe", "Q3_K"),
+    ("qwen2_moe", "Q2_K"), ("mixtral", "Q5_1"), ("qwen3_moe", "Q4_0"),
+])  # fmt: skip
+def test_quantised_gguf_matches_its_dequantised_twin(gguf_model, family, qtype):
+    _, g, twin = gguf_model(family, qtype)
+    assert _logits_diff(g, twin) <= BOUND
+
+
+def test_q8_0_stays_near_the_unquantised_model(gguf_model):
+    """The stated loose bound for a real quantisation (Q8_0 of the tiny model, logits of magnitude ~4)."""
+    src, g, _ = gguf_model("qwen3_moe", "Q8_0")
+    assert _logits_diff(g, src) <= 0.2
+
+
+def test_config_and_index_names(gguf_model):
+    _, g, _ = gguf_model("qwen2_moe", "Q8_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "qwen2_moe" and cfg.architectures == ["Qwen2MoeForCausalLM"]
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (32, 16, 24)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == (6, 2, 2)
+    assert cfg.qkv_bias and not cfg.norm_topk_prob and not cfg.tie_word_embeddings
+    idx = ck.index
+    loc = idx["model.layers.1.mlp.experts.5.gate_proj.weight"]
+    assert loc.shape == (16, 32) and loc.dtype == "gguf:Q8_0"
+    assert idx["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 32)
+    assert "lm_head.weight" in idx and idx.folder == g.parent
+    config, family = read_config(g)
+    assert family is not None and family.name == "qwen2_moe" and config is cfg
+    info = describe(g)
+    assert info.num_experts == 6 and info.checkpoint_dtype == "gguf:Q8_0"
+    mixtral = open_gguf(gguf_model("mixtral", "Q8_0")[1])
+    assert mixtral.config.model_type == "mixtral" and mixtral.config.norm_topk_prob
+    assert mixtral.index["model.layers.0.self_attn.q_proj.weight"].dtype == "gguf:Q8_0+unpermute"
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in mixtral.index
+
+
+def test_tokenizer_from_metadata(tmp_path):
+    src = build_tiny_checkpoint("qwen3_moe", tmp_path / "src", vocab_size=4096)
+    g = write_gguf(src, tmp_path / "tok.gguf", "qwen3_moe", tokenizer=True)
+    ref = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe")
+    tok = open_gguf(g).tokenizer()
+    text = "To be, or not to be: that is the question.\nWhether 'tis nobler"
+    assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    engine = moetier.load(g, EngineConfig(runtime=RUNTIME))
+    try:
+        assert engine.encode(text) == ref.encode(text, add_special_tokens=False)
+    finally:
+        engine.close()
+
+
+def test_metadata_that_contradicts_a_tensor_names_both(tmp_path):
+    src = build_tiny_checkpoint("qwen3_moe", tmp_path / "src")
+    g = write_gguf(src, tmp_path / "bad.gguf", "qwen3_moe", meta={"expert_feed_forward_length": 24})
+    with pytest.raises(CheckpointError) as err:
+        open_gguf(g)
+    msg = str(err.value)
+    assert str(g) in msg and "blk.0.ffn_gate_exps.weight" in msg and "expert_feed_forward_length" in msg
+    g2 = write_gguf(src, tmp_path / "bad2.gguf", "qwen3_moe", meta={"embedding_length": 64})
+    with pytest.raises(CheckpointError, match=r"token_embd\.weight"):
+        open_gguf(g2)
+    g3 = write_gguf(src, tmp_path / "bad3.gguf", "qwen3_moe", meta={"expert_count": 8})
+    with pytest.raises(CheckpointError, match=r"ffn_\w+_exps.weight' has shape \[6, "):
+        open_gguf(g3)
+    g4 = write_gguf(src, tmp_path / "bad4.gguf", "qwen3_moe", skip_meta=("expert_used_count",))
+    with pytest.raises(CheckpointError, match=r"lacks qwen3moe\.expert_used_count"):
+        open_gguf(g4)
+
+
+def test_unknown_gguf_architecture(gguf_model, tmp_path):
+    _, g, _ = gguf_model("qwen3_moe", "F32")
+    data = g.read_bytes().replace(b"qwen3moe", b"qwen9moe")
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(UnknownArchitectureError, match="'qwen9moe' is not supported"):
+        open_gguf(bad)

@@ -1,0 +1,114 @@
+"""The experts seam: every transformers MoE family moetier runs without a row is exact against transformers.
+
+Each family: a tiny random checkpoint built from its default config (models/tiny.py `tiny_config`), saved by
+transformers (so in the family's own checkpoint naming: per-expert tensors or fused ones, renamed prefixes),
+loaded by moetier through the seam (models/seam.py) at "all resident" and "one slot per MoE layer" budgets;
+fp32 logits within 1e-4 of transformers' own model, and greedy decoding through the family's own cache
+(hybrid linear-attention, MiniMax's own cache...) gives transformers' tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import moetier
+from moetier import Budgets, EngineConfig, RuntimeConfig
+from moetier.config import PrefetchConfig
+from moetier.errors import UnknownArchitectureError
+from moetier.models.families import FAMILIES
+from moetier.models.tiny import tiny_config
+
+ATOL = 1e-4
+RUNTIME = RuntimeConfig(device="cpu", dtype="fp32")
+
+# transformers 5.24's causal-LM MoE text model types run through the seam (rows: models/families.py)
+SEAM_FAMILIES = (
+    "afmoe", "aria_text", "axk1", "axk2", "beam", "cohere2_moe", "deepseek_v32", "deepseek_v4", "dots1",
+    "dots3_note_text",
+)  # fmt: skip
+ROW_FAMILIES = tuple(t for f in FAMILIES for t in f.model_types)
+
+
+@pytest.fixture(scope="module")
+def family_ckpt(tmp_path_factory: pytest.TempPathFactory):
+    """family_ckpt(model_type) -> (folder, reference model), built once per module."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+    root = tmp_path_factory.mktemp("seam")
+
+    def get(model_type: str) -> tuple[Path, torch.nn.Module]:
+        if model_type not in cache:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+            with torch.no_grad():  # non-trivial expert-choice biases where a family has them
+                for name, buf in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        buf.uniform_(-0.5, 0.5)
+            folder = root / model_type
+            model.save_pretrained(folder)
+            cache[model_type] = (folder, model)
+        return cache[model_type]
+
+    return get
+
+
+def _ids(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(seed))  # [1, T]
+
+
+@pytest.mark.parametrize("model_type", SEAM_FAMILIES)
+def test_seam_family_is_exact(family_ckpt, model_type):
+    folder, ref = family_ckpt(model_type)
+    ids = _ids(1, 12)
+    with torch.no_grad():
+        want = ref(ids).logits  # [1, T, V]
+    probe = moetier.load(folder, EngineConfig(runtime=RUNTIME))
+    assert probe.loaded.family.seam and probe.info.family == model_type
+    n_moe, slot, staging = len(probe.info.moe_layers), probe.store.slot_bytes, probe.store.staging_bytes
+    assert (probe.logits(ids) - want).abs().max().item() <= ATOL  # all resident
+    probe.close()
+    engine = moetier.load(folder, EngineConfig(budgets=Budgets(host_expert_bytes=n_moe * slot + staging),
+                                               runtime=RUNTIME))  # fmt: skip
+    assert engine.store.host.pool.n_slots == n_moe  # one slot per MoE layer
+    for prompt in (ids, _ids(2, 9), ids):
+        with torch.no_grad():
+            want = ref(prompt).logits
+        assert (engine.logits(prompt) - want).abs().max().item() <= ATOL
+    assert engine.store.host.evictions > 0
+    # greedy decoding through the family's own cache
+    prompt = _ids(3, 6)
+    with torch.no_grad():
+        ref_tokens = ref.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    got = engine.generate(prompt[0].tolist(), max_new_tokens=4, stop_at_eos=False).token_ids
+    assert got == ref_tokens[0, 6:].tolist()
+    engine.close()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_rows_through_the_seam(family_ckpt, model_type):
+    """RuntimeConfig.seam runs a family that has a row through transformers' own block: also exact."""
+    folder, ref = family_ckpt(model_type)
+    ids = _ids(4, 10)
+    with torch.no_grad():
+        want = ref(ids).logits
+    for seam in (False, True):
+        engine = moetier.load(folder, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32", seam=seam)))
+        assert engine.loaded.family.seam is seam
+        assert (engine.logits(ids) - want).abs().max().item() <= ATOL
+        engine.close()
+
+
+def test_seam_refuses_prefetch(family_ckpt):
+    folder, _ = family_ckpt("glm4_moe")
+    with pytest.raises(moetier.ConfigError, match="prefetch"):
+        moetier.load(folder, EngineConfig(runtime=RUNTIME, prefetch=PrefetchConfig(enabled=True)))
+
+
+@pytest.mark.parametrize("model_type", ["jetmoe", "llama4_text", "longcat_flash"])
+def test_families_without_the_seam_are_refused(family_ckpt, model_type):
+    folder, _ = family_ckpt(model_type)
+    with pytest.raises(UnknownArchitectureError, match="seam"):
+        moetier.load(folder, EngineConfig(runtime=RUNTIME))

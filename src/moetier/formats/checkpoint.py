@@ -21,32 +21,17 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any
 
 from moetier.errors import CheckpointError
+from moetier.formats.location import TensorLocation as TensorLocation  # re-exported: where it is indexed
 from moetier.formats.quantized import apply_quantization
 
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    name: str
-    file: Path
-    offset: int  # absolute byte offset of the tensor's data in `file`
-    nbytes: int
-    dtype: str  # safetensors dtype string, e.g. "BF16"; for an encoded tensor its codec name (formats/encoded.py)
-    shape: tuple[int, ...]  # for an encoded tensor, the logical (decoded) shape
-    parts: tuple[TensorLocation, ...] = ()  # an encoded tensor: the stored tensors it decodes from, in codec order
-
-    @property
-    def encoded(self) -> bool:
-        return bool(self.parts)
 
 
 def read_header(path: Path) -> dict[str, TensorLocation]:

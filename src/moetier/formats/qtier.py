@@ -59,13 +59,19 @@ def group_label(spec: QuantSpec) -> str:
     return "K" if group is None else str(group)
 
 
+def default_root(model_dir: str | os.PathLike[str]) -> Path:
+    """MODEL/moetier-quant; for a GGUF file MODEL, <its folder>/<its stem>-moetier-quant."""
+    model = Path(model_dir)
+    return model.parent / f"{model.stem}-{TIER_ROOT}" if model.is_file() else model / TIER_ROOT
+
+
 def tier_dir(
     model_dir: str | os.PathLike[str], spec: QuantSpec, root: str | os.PathLike[str] | None = None,
     down_rows: bool = False,
 ) -> Path:  # fmt: skip
-    """MODEL/moetier-quant/<precision>-g<group>, with a `-rows` suffix for the layout sparse execution
+    """`default_root(MODEL)`/<precision>-g<group>, with a `-rows` suffix for the layout sparse execution
     needs (down projection stored as rows [I, H], quantised along H)."""
-    base = Path(root) if root is not None else Path(model_dir) / TIER_ROOT
+    base = Path(root) if root is not None else default_root(model_dir)
     return base / f"{spec.precision.value}-g{group_label(spec)}{'-rows' if down_rows else ''}"
 
 
@@ -338,7 +344,7 @@ class QuantTier:
 def list_tiers(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Every tier directory under the model (or `root`), for `moetier info`: `tier_summary` plus a status:
     ok | incomplete | stale (the source changed since) | unreadable."""
-    base = Path(root) if root is not None else Path(model_dir) / TIER_ROOT
+    base = Path(root) if root is not None else default_root(model_dir)
     current: dict[str, Any] | None = None
     out: list[dict[str, Any]] = []
     for path in sorted(p for p in base.glob("*") if (p / MANIFEST).exists()):

@@ -21,17 +21,14 @@ list of what is supported.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moetier.errors import CheckpointError
 from moetier.formats.codecs_quant import FP8_BLOCK_SIZES, fp8_codec_name
-
-if TYPE_CHECKING:  # checkpoint.py applies these rules; the locations it hands over are rebuilt with replace()
-    from moetier.formats.checkpoint import TensorLocation
+from moetier.formats.location import TensorLocation
 
 SUPPORTED = {
     "fp8": "block-scaled FP8 e4m3 (weight_block_size)",
@@ -42,7 +39,7 @@ SUPPORTED = {
 }
 _FLOAT_SCALES = ("F32", "BF16", "F16")
 
-Tensors = dict[str, "TensorLocation"]
+Tensors = dict[str, TensorLocation]
 
 
 def supported_methods() -> str:
@@ -73,8 +70,8 @@ def _err(loc: TensorLocation, what: str) -> CheckpointError:
 
 
 def _encoded(name: str, codec: str, shape: tuple[int, ...], parts: list[TensorLocation]) -> TensorLocation:
-    nbytes = sum(p.nbytes for p in parts)
-    return dataclasses.replace(parts[0], name=name, nbytes=nbytes, dtype=codec, shape=shape, parts=tuple(parts))
+    first = parts[0]
+    return TensorLocation(name, first.file, first.offset, sum(p.nbytes for p in parts), codec, shape, tuple(parts))
 
 
 def _take(tensors: Tensors, owner: TensorLocation, name: str, dtypes: tuple[str, ...], role: str) -> TensorLocation:

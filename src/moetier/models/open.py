@@ -22,6 +22,7 @@ from transformers.activations import ACT2FN
 
 from moetier.errors import CheckpointError, ConfigError, UnknownArchitectureError
 from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.codecs import CODECS
 from moetier.formats.gguf import is_gguf
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.qtier import QuantTier
@@ -105,12 +106,15 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(
     name: str, config: PretrainedConfig, device: torch.device, stored_experts: str | None = None
 ) -> torch.dtype:
-    """auto: config.json's dtype, else the dtype the experts are stored in (e.g. "BF16"), else fp32."""
+    """auto: config.json's dtype, else the dtype the experts are stored in (e.g. "BF16"; bf16 for quantized
+    experts), else fp32."""
     if name != "auto":
         return DTYPES[name]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if stored is None and stored_experts in TORCH_DTYPES:
         stored = TORCH_DTYPES[stored_experts]
+    elif stored is None and stored_experts is not None and (stored_experts in CODECS or "fp8" in stored_experts):
+        stored = torch.bfloat16  # quantized experts (FP8, MXFP4, GPTQ, GGUF blocks): compute in bf16
     dtype = stored if isinstance(stored, torch.dtype) else DTYPES.get(str(stored).replace("bfloat16", "bf16")
                                                                       .replace("float32", "fp32")
                                                                       .replace("float16", "fp16"), torch.float32)
@@ -191,6 +195,7 @@ def _open_seam(
 ) -> tuple[Family, list[MoESite], seam_mod.ExpertShape, ExpertFn, dict[int, str]]:
     """The seam's sites, shape, family, expert function and checkpoint prefixes (models/seam.py)."""
     model_type = str(config.model_type)
+    seam_mod.refuse_unverified(config)
     found = seam_mod.seam_sites(model)
     if not found:
         raise UnknownArchitectureError(

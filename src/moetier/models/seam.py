@@ -53,7 +53,8 @@ from moetier.kernels.qformat import linear
 from moetier.models.families import Family
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_TOP_K_ATTRS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_experts_per_token", "experts_per_token")
+_TOP_K_ATTRS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_experts_per_token", "experts_per_token",
+                "top_k_experts")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,12 @@ class ModuleGLU:
         return linear(self.apply_gate(h), v.w2, v.b2)  # [N, H]
 
 
+# Families whose full-sequence logits through the seam match transformers but whose cached decoding does not
+# yet (tests/models/test_seam.py finds a 0.2-1.3 logit gap at decode steps, cause not found): refused rather
+# than run silently wrong.
+DECODE_MISMATCH = frozenset({"axk2", "deepseek_v32", "deepseek_v4", "dots3_note", "dots3_note_text"})
+
+
 def has_seam(config: PretrainedConfig) -> bool:
     """Whether the causal-LM class transformers builds for `config` lives in a modeling module with an experts
     class decorated by `use_experts_implementation` (the decorator gives the class `_apply_gate`)."""
@@ -101,6 +108,15 @@ def has_seam(config: PretrainedConfig) -> bool:
         return False
     return any(isinstance(obj, type) and issubclass(obj, nn.Module) and hasattr(obj, "_apply_gate")
                for obj in vars(module).values())  # fmt: skip
+
+
+def refuse_unverified(config: PretrainedConfig) -> None:
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in DECODE_MISMATCH:
+        raise UnknownArchitectureError(
+            f"{model_type}: runs through transformers' experts seam, but its cached decoding does not match "
+            "transformers' yet (see docs/engine.md); refused rather than run wrong"
+        )
 
 
 def seam_sites(model: nn.Module) -> list[SeamSite]:

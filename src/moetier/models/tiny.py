@@ -68,7 +68,7 @@ def build_tiny_checkpoint(
 SMALL: dict[str, Any] = dict(
     hidden_size=32, intermediate_size=48, moe_intermediate_size=16, expert_intermediate_size=16, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=96, max_position_embeddings=256,
-    num_experts_per_tok=2, num_experts_per_token=2, moe_k=2, moe_topk=2, top_k=2, experts_per_token=2,
+    num_experts_per_tok=2, num_experts_per_token=2, moe_k=2, moe_topk=2, top_k=2, experts_per_token=2, top_k_experts=2,
     num_experts=6, num_local_experts=6, n_routed_experts=6, moe_num_experts=6,
     n_shared_experts=1, num_shared_experts=1, moe_num_shared_experts=1, shared_expert_intermediate_size=24,
     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
@@ -87,6 +87,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     layer-type lists cut to one layer per kind (at least 2 layers), MLA with one key/value head per head."""
     defaults = AutoConfig.for_model(model_type).to_dict()
     kw = {k: v for k, v in SMALL.items() if k in defaults}
+    if "enable_moe_block" in defaults:  # Gemma 4: MoE is off by default
+        kw["enable_moe_block"] = True
     if "kv_lora_rank" in defaults:  # MLA: every head has its own key and value
         kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
         kw.pop("head_dim", None)

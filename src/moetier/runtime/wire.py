@@ -49,6 +49,7 @@ from moetier.runtime.prefetch import Prefetcher
 from moetier.runtime.pricing import Pricing, make_pricing
 from moetier.store.dynamic import DynamicStore
 from moetier.store.store import ExpertStore
+from moetier.types import Precision
 
 
 def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
@@ -93,7 +94,8 @@ def native_ok(cfg: EngineConfig, sk: Skeleton) -> bool:
         if not (cfg.runtime.lean and o.family.lean_attention):
             raise ConfigError(f"--dense-precision {cfg.runtime.dense_precision} needs the lean decoder (this family "
                               "or --no-lean runs transformers' modules)")  # fmt: skip
-    return fits and lib is not None
+    stored = Precision.STORED.value in cfg.precision.precisions  # slots in the checkpoint's own coding: torch decodes
+    return fits and lib is not None and not stored
 
 
 def choose_executor(cfg: EngineConfig, cuda: bool, native_ok: bool = False) -> ExecutorSpec:

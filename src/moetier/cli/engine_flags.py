@@ -45,6 +45,7 @@ from moetier.cli.options import (
     Profile,
     QuantDir,
     Scheduler,
+    Seam,
     Sparsity,
     SparsityBlock,
     SparsityTable,
@@ -127,6 +128,7 @@ class EngineFlags:
     cache_policy: CachePolicy = "lru"
     max_seq_len: MaxSeqLen = 0
     no_lean: NoLean = False
+    seam: Seam = False
     trace: TraceFile = None
     trace_scores: TraceScores = False
     precision: PrecisionMode = "full"
@@ -164,7 +166,8 @@ class EngineFlags:
         )  # fmt: skip
         cache = str(self.kernel_cache) if self.kernel_cache is not None else None
         runtime = replace(
-            cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision
+            cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,
+            seam=self.seam,
         )
         return replace(cfg, runtime=runtime)
 

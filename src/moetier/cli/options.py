@@ -113,6 +113,12 @@ NoLean = Annotated[
     typer.Option("--no-lean", rich_help_panel=_ENGINE,
                  help="Use the transformers modules (with tiered MoE blocks) instead of the lean decoder."),
 ]  # fmt: skip
+Seam = Annotated[
+    bool,
+    typer.Option("--seam", rich_help_panel=_ENGINE,
+                 help="Run transformers' own MoE blocks with moetier's experts (the experts seam) even for a "
+                      "family that has a row (families without a row always do)."),
+]  # fmt: skip
 TraceFile = Annotated[
     Path | None,
     typer.Option(metavar="FILE.parquet", rich_help_panel=_ENGINE,

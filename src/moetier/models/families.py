@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from moetier.errors import UnknownArchitectureError
 from moetier.formats.layout import ExpertSource
@@ -50,6 +51,7 @@ class Family:
     extra_renames: tuple[tuple[str, str], ...] = field(default=())  # checkpoint -> model name fragments
     seam: bool = False  # run transformers' own MoE blocks with moetier's experts module (models/seam.py)
     ckpt_names: Mapping[str, str] = field(default_factory=dict)  # seam: non-expert model name -> checkpoint name
+    conversions: Mapping[str, Any] = field(default_factory=dict)  # seam: non-expert tensors transformers converts
 
     def __post_init__(self) -> None:
         for piece, src in self.sources.items():

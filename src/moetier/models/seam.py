@@ -92,7 +92,7 @@ class ModuleGLU:
 # Families whose full-sequence logits through the seam match transformers but whose cached decoding does not
 # yet (tests/models/test_seam.py finds a 0.2-1.3 logit gap at decode steps, cause not found): refused rather
 # than run silently wrong.
-DECODE_MISMATCH = frozenset({"axk2", "deepseek_v32", "deepseek_v4", "dots3_note", "dots3_note_text"})
+DECODE_MISMATCH = frozenset({"deepseek_v4"})
 
 
 def has_seam(config: PretrainedConfig) -> bool:
@@ -208,10 +208,21 @@ def _template(key: str, pattern: str) -> tuple[str, int]:
 
 
 @dataclass
+class Conversion:
+    """Non-expert tensors transformers converts at load (e.g. q/k/v conv weights concatenated, a fused qkv
+    split): its converter, the checkpoint keys per source pattern, and every model name it produces."""
+
+    converter: WeightConverter
+    keys: dict[str, list[str]]  # source pattern -> checkpoint keys, in checkpoint order
+    targets: dict[str, str]  # target pattern -> model name
+
+
+@dataclass
 class SeamLayout:
     prefixes: dict[int, str]  # MoE layer -> common checkpoint prefix of its expert tensors
     sources: dict[str, ExpertSource]  # piece -> source, relative to the prefix (the same for every layer)
     ckpt_names: dict[str, str]  # non-expert model name -> checkpoint name
+    conversions: dict[str, Conversion]  # non-expert model name (first target) -> what transformers converts into it
 
 
 def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[SeamSite], shape: ExpertShape,
@@ -225,17 +236,16 @@ def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[Seam
     owner = {f"{s.path}.{p}": s for s in sites for p in _PARAM_PIECES}
     found: dict[int, dict[str, tuple[str, str]]] = {s.layer: {} for s in sites}  # layer -> piece -> (name, op)
     ckpt_names: dict[str, str] = {}
+    conversions: dict[str, Conversion] = {}
     for key in index.names():
         target, pattern = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None), meta)
         site = owner.get(target)
         if site is None:
-            if pattern is not None and by_pattern[pattern].operations:
-                ops = [type(o).__name__ for o in by_pattern[pattern].operations]
-                raise UnknownArchitectureError(
-                    f"{index[key].file}: tensor {key!r} is converted by transformers with {ops} into {target!r}; "
-                    "moetier reads non-expert tensors as stored"
-                )
-            ckpt_names[target] = key
+            conv = by_pattern.get(pattern) if pattern is not None else None
+            if conv is not None and pattern is not None and conv.operations:
+                _add_conversion(conversions, conv, pattern, key, target, index)
+            else:
+                ckpt_names[target] = key
             continue
         param = target.rsplit(".", 1)[1]
         pieces = _PARAM_PIECES[param]
@@ -257,11 +267,72 @@ def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[Seam
                 f"{model_type}: transformers converts expert tensor {key!r} with {ops}; moetier does not read that "
                 "layout yet"
             )
-    return _common_layout(found, ckpt_names, shape, model_type)
+    return _common_layout(found, ckpt_names, conversions, shape, model_type)
 
 
-def _common_layout(found: dict[int, dict[str, tuple[str, str]]], ckpt_names: dict[str, str], shape: ExpertShape,
-                   model_type: str) -> SeamLayout:  # fmt: skip
+_CONVERSION_OPS = ("Concatenate", "Split")  # what a non-expert conversion may do (both exact, no arithmetic)
+
+
+def _add_conversion(conversions: dict[str, Conversion], conv: WeightConverter, pattern: str, key: str, target: str,
+                    index: CheckpointIndex) -> None:  # fmt: skip
+    ops = [type(o).__name__ for o in conv.operations]
+    if any(op not in _CONVERSION_OPS for op in ops):
+        raise UnknownArchitectureError(
+            f"{index[key].file}: tensor {key!r} is converted by transformers with {ops} into {target!r}; moetier "
+            f"converts non-expert tensors with {', '.join(_CONVERSION_OPS)} only"
+        )
+    first = conv.target_patterns[0]
+    entry = conversions.setdefault(target, Conversion(conv, {}, {t: target.replace(first, t) for t in
+                                                                 conv.target_patterns}))  # fmt: skip
+    entry.keys.setdefault(pattern, []).append(key)
+
+
+def converted_names(conversions: dict[str, Conversion]) -> set[str]:
+    """Every model name that a conversion produces (load_non_experts skips them; `load_converted` loads them)."""
+    return {name for c in conversions.values() for name in c.targets.values()}
+
+
+def load_converted(model: nn.Module, index: CheckpointIndex, conversions: dict[str, Conversion],
+                   dtype: torch.dtype, read: Callable[[Any], torch.Tensor]) -> set[str]:  # fmt: skip
+    """Read each conversion's checkpoint tensors, run transformers' own ops on them (in order), assign the
+    results cast to `dtype`. Returns the checkpoint keys consumed."""
+    consumed: set[str] = set()
+    config = getattr(model, "config", None)
+    for first, c in conversions.items():
+        data: dict[str, Any] = {p: [read(index[k]) for k in keys] for p, keys in c.keys.items()}
+        for op in c.converter.operations:
+            data = op.convert(data, c.converter.source_patterns, c.converter.target_patterns, full_layer_name=first,
+                              model=model, config=config)  # fmt: skip
+        for pattern, tensor in data.items():
+            name = c.targets.get(pattern)
+            current = _state_entry(model, name) if name is not None else None
+            if name is None or current is None or tuple(tensor.shape) != tuple(current.shape):
+                raise CheckpointError(
+                    f"transformers' {[type(o).__name__ for o in c.converter.operations]} of {sorted(c.keys)} gave "
+                    f"{pattern!r} {list(tensor.shape)}, which does not match the model's {name!r}"
+                )
+            _set(model, name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+        consumed |= {k for keys in c.keys.values() for k in keys}
+    return consumed
+
+
+def _state_entry(model: nn.Module, name: str) -> torch.Tensor | None:
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    return owner._parameters.get(attr) if attr in owner._parameters else owner._buffers.get(attr)
+
+
+def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    if attr in owner._parameters:
+        owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[attr] = tensor
+
+
+def _common_layout(found: dict[int, dict[str, tuple[str, str]]], ckpt_names: dict[str, str],
+                   conversions: dict[str, Conversion], shape: ExpertShape, model_type: str) -> SeamLayout:  # fmt: skip
     """Per-layer full names -> one prefix per layer and sources shared by every layer."""
     want = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if shape.has_bias else ())
     prefixes: dict[int, str] = {}
@@ -286,7 +357,7 @@ def _common_layout(found: dict[int, dict[str, tuple[str, str]]], ckpt_names: dic
                 f"{model_type}: expert tensors are named differently in layer {layer} than in earlier layers"
             )
     assert sources is not None
-    return SeamLayout(prefixes, sources, ckpt_names)
+    return SeamLayout(prefixes, sources, ckpt_names, conversions)
 
 
 def seam_family(config: PretrainedConfig, layout: SeamLayout, row: Family | None) -> Family:
@@ -296,7 +367,7 @@ def seam_family(config: PretrainedConfig, layout: SeamLayout, row: Family | None
     base = row or Family(name=model_type, model_types=(model_type,), architectures=(arch,),
                          sources=layout.sources, intermediate_attr="")  # fmt: skip
     return dataclasses.replace(base, sources=layout.sources, expert_kind="module", lean_attention=None, seam=True,
-                               ckpt_names=layout.ckpt_names)  # fmt: skip
+                               ckpt_names=layout.ckpt_names, conversions=layout.conversions)  # fmt: skip
 
 
 def expert_fn(sites: list[SeamSite], shape: ExpertShape) -> ModuleGLU | SwiGLU:

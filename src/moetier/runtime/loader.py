@@ -23,6 +23,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moetier.config import EngineConfig
+from moetier.formats.safetensors import read_tensor
+from moetier.models import seam
 from moetier.models.base import check_all_consumed, ignored_unexpected, load_non_experts
 from moetier.models.families import Family
 from moetier.models.open import ModelInfo, Opened, model_info, open_checkpoint, resolve_device
@@ -89,7 +91,9 @@ def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
             setattr(parent, attr, block)
             blocks.append(block)
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        consumed = load_non_experts(model, o.index, sites, family, dtype, tied)
+        converted = seam.converted_names(dict(family.conversions))  # the seam: tensors transformers converts
+        consumed = load_non_experts(model, o.index, sites, family, dtype, tied, skip=converted.__contains__)
+        consumed |= seam.load_converted(model, o.index, dict(family.conversions), dtype, read_tensor)
         check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
         model.to(device)
     except BaseException:

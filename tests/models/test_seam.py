@@ -27,11 +27,12 @@ RUNTIME = RuntimeConfig(device="cpu", dtype="fp32")
 
 # transformers 5.24's causal-LM MoE text model types run through the seam (rows: models/families.py)
 SEAM_FAMILIES = (
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "dots1", "dots3_note_text",
-    "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "dots1",
+    "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
     "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
-    "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax", "minimax_m2",
-    "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text", "qwen3_next", "sarvam_moe", "solar_open",
+    "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash",
+    "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text", "qwen3_next", "sarvam_moe",
+    "solar_open",
 )  # fmt: skip
 ROW_FAMILIES = tuple(t for f in FAMILIES for t in f.model_types)
 

@@ -19,6 +19,7 @@ import moetier
 from moetier import Budgets, EngineConfig, RuntimeConfig
 from moetier.config import PrefetchConfig
 from moetier.errors import UnknownArchitectureError
+from moetier.models import seam
 from moetier.models.families import FAMILIES
 from moetier.models.tiny import tiny_config
 
@@ -29,10 +30,10 @@ RUNTIME = RuntimeConfig(device="cpu", dtype="fp32")
 SEAM_FAMILIES = (
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "dots1",
     "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
-    "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash",
-    "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text", "qwen3_next", "sarvam_moe",
-    "solar_open",
+    "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
+    "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text",
+    "qwen3_next", "sarvam_moe", "solar_open", "zaya",
 )  # fmt: skip
 ROW_FAMILIES = tuple(t for f in FAMILIES for t in f.model_types)
 
@@ -108,9 +109,9 @@ def test_rows_through_the_seam(family_ckpt, model_type):
     ids = _ids(4, 10)
     with torch.no_grad():
         want = ref(ids).logits
-    for seam in (False, True):
-        engine = moetier.load(folder, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32", seam=seam)))
-        assert engine.loaded.family.seam is seam
+    for through in (False, True):
+        engine = moetier.load(folder, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32", seam=through)))
+        assert engine.loaded.family.seam is through
         assert (engine.logits(ids) - want).abs().max().item() <= ATOL
         engine.close()
 
@@ -126,3 +127,8 @@ def test_families_without_the_seam_are_refused(family_ckpt, model_type):
     folder, _ = family_ckpt(model_type)
     with pytest.raises(UnknownArchitectureError, match="seam"):  # no seam, or decoding not verified through it
         moetier.load(folder, EngineConfig(runtime=RUNTIME))
+
+
+def test_verified_list_is_the_tested_list():
+    assert frozenset(SEAM_FAMILIES) == seam.VERIFIED
+    assert not seam.VERIFIED & seam.DECODE_MISMATCH

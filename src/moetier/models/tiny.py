@@ -82,6 +82,13 @@ SMALL: dict[str, Any] = dict(
 )  # fmt: skip
 
 
+# Families whose defaults the generic shrink cannot make valid on its own
+TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),  # its default lists only one kind
+    "zaya": dict(num_experts_per_tok=1),  # ZAYA routes to one expert only
+}
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """A tiny config of any transformers family: its defaults with every size in SMALL that it has set small,
     layer-type lists cut to one layer per kind (at least 2 layers), MLA with one key/value head per head."""
@@ -103,4 +110,4 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             kw[key] = (kinds * n_layers)[:n_layers]
     if "num_hidden_layers" in kw:
         kw["num_hidden_layers"] = n_layers
-    return AutoConfig.for_model(model_type, **{**kw, **overrides})
+    return AutoConfig.for_model(model_type, **{**kw, **TINY_OVERRIDES.get(model_type, {}), **overrides})

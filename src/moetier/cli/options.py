@@ -137,13 +137,15 @@ PrecisionMode = Annotated[
     str,
     typer.Option("--precision", rich_help_panel=_PREC,
                  help="Expert precision: full, int8, int4, int2 (static; quantized tiers from `moetier quantize`), "
-                      "or dynamic (hot experts at --hi, cold at --lo, under the expert budget)."),
+                      "stored (a quantized checkpoint's experts kept in slots as stored: FP8, MXFP4, GPTQ/AWQ, GGUF "
+                      "blocks; decoded per call), or dynamic (hot experts at --hi, cold at --lo, under the expert "
+                      "budget)."),
 ]  # fmt: skip
 HiPrecision = Annotated[
-    str, typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, int8, int4).")
+    str, typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, stored, int8, int4).")
 ]
 LoPrecision = Annotated[
-    str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (int8, int4, int2).")
+    str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (stored, int8, int4, int2).")
 ]
 Groups = Annotated[
     list[str] | None,

@@ -53,7 +53,8 @@ def main() -> None:
     for name, e in engines.items():
         print(f"{name:6} {type(e.decoder).__name__:12} {e.executor:9} {med[name]:22.1f}  "
               f"{[round(x, 1) for x in speeds[name]]}")  # fmt: skip
-    print(f"seam / row: {med['seam'] / med['row']:.2f}x; max abs logit difference (bf16): {diff:.4f}; kernels: {kernels}")
+    ratio = med["seam"] / med["row"]
+    print(f"seam / row: {ratio:.2f}x; max abs logit difference (bf16): {diff:.4f}; kernels: {kernels}")
     print(json.dumps({"benchmark": "seam_vs_rows", "tokens": args.tokens, "rounds": args.rounds,
                       "threads": args.threads, "kernels": kernels, "tok_s": med, "runs": speeds,
                       "ratio_seam_row": med["seam"] / med["row"], "bf16_max_logit_diff": diff}))  # fmt: skip

@@ -142,7 +142,8 @@ PrecisionMode = Annotated[
                       "budget)."),
 ]  # fmt: skip
 HiPrecision = Annotated[
-    str, typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, stored, int8, int4).")
+    str,
+    typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, stored, int8, int4)."),
 ]
 LoPrecision = Annotated[
     str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (stored, int8, int4, int2).")

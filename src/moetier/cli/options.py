@@ -146,7 +146,8 @@ HiPrecision = Annotated[
     typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, stored, int8, int4)."),
 ]
 LoPrecision = Annotated[
-    str, typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (stored, int8, int4, int2).")
+    str,
+    typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (stored, int8, int4, int2)."),
 ]
 Groups = Annotated[
     list[str] | None,

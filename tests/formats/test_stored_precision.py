@@ -20,6 +20,7 @@ from moetier import Budgets, EngineConfig, RuntimeConfig
 from moetier.config import PrecisionConfig
 from moetier.errors import ConfigError
 from moetier.formats.layout import ExpertLayout
+from moetier.formats.quantize import quantize_model
 from moetier.kernels.qformat import StoredFormat, StoredWeight, linear
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.types import Precision
@@ -146,3 +147,34 @@ def test_precision_config_accepts_stored():
     assert PrecisionConfig(mode="dynamic", hi="full", lo="stored").precisions == ("full", "stored")
     with pytest.raises(ConfigError, match="hi above lo"):
         PrecisionConfig(mode="dynamic", hi="stored", lo="stored")
+
+
+def test_dynamic_stored_over_int4(tmp_path):
+    """The issue's example: FP8 experts as stored for hot experts, an int4 tier (`moetier quantize` of the FP8
+    checkpoint, experts decoded) for cold ones; hot experts compute as the stored path does, cold ones as int4."""
+    method, opts = VARIANTS["fp8"]
+    src = build_tiny_checkpoint("qwen3_moe", tmp_path / "src", hidden_size=64, moe_intermediate_size=64)
+    path, twin = tmp_path / "fp8", tmp_path / "twin"
+    convert(src, path, twin, method, **opts)
+    quantize_model(path, ["int4"])  # default root MODEL/moetier-quant
+    stored = _engine(path, PrecisionConfig(mode="stored"))
+    want, hi_slot, n, staging = stored.logits(PROMPT), stored.store.slot_bytes, len(stored.store.keys), \
+        stored.store.staging_bytes  # fmt: skip
+    stored.close()
+    tier = _engine(path, PrecisionConfig(mode="int4"))
+    lo_want, lo_slot, lo_staging = tier.logits(PROMPT), tier.store.slot_bytes, tier.store.staging_bytes
+    tier.close()
+    assert lo_slot < hi_slot, (lo_slot, hi_slot)
+    spare = PrecisionConfig().spare_slots
+    budget = n * lo_slot + 4 * (hi_slot - lo_slot) + staging + lo_staging + spare * lo_slot  # four hot experts
+    engine = _engine(path, PrecisionConfig(mode="dynamic", hi="stored", lo="int4", sync=True), budget)
+    try:
+        assert engine.store.hi_precision is Precision.STORED and engine.store.lo_precision is Precision.INT4
+        engine.warmup(PROMPT[0].tolist())  # seeds the hot set: promoted to stored (synchronously)
+        mix = engine.store.stats()["precision"]
+        assert mix["stored"]["experts"] >= 1 and mix["int4"]["experts"] >= 1, mix
+        got = engine.logits(PROMPT)
+        assert (got - want).abs().max().item() < (lo_want - want).abs().max().item()  # nearer stored than int4
+        assert engine.store.used_bytes() <= budget
+    finally:
+        engine.close()

@@ -94,13 +94,13 @@ class ModuleGLU:
 # Families whose full-sequence logits through the seam match transformers but whose cached decoding does not
 # yet (tests/models/test_seam.py finds a 0.2-1.3 logit gap at decode steps, cause not found): refused rather
 # than run silently wrong.
-DECODE_MISMATCH = frozenset({"deepseek_v4"})
+DECODE_MISMATCH: frozenset[str] = frozenset()
 
 
 # Seam families with an exactness test (tests/models/test_seam.py); others load with a logged warning
 VERIFIED = frozenset({
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "dots1",
-    "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "deepseek_v4",
+    "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
     "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
     "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
     "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text",

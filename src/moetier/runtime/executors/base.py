@@ -117,8 +117,10 @@ def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) 
     """ids/weights [T, k] -> Grouped. Decode (T = 1): data is expert -> gate weight of the one token, with
     no sort; else data is expert -> (token indices [c], weights [c]) from `group_tokens`."""
     if ids.shape[0] == 1:  # decode: k experts, one token each
-        id_list = ids[0].tolist()
-        return Grouped(dict.fromkeys(id_list, 1), dict(zip(id_list, weights[0].tolist(), strict=True)))
+        w_of: dict[int, float] = {}
+        for e, w in zip(ids[0].tolist(), weights[0].tolist(), strict=True):  # an expert chosen twice (hash
+            w_of[e] = w_of.get(e, 0.0) + w  # routing, e.g. DeepSeek-V4) counts with both gate weights
+        return Grouped(dict.fromkeys(w_of, 1), w_of)
     active, groups = group_tokens(ids, weights, num_experts)
     return Grouped(active, groups)
 

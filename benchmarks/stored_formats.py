@@ -83,11 +83,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `benchmarks.*` from any cwd
 sys.path.insert(1, str(REPO / "tests" / "formats"))  # the reference quantisers (quant_ref.py)
 
-import torch
+import torch  # noqa: E402
 
-import moetier
-from benchmarks._models import qwen3_bench_model
-from benchmarks.vs_llamacpp import cpu_isa, get_llamacpp, llama_bench
+import moetier  # noqa: E402
+from benchmarks._models import qwen3_bench_model  # noqa: E402
+from benchmarks.vs_llamacpp import cpu_isa, get_llamacpp, llama_bench  # noqa: E402
 
 TOKENIZER = REPO / "models" / "tiny-shakespeare-moe"
 TEXT = REPO / "data" / "shakespeare_heldout.txt"
@@ -128,10 +128,7 @@ def encode_tensor(method: str, name: str, t: torch.Tensor) -> dict[str, torch.Te
         q, s = fp8_block_quantise(t, 128)
         return {name: q, name + "_scale_inv": s}
     base = name.removesuffix(".weight")
-    if method == "gptq":
-        parts = gptq_quantise(t, 128, sym=True, v1=True, act_order=False)
-    else:
-        parts = awq_quantise(t, 128)
+    parts = gptq_quantise(t, 128, sym=True, v1=True, act_order=False) if method == "gptq" else awq_quantise(t, 128)
     return {f"{base}.{k}": v for k, v in parts.items()}
 
 
@@ -387,8 +384,10 @@ def llamacpp_part(s: Setup, cache: Path, tokens: int, rounds: int) -> dict[str, 
                     torch.set_num_threads(s.threads)
                     mode = name.removeprefix("moetier-")
                     with moetier.load(str(path), engine_config(mode, None)) as engine:
-                        engine.generate([1], max_new_tokens=2, stop_at_eos=False)
-                        res = engine.generate([1], max_new_tokens=tokens, stop_at_eos=False)
+                        # warm-up long enough that the experts the timed run routes to are resident (they are
+                        # read on first use; llama.cpp's mmap of a page-cached file has them all)
+                        engine.generate(s.prompt, max_new_tokens=max(64, tokens), stop_at_eos=False)
+                        res = engine.generate(s.prompt, max_new_tokens=tokens, stop_at_eos=False)
                         notes[f"{name}_kernels"] = res.stats.get("kernels")
                     runs[name].append(res.decode_tok_s)
             except Exception as e:

@@ -128,7 +128,7 @@ def load_non_experts(
                 )
             if tensor.is_floating_point():
                 tensor = tensor.to(torch.float32 if any(k in name for k in keep_fp32) else dtype)
-            _assign(model, name, tensor)
+            assign(model, name, tensor)
             consumed.add(ckpt)
     if tied:
         m: Any = model  # a transformers PreTrainedModel
@@ -149,7 +149,8 @@ def ignored_unexpected(model: nn.Module) -> list[re.Pattern[str]]:
     return [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Set parameter (frozen) or buffer `name` of `model` to `tensor`."""
     owner_path, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_path) if owner_path else model
     if attr in owner._parameters:

@@ -195,7 +195,7 @@ def _open_seam(
 ) -> tuple[Family, list[MoESite], seam_mod.ExpertShape, ExpertFn, dict[int, str]]:
     """The seam's sites, shape, family, expert function and checkpoint prefixes (models/seam.py)."""
     model_type = str(config.model_type)
-    seam_mod.refuse_unverified(config, row is not None)
+    seam_mod.warn_unverified(config, row is not None)
     found = seam_mod.seam_sites(model)
     if not found:
         raise UnknownArchitectureError(

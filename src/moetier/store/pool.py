@@ -12,14 +12,17 @@ path indexes a Python list rather than slicing tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
 from moetier.formats.layout import ExpertLayout
 
 if TYPE_CHECKING:
-    from moetier.kernels.qformat import ExpertFormat, QExpertViews, StoredExpertViews, StoredFormat
+    from moetier.kernels.qformat import QExpertViews, StoredExpertViews
+
+
+V = TypeVar("V", covariant=True)
 
 
 @dataclass
@@ -65,8 +68,18 @@ class SlotPool:
         )
 
 
-class QuantPool:
-    def __init__(self, fmt: ExpertFormat, n_slots: int, device: torch.device, pin: bool = False) -> None:
+class RowFormat(Protocol[V]):
+    """A slot format laid out as one uint8 row per expert: kernels/qformat.py ExpertFormat or StoredFormat."""
+
+    slot_bytes: int
+
+    def views(self, row: torch.Tensor) -> V: ...
+
+
+class RowPool(Generic[V]):
+    """Fixed slots of `fmt.slot_bytes` uint8 each, one contiguous buffer; `views[s]` are slot s's pieces."""
+
+    def __init__(self, fmt: RowFormat[V], n_slots: int, device: torch.device, pin: bool = False) -> None:
         if n_slots < 1:
             raise ValueError(f"a pool needs at least one slot, got {n_slots}")
         self.fmt, self.n_slots, self.device = fmt, n_slots, device
@@ -74,19 +87,14 @@ class QuantPool:
         self.slot_bytes = fmt.slot_bytes
         self.buf = torch.empty((n_slots, self.slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
         self.nbytes = n_slots * self.slot_bytes
-        self.views: list[QExpertViews] = [fmt.views(self.buf[s]) for s in range(n_slots)]
+        self.views: list[V] = [fmt.views(self.buf[s]) for s in range(n_slots)]
 
 
-class StoredPool:
-    def __init__(self, fmt: StoredFormat, n_slots: int, device: torch.device, pin: bool = False) -> None:
-        if n_slots < 1:
-            raise ValueError(f"a pool needs at least one slot, got {n_slots}")
-        self.fmt, self.n_slots, self.device = fmt, n_slots, device
-        pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self.slot_bytes = fmt.slot_bytes
-        self.buf = torch.empty((n_slots, self.slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
-        self.nbytes = n_slots * self.slot_bytes
-        self.views: list[StoredExpertViews] = [fmt.views(self.buf[s]) for s in range(n_slots)]
+if TYPE_CHECKING:
+    QuantPool = RowPool[QExpertViews]  # quantised experts in their compute format (kernels/qformat.py ExpertFormat)
+    StoredPool = RowPool[StoredExpertViews]  # experts as a quantised checkpoint stores them (StoredFormat)
+else:
+    QuantPool = StoredPool = RowPool
 
 
 def _numel(shape: tuple[int, ...]) -> int:

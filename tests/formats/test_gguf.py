@@ -155,3 +155,23 @@ def test_folder_with_two_models_is_ambiguous(good, tmp_path):
     copy(good, tmp_path, "b.gguf")
     with pytest.raises(CheckpointError, match="more than one GGUF model"):
         gguf_files(tmp_path)
+
+
+def test_quantize_and_info_on_a_gguf_file(good, tmp_path):
+    """`moetier quantize` and `moetier info` on a .gguf file: tiers go next to it (`<stem>-moetier-quant/`), their
+    source fingerprint is the GGUF file's, and they read as ok until the file changes."""
+    from moetier.formats.qtier import list_tiers
+    from moetier.formats.quantize import quantize_model
+    from moetier.models.open import open_index
+
+    path = copy(good, tmp_path)
+    (tier,) = quantize_model(path, ["int8"])
+    assert tier.parent == tmp_path / "model-moetier-quant"
+    tiers = list_tiers(path, index=open_index(path))
+    assert [t["status"] for t in tiers] == ["ok"]
+    with open(path, "r+b") as f:  # change a weight byte near the end of the file
+        f.seek(-64, 2)
+        b = f.read(1)
+        f.seek(-64, 2)
+        f.write(bytes([b[0] ^ 0x55]))
+    assert [t["status"] for t in list_tiers(path, index=open_index(path))] == ["stale"]

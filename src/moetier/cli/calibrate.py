@@ -24,8 +24,8 @@ from moetier.cli.model_arg import open_model
 from moetier.cli.options import Device, Dtype, GpuMem, HostMem, JsonOut, MaxSeqLen, Model, engine_config
 from moetier.cli.tables import calibration_table
 from moetier.errors import ConfigError
-from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import source_fingerprint
+from moetier.models.open import open_index
 from moetier.runtime.calibrate import calibrate as run_calibration
 from moetier.runtime.calibrate import model_identity
 
@@ -67,7 +67,7 @@ def calibrate(
             win = window or limit
             if win > engine.max_len:
                 raise ConfigError(f"--window {win} exceeds the KV cache of {engine.max_len} tokens")
-            identity = model_identity(engine.info, source_fingerprint(CheckpointIndex(arg.path))["fingerprint"])
+            identity = model_identity(engine.info, source_fingerprint(open_index(arg.path))["fingerprint"])
             meta = {"text": str(text), "sha256": hashlib.sha256(body.encode()).hexdigest()}
             act = str(getattr(engine.loaded.config, "hidden_act", "?"))
             t0 = time.perf_counter()

@@ -15,9 +15,8 @@ from moetier.cli.console import consoles, emit_json, register_command, user_erro
 from moetier.cli.model_arg import open_model
 from moetier.cli.options import JsonOut, Model, QuantDir
 from moetier.cli.tables import info_table, quant_table
-from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import list_tiers, source_fingerprint
-from moetier.models.open import describe
+from moetier.models.open import describe, open_index
 from moetier.runtime.calibrate import model_identity, table_summary
 
 
@@ -29,8 +28,9 @@ def info(model: Model, quant_dir: QuantDir = None, json_out: JsonOut = False) ->
         with err.status(f"reading {arg.label}"):
             described = describe(arg.path)
             data = described.as_dict()
-            tiers = list_tiers(arg.path, root=quant_dir or arg.quant_root)
-            fingerprint = source_fingerprint(CheckpointIndex(arg.path))["fingerprint"]
+            index = open_index(arg.path)
+            tiers = list_tiers(arg.path, root=quant_dir or arg.quant_root, index=index)
+            fingerprint = source_fingerprint(index)["fingerprint"]
             sparsity = table_summary(arg.sparsity_table, model_identity(described, fingerprint))
         data["sparsity_table"] = sparsity
         data["moe_layers"] = list(data["moe_layers"])

@@ -48,6 +48,7 @@ ST_DTYPES = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float16: "F16", to
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _SAMPLE_FULL = 1 << 20  # data regions up to this size are hashed whole
 _SAMPLE_BLOCK, _SAMPLE_COUNT = 64 << 10, 16
+_GGUF_HEAD = 1 << 20  # bytes of a GGUF file's head hashed as its header
 _BIASES = ("b13", "b2")
 
 TensorSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -110,9 +111,12 @@ def _sha256_file(path: Path) -> str:
 def _file_print(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
     with open(path, "rb") as f:
-        (hlen,) = struct.unpack("<Q", f.read(8))  # the header was validated by CheckpointIndex
-        header = f.read(hlen)
-        start, data = 8 + hlen, size - 8 - hlen
+        if path.suffix == ".gguf":  # metadata and tensor infos lead the file; the sample covers all of it
+            header, start = f.read(min(size, _GGUF_HEAD)), 0
+        else:
+            (hlen,) = struct.unpack("<Q", f.read(8))  # the header was validated by CheckpointIndex
+            header, start = f.read(hlen), 8 + hlen
+        data = size - start
         sample = hashlib.sha256()
         if data <= _SAMPLE_FULL:
             sample.update(f.read(data))
@@ -128,8 +132,9 @@ def source_fingerprint(index: CheckpointIndex) -> dict[str, Any]:
     """{fingerprint, config_sha256, files: {name: {size, header_sha256, sample_sha256}}} of a checkpoint."""
     folder = index.folder
     files = sorted({loc.file for loc in index.tensors.values()})
+    config = folder / "config.json"  # a GGUF model has none: its metadata is in the file's header print
     out: dict[str, Any] = {
-        "config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None,
         "files": {str(f.relative_to(folder)): _file_print(f) for f in files},
     }
     out["fingerprint"] = hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()
@@ -341,9 +346,12 @@ class QuantTier:
             self._fds.clear()
 
 
-def list_tiers(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+def list_tiers(
+    model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, index: CheckpointIndex | None = None
+) -> list[dict[str, Any]]:
     """Every tier directory under the model (or `root`), for `moetier info`: `tier_summary` plus a status:
-    ok | incomplete | stale (the source changed since) | unreadable."""
+    ok | incomplete | stale (the source changed since) | unreadable. `index`: the model's tensor index (models/open.py
+    `open_index`, which also reads GGUF files and quantized checkpoints); default the safetensors folder's."""
     base = Path(root) if root is not None else default_root(model_dir)
     current: dict[str, Any] | None = None
     out: list[dict[str, Any]] = []
@@ -355,7 +363,7 @@ def list_tiers(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] |
             out.append({"path": str(path), "status": "unreadable", "error": str(exc)})
             continue
         if current is None:
-            current = source_fingerprint(CheckpointIndex(model_dir))
+            current = source_fingerprint(index if index is not None else CheckpointIndex(model_dir))
         stale = source_mismatch(m.get("source", {}), current)
         summary["status"] = "stale" if stale else "ok" if m.get("complete") else "incomplete"
         summary["stale_reason"] = stale

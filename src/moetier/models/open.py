@@ -159,6 +159,18 @@ class Opened:
     top_k: int
 
 
+def _index(path: str | os.PathLike[str], config: PretrainedConfig) -> CheckpointIndex:
+    if is_gguf(path):
+        return open_gguf(path).index
+    return CheckpointIndex(path, quantization=getattr(config, "quantization_config", None))
+
+
+def open_index(path: str | os.PathLike[str]) -> CheckpointIndex:
+    """The tensor index of any model moetier opens (a safetensors folder, quantized or not, or a GGUF model), headers
+    validated, no weight read: what source fingerprints (quantized tiers, sparsity tables) hash."""
+    return _index(path, read_config(path)[0])
+
+
 def open_checkpoint(
     path: str | os.PathLike[str], dtype_name: str, device: torch.device, down_rows: bool = False, seam: bool = False
 ) -> Opened:
@@ -166,8 +178,7 @@ def open_checkpoint(
     when `seam`, runs transformers' own MoE blocks with moetier's experts (models/seam.py)."""
     # 1. config and family; 2. the tensor index (headers validated) and the compute dtype
     config, row = read_config(path)
-    index = open_gguf(path).index if is_gguf(path) else CheckpointIndex(
-        path, quantization=getattr(config, "quantization_config", None))  # fmt: skip
+    index = _index(path, config)
     dtype = resolve_dtype(dtype_name, config, device, expert_dtype(index))
     # 3. the skeleton (parameters on meta), its MoE blocks (or experts modules), and the expert reader,
     #    which validates every expert tensor against the config

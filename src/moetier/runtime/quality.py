@@ -37,8 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from moetier.config import EngineConfig, RuntimeConfig
 from moetier.errors import ConfigError
-from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import source_fingerprint
+from moetier.models.open import open_index
 
 FORMAT = "moetier-ref-logprobs"
 FORMAT_VERSION = 1
@@ -286,7 +286,7 @@ def reference_config(candidate: EngineConfig) -> EngineConfig:
 
 def model_fingerprint(model: Path) -> str:
     """The checkpoint's fingerprint (formats/qtier.source_fingerprint: config.json and sampled weight bytes)."""
-    return str(source_fingerprint(CheckpointIndex(model))["fingerprint"])
+    return str(source_fingerprint(open_index(model))["fingerprint"])
 
 
 def eval_window(requested: int, declared: int | None, max_positions: int, kv_len: int) -> tuple[int, str]:

@@ -208,28 +208,22 @@ class StoredFormat:
         # per call, per matrix: the decoded [N, K] in x's dtype plus the codec's float32 temporaries
         self.compute_scratch_bytes = max(n * k for n, k in self.shapes.values()) * (dtype.itemsize + 16)
 
-    def _view(self, row: torch.Tensor, sl: _Slice) -> torch.Tensor:
-        return row[sl.offset : sl.offset + sl.nbytes].view(sl.dtype).view(sl.shape)
-
     def views(self, row: torch.Tensor) -> StoredExpertViews:
         """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> its views (no copy)."""
-        if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != self.slot_bytes or not row.is_contiguous():
-            raise ValueError(
-                f"a slot row must be a contiguous uint8 [{self.slot_bytes}] tensor, got {row.dtype} {list(row.shape)}"
-            )
+        _check_row(row, self.slot_bytes)
         dests: list[list[torch.Tensor] | None] = []
         segments: dict[str, list[StoredSegment]] = {"w13": [], "w2": []}
         for t, slices, rows in zip(self.tensors, self.part_slices, self.rows, strict=True):
             if slices is None or rows is None:
                 dests.append(None)
                 continue
-            raw = [self._view(row, sl) for sl in slices]  # uint8 [part bytes]
+            raw = [_slice_view(row, sl) for sl in slices]  # uint8 [part bytes]
             dests.append(raw)
             typed = [r.view(dt).view(shape) for r, (dt, shape) in zip(raw, t.parts, strict=True)]
             segments[rows[0]].append(StoredSegment(t, typed, rows[1]))
         (n13, k13), (n2, k2) = self.shapes["w13"], self.shapes["w2"]
-        b13 = self._view(row, self.bias["b13"]) if "b13" in self.bias else None
-        b2 = self._view(row, self.bias["b2"]) if "b2" in self.bias else None
+        b13 = _slice_view(row, self.bias["b13"]) if "b13" in self.bias else None
+        b2 = _slice_view(row, self.bias["b2"]) if "b2" in self.bias else None
         i = self.layout.inter
         pieces = {} if b13 is None or b2 is None else {"gate_bias": b13[:i], "up_bias": b13[i:], "down_bias": b2}
         return StoredExpertViews(
@@ -398,6 +392,18 @@ class _Slice:
         return n
 
 
+def _slice_view(row: torch.Tensor, sl: _Slice) -> torch.Tensor:
+    """A slot row's bytes of `sl`, viewed as its dtype and shape (no copy)."""
+    return row[sl.offset : sl.offset + sl.nbytes].view(sl.dtype).view(sl.shape)
+
+
+def _check_row(row: torch.Tensor, slot_bytes: int) -> None:
+    if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != slot_bytes or not row.is_contiguous():
+        raise ValueError(
+            f"a slot row must be a contiguous uint8 [{slot_bytes}] tensor, got {row.dtype} {list(row.shape)}"
+        )
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -466,22 +472,16 @@ class ExpertFormat:
         canonical = n * k * self.spec.bits // 8 + 4 * n * (k // g)
         return canonical if self.device.type != "cpu" else 0  # a host -> device copy of the canonical tensors
 
-    def _view(self, row: torch.Tensor, sl: _Slice) -> torch.Tensor:
-        return row[sl.offset : sl.offset + sl.nbytes].view(sl.dtype).view(sl.shape)
-
     def views(self, row: torch.Tensor) -> QExpertViews:
         """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> views of its pieces (no copy)."""
-        if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != self.slot_bytes or not row.is_contiguous():
-            raise ValueError(
-                f"a slot row must be a contiguous uint8 [{self.slot_bytes}] tensor, got {row.dtype} {list(row.shape)}"
-            )
+        _check_row(row, self.slot_bytes)
         if row.data_ptr() % ALIGN:
             raise ValueError(f"slot row at address {row.data_ptr():#x} is not {ALIGN}-byte aligned")
         if row.device.type != self.device.type:
             raise ValueError(f"slot row is on {row.device}, the format is for {self.device}")
         mats = {}
         for m, (n, k) in self.shapes.items():
-            p = {piece: self._view(row, sl) for piece, sl in self.slices[m].items()}
+            p = {piece: _slice_view(row, sl) for piece, sl in self.slices[m].items()}
             mats[m] = QLinearWeight(
                 kind=self.kinds[m],
                 n=n,
@@ -493,7 +493,7 @@ class ExpertFormat:
                 zero=p.get("zero"),
                 scratch=self._scratch.get((n, k, self.groups[m])),
             )
-        bias = {piece: self._view(row, sl) for piece, sl in self.slices["bias"].items()}
+        bias = {piece: _slice_view(row, sl) for piece, sl in self.slices["bias"].items()}
         return QExpertViews(w13=mats["w13"], w2=mats["w2"], b13=bias.get("b13"), b2=bias.get("b2"), row=row)
 
     def pack_into(self, canonical: dict[str, torch.Tensor], views: QExpertViews) -> None:

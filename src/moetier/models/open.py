@@ -184,9 +184,8 @@ def open_checkpoint(
     #    which validates every expert tensor against the config
     model = build_skeleton(config, dtype)
     if row is None or seam:
-        family, sites, shape, fn, prefixes = _open_seam(model, config, index, row)
-        num_experts, hidden, inter, top_k = shape.num_experts, shape.hidden, shape.inter, seam_mod.top_k_of(
-            config, [seam_mod.SeamSite(s.layer, s.path, s.block) for s in sites], model)  # fmt: skip
+        family, sites, shape, fn, top_k = _open_seam(model, config, index, row)
+        num_experts, hidden, inter = shape.num_experts, shape.hidden, shape.inter
     else:
         family = row
         sites = find_moe_sites(model, family)
@@ -194,8 +193,8 @@ def open_checkpoint(
         num_experts = int(experts.num_experts)
         hidden, inter = int(config.hidden_size), int(getattr(config, family.intermediate_attr))
         fn, top_k = expert_fn_for(family, config), int(getattr(config, "num_experts_per_tok", 0) or 0)
-        prefixes = {s.layer: s.ckpt_prefix for s in sites}
     _check_top_k(top_k, num_experts)
+    prefixes = {s.layer: s.ckpt_prefix for s in sites}
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources, down_rows=down_rows)
     reader = ExpertReader(index, family.sources, layout, prefixes, num_experts, dtype)
     return Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader, fn, top_k)
@@ -203,8 +202,8 @@ def open_checkpoint(
 
 def _open_seam(
     model: nn.Module, config: PretrainedConfig, index: CheckpointIndex, row: Family | None
-) -> tuple[Family, list[MoESite], seam_mod.ExpertShape, ExpertFn, dict[int, str]]:
-    """The seam's sites, shape, family, expert function and checkpoint prefixes (models/seam.py)."""
+) -> tuple[Family, list[MoESite], seam_mod.ExpertShape, ExpertFn, int]:
+    """The seam's family, sites, expert shape, expert function and experts per token (models/seam.py)."""
     model_type = str(config.model_type)
     seam_mod.warn_unverified(config, row is not None)
     found = seam_mod.seam_sites(model)
@@ -217,7 +216,7 @@ def _open_seam(
     layout = seam_mod.checkpoint_layout(model, index, found, shape, model_type)
     family = seam_mod.seam_family(config, layout, row)
     sites = [MoESite(s.layer, s.path, layout.prefixes[s.layer], s.module) for s in found]
-    return family, sites, shape, seam_mod.expert_fn(found, shape), layout.prefixes
+    return family, sites, shape, seam_mod.expert_fn(found, shape), seam_mod.top_k_of(config, found, model)
 
 
 def describe(path: str | os.PathLike[str]) -> ModelInfo:
@@ -226,26 +225,24 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
     (runtime/wire.py) does."""
     o = open_checkpoint(path, "auto", torch.device("cpu"))
     try:
-        return model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter,
-                          o.top_k)
+        return model_info(path, o)
     finally:
         o.reader.close()
 
 
 
-def model_info(
-    path: str | os.PathLike[str], family: Family, config: PretrainedConfig, sites: list[MoESite],
-    index: CheckpointIndex, reader: ExpertReader, num_experts: int, hidden: int, inter: int, top_k: int,
-) -> ModelInfo:  # fmt: skip
+def model_info(path: str | os.PathLike[str], o: Opened) -> ModelInfo:
+    """What `moetier info` and `Engine.info` show of an opened checkpoint (no weight read)."""
+    reader, index, config = o.reader, o.index, o.config
     expert_bytes = sum(r.nbytes for r in next(iter(reader.plans.values())))
     total_expert = sum(r.nbytes for plan in reader.plans.values() for r in plan)
     all_bytes = sum(loc.nbytes for loc in index.tensors.values())
     first = next(iter(reader.plans.values()))[0].loc.dtype
     return ModelInfo(
-        path=str(path), family=family.name, architecture=(config.architectures or ["?"])[0],
-        num_layers=int(config.num_hidden_layers), moe_layers=tuple(s.layer for s in sites),
-        num_experts=num_experts, top_k=top_k, hidden_size=hidden,
-        expert_intermediate=inter, checkpoint_dtype=first, expert_bytes=expert_bytes,
+        path=str(path), family=o.family.name, architecture=(config.architectures or ["?"])[0],
+        num_layers=int(config.num_hidden_layers), moe_layers=tuple(s.layer for s in o.sites),
+        num_experts=o.num_experts, top_k=o.top_k, hidden_size=o.hidden,
+        expert_intermediate=o.inter, checkpoint_dtype=first, expert_bytes=expert_bytes,
         total_expert_bytes=total_expert, non_expert_bytes=all_bytes - total_expert,
     )  # fmt: skip
 

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -49,6 +49,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from moetier.errors import CheckpointError, UnknownArchitectureError
 from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.layout import ExpertSource
+from moetier.formats.safetensors import read_tensor
 from moetier.kernels.experts import SwiGLU
 from moetier.kernels.qformat import linear
 from moetier.models.base import assign
@@ -206,13 +207,13 @@ _PARAM_PIECES = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",), "gate_u
                  "down_proj_bias": ("down_bias",)}  # fmt: skip
 
 
-def _template(key: str, pattern: str) -> tuple[str, int]:
-    """A per-expert checkpoint key and the converter pattern that matched it -> (name with `{e}`, e)."""
+def _template(key: str, pattern: str) -> str:
+    """A per-expert checkpoint key and the converter pattern that matched it -> the name with `{e}`."""
     rx = pattern.replace("*", r"(\d+)")  # transformers' patterns are regexes whose `*` globs the expert index
     m = re.search(rx, key)
     if m is None or m.lastindex != 1:
         raise CheckpointError(f"checkpoint tensor {key!r}: cannot find the expert index of pattern {pattern!r}")
-    return key[: m.start(1)] + "{e}" + key[m.end(1) :], int(m.group(1))
+    return key[: m.start(1)] + "{e}" + key[m.end(1) :]
 
 
 @dataclass
@@ -268,8 +269,7 @@ def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[Seam
                 found[site.layer][piece] = (key, _fused_ops(piece, shape, flip=True))
         elif ops in (["MergeModulelist", "Concatenate"], ["MergeModulelist"]) and "*" in pattern:
             piece = pieces[conv.source_patterns.index(pattern)] if len(pieces) > 1 else pieces[0]
-            name, _ = _template(key, pattern)
-            found[site.layer].setdefault(piece, (name, "copy"))
+            found[site.layer].setdefault(piece, (_template(key, pattern), "copy"))
         else:
             raise UnknownArchitectureError(
                 f"{model_type}: transformers converts expert tensor {key!r} with {ops}; moetier does not read that "
@@ -295,19 +295,19 @@ def _add_conversion(conversions: dict[str, Conversion], conv: WeightConverter, p
     entry.keys.setdefault(pattern, []).append(key)
 
 
-def converted_names(conversions: dict[str, Conversion]) -> set[str]:
+def converted_names(conversions: Mapping[str, Conversion]) -> set[str]:
     """Every model name that a conversion produces (load_non_experts skips them; `load_converted` loads them)."""
     return {name for c in conversions.values() for name in c.targets.values()}
 
 
-def load_converted(model: nn.Module, index: CheckpointIndex, conversions: dict[str, Conversion],
-                   dtype: torch.dtype, read: Callable[[Any], torch.Tensor]) -> set[str]:  # fmt: skip
+def load_converted(model: nn.Module, index: CheckpointIndex, conversions: Mapping[str, Conversion],
+                   dtype: torch.dtype) -> set[str]:  # fmt: skip
     """Read each conversion's checkpoint tensors, run transformers' own ops on them (in order), assign the
     results cast to `dtype`. Returns the checkpoint keys consumed."""
     consumed: set[str] = set()
     config = getattr(model, "config", None)
     for first, c in conversions.items():
-        data: dict[str, Any] = {p: [read(index[k]) for k in keys] for p, keys in c.keys.items()}
+        data: dict[str, Any] = {p: [read_tensor(index[k]) for k in keys] for p, keys in c.keys.items()}
         for op in c.converter.operations:
             data = op.convert(data, c.converter.source_patterns, c.converter.target_patterns, full_layer_name=first,
                               model=model, config=config)  # fmt: skip

@@ -99,15 +99,11 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     if "kv_lora_rank" in defaults:  # MLA: every head has its own key and value
         kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
         kw.pop("head_dim", None)
-    n_layers = kw.get("num_hidden_layers", 2)
-    for key in ("layer_types", "mlp_layer_types"):
-        if isinstance(defaults.get(key), list):
-            kinds = list(dict.fromkeys(defaults[key]))
-            n_layers = max(n_layers, len(kinds))
-    for key in ("layer_types", "mlp_layer_types"):
-        if isinstance(defaults.get(key), list):
-            kinds = list(dict.fromkeys(defaults[key]))
-            kw[key] = (kinds * n_layers)[:n_layers]
+    kinds = {key: list(dict.fromkeys(defaults[key])) for key in ("layer_types", "mlp_layer_types")
+             if isinstance(defaults.get(key), list)}  # fmt: skip
+    n_layers = max([kw.get("num_hidden_layers", 2), *map(len, kinds.values())])
+    for key, ks in kinds.items():
+        kw[key] = (ks * n_layers)[:n_layers]
     if "num_hidden_layers" in kw:
         kw["num_hidden_layers"] = n_layers
     return AutoConfig.for_model(model_type, **{**kw, **TINY_OVERRIDES.get(model_type, {}), **overrides})

@@ -23,7 +23,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moetier.config import EngineConfig
-from moetier.formats.safetensors import read_tensor
 from moetier.models import seam
 from moetier.models.base import check_all_consumed, ignored_unexpected, load_non_experts
 from moetier.models.families import Family
@@ -64,8 +63,7 @@ def open_skeleton(path: str | os.PathLike[str], cfg: EngineConfig) -> Skeleton:
     """1-3. config, index, dtype, skeleton, MoE sites, expert reader."""
     device = resolve_device(cfg.runtime.device)
     o = open_checkpoint(path, cfg.runtime.dtype, device, down_rows=cfg.sparsity.enabled, seam=cfg.runtime.seam)
-    info = model_info(path, o.family, o.config, o.sites, o.index, o.reader, o.num_experts, o.hidden, o.inter,
-                      o.top_k)
+    info = model_info(path, o)
     return Skeleton(path, device, o, info)
 
 
@@ -91,9 +89,9 @@ def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
             setattr(parent, attr, block)
             blocks.append(block)
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        converted = seam.converted_names(dict(family.conversions))  # the seam: tensors transformers converts
+        converted = seam.converted_names(family.conversions)  # the seam: tensors transformers converts
         consumed = load_non_experts(model, o.index, sites, family, dtype, tied, skip=converted.__contains__)
-        consumed |= seam.load_converted(model, o.index, dict(family.conversions), dtype, read_tensor)
+        consumed |= seam.load_converted(model, o.index, family.conversions, dtype)
         check_all_consumed(o.index, consumed | o.reader.consumed, ignored_unexpected(model))
         model.to(device)
     except BaseException:

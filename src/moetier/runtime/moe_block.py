@@ -127,9 +127,6 @@ class TieredExperts(_Tiered):
     """The seam (models/seam.py): stands in for a family's experts module inside transformers' own MoE block,
     which has routed already; steps 1 and 5 are the family's code, this runs 2-4."""
 
-    def __init__(self, layer: int, num_experts: int, store: ExpertStoreLike, expert_fn: ExpertFn) -> None:
-        super().__init__(layer, num_experts, store, expert_fn)
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
         """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> sum_k w * expert(x) as [T, H]."""

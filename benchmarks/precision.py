@@ -16,7 +16,14 @@ All in one process, on the bundled model (models/tiny-shakespeare-moe) and its h
    Shakespeare) the adaptive engine holds at hi, and perplexity of adaptive dynamic vs
    dynamic frozen after the code warmup vs the oracle vs static hi and lo.
 
+6. `--paper-only`: DynaExq as the paper writes it (issue 17), int4/int2 at 1.25x static int2's
+   budget: static int4 / int2, Algorithm 1 (hysteresis 0) vs the default 0.1, the transient buffer
+   (0 / 2 / 4 high slots), lookahead, and the host DRAM cache (0.25x / 0.5x / 1x of every expert's
+   bytes at both precisions) with and without the prefetch of predicted promotions; deterministic
+   figures only (perplexity, moves, bytes, hit rates); `--cache-only` runs just the cache rows.
+
     python benchmarks/precision.py [--max-tokens 16384] [--skip-speed] [--skip-shift]
+    python benchmarks/precision.py --paper-only [--paper-tokens 8192] [--cache-only]
 
 An "expert budget" of a static precision is what it needs with every expert resident: its
 pool plus its staging buffer (stats: pool_bytes + staging_bytes). Prints tables, then one JSON line.
@@ -269,12 +276,79 @@ def shift(ids: list[int], budget: int, hi: str, lo: str, scenario: str, window: 
             "overlap_with_oracle": overlap}  # fmt: skip
 
 
+def paper_regime(ids: list[int], budget: int, tokens: int, only_cache: bool = False) -> list[dict[str, Any]]:
+    """DynaExq as the paper writes it (issue 17), int4/int2 at `budget`, switches synchronous (deterministic):
+    Algorithm 1 (hysteresis 0) beside our default 0.1; the transient buffer at 0 / 2 / 4 high slots
+    (counted in the budget, so it costs hot slots); the host DRAM cache of both precisions at a quarter,
+    half and all of every expert's bytes at both precisions, with and without the prefetch of predicted
+    promotions; lookahead 1. Period 512 for the cache rows: eval feeds windows of 256 tokens, so a
+    prefetch halfway between decisions has a forward to run in."""
+    probe = engine(MODEL, QUANT, "dynamic", 10**9, "int4", "int2")
+    st = probe.store.stats()
+    probe.close()
+    every = len(probe.store.keys) * (st["slot_bytes"]["int4"] + st["slot_bytes"]["int2"])
+    runs: list[tuple[str, int, dict[str, Any]]] = [
+        ("Algorithm 1 (h=0)", 0, {"hysteresis": 0.0}),
+        ("h=0.1 (default)", 0, {}),
+        ("transient 2", 0, {"transient_slots": 2}),
+        ("transient 4", 0, {"transient_slots": 4}),
+        ("lookahead 1", 0, {"lookahead": 1.0}),
+        ("period 512", 0, {"period": 512}),
+    ]
+    if only_cache:
+        runs = []
+    for frac in (0.25, 0.5, 1.0):
+        runs.append((f"period 512, DRAM {frac:g}x", int(frac * every), {"period": 512}))
+        runs.append((f"period 512, DRAM {frac:g}x + prefetch", int(frac * every), {"period": 512, "prefetch": True}))
+    out = []
+    for p in () if only_cache else ("int4", "int2"):  # the static ends of the gap, on the same tokens
+        eng = engine(MODEL, QUANT, p)
+        row = {"name": f"static {p}", "ppl": eng.perplexity(ids[WARMUP : WARMUP + tokens], window=WINDOW).ppl}
+        eng.close()
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    for name, cache, pc in runs:
+        pcfg = PrecisionConfig(mode="dynamic", hi="int4", lo="int2", quant_dir=str(QUANT), sync=True, **pc)
+        cfg = EngineConfig(budgets=Budgets(host_expert_bytes=budget, host_cache_bytes=cache), precision=pcfg,
+                           runtime=RuntimeConfig(dtype="bf16"))  # fmt: skip
+        eng = moetier.load(MODEL, cfg)
+        eng.warmup(ids[:WARMUP])
+        before = eng.stats()["switching"].get("dram")  # after preload and warmup: its misses are compulsory
+        r = eng.perplexity(ids[WARMUP : WARMUP + tokens], window=WINDOW)
+        s = eng.stats()
+        eng.close()
+        sw = s["switching"]
+        row = {"name": name, "ppl": r.ppl, "n_hot": sw["n_hot"], "promotions": s["promotions"],
+               "demotions": s["demotions"], "peak_inflight": sw["transient"]["peak_inflight"],
+               "disk_bytes": s["disk_bytes"], "cache_bytes": cache, "every_expert_both_bytes": every}  # fmt: skip
+        if "dram" in sw:
+            d = sw["dram"]
+            row |= {"dram_hit_rate": d["hit_rate"], "hi_hit_rate": d["precisions"]["int4"]["hit_rate"],
+                    "lo_hit_rate": d["precisions"]["int2"]["hit_rate"], "prefetch_used": d["prefetch_used"],
+                    "prefetch_wasted": d["prefetch_wasted"]}  # fmt: skip
+            assert before is not None
+            for p in ("int4", "int2"):  # over the scored tokens only: one lookup per switch
+                h = d["precisions"][p]["hits"] - before["precisions"][p]["hits"]
+                m = d["precisions"][p]["misses"] - before["precisions"][p]["misses"]
+                row[f"{p}_switch_hits"], row[f"{p}_switch_lookups"] = h, h + m
+        if "prefetch" in sw:
+            pf = sw["prefetch"]
+            row |= {k: pf[k] for k in ("predicted", "predicted_promoted", "staged")}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored after the warmup")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved decode rounds per candidate (median)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-shift", action="store_true")
+    ap.add_argument("--paper-only", action="store_true",
+                    help="only the DynaExq-as-written section (Algorithm 1, transient buffer, DRAM cache, prefetch)")
+    ap.add_argument("--paper-tokens", type=int, default=8192, help="held-out tokens of the paper section's runs")
+    ap.add_argument("--cache-only", action="store_true", help="with --paper-only: only the DRAM cache rows")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -284,6 +358,13 @@ def main() -> None:
     tok = engine(MODEL, QUANT, "full")
     ids = tok.encode(TEXT.read_text(encoding="utf-8"))[: WARMUP + args.max_tokens]
     tok.close()
+    if args.paper_only:  # 1.25x static int2's budget (its pool, sized for every expert, + staging)
+        lo = engine(MODEL, QUANT, "int2")
+        lo_budget = static_budget(lo.stats())
+        lo.close()
+        rows = paper_regime(ids, int(1.25 * lo_budget), args.paper_tokens, args.cache_only)
+        print(json.dumps({"paper_regime": rows, "budget": int(1.25 * lo_budget), "seconds": time.time() - t0}))
+        return
     # 2. errors
     out_err = expert_output_errors(ids)
     print("\nprecision  rel. weight error (w13 / w2)  expert output error")

@@ -1,10 +1,18 @@
 """Intra-expert activation sparsity: quality on the bundled model, speed on the benchmark model.
 
 All in one process:
+0. the paper's accounting (no model run, deterministic): its Table 2 total targets turned into routed
+   sparsity by policies.sparsity.routed_target (Qwen3.5-35B-A3B: 8 routed experts of 512 neurons, a
+   shared expert of 512) beside the routed sparsity the paper reports, and the GPU tipping point
+   (tokens per expert) that policies.sparsity.roofline_profile derives for that expert shape on each
+   shipped GPU profile at those routed sparsities (a model of the paper's kernel, not a measurement);
 1. quality (models/tiny-shakespeare-moe, data/shakespeare_heldout.txt): thresholds calibrated on
    the first CALIB tokens, then on the next --max-tokens tokens (windows of 256, the training
    context): achieved sparsity and perplexity for targets 0, 0.5, 0.7, 0.8, 0.85, 0.9 (and 0.95),
-   and the cutoff (largest target whose perplexity is within 5% of dense, interpolated);
+   and the cutoff (largest target whose perplexity is within 5% of dense, interpolated). Scored with
+   the masked dense path above the tipping point (SparsityConfig.dense "masked"), so every window is
+   the sparse model, as the paper's accuracy columns are; the bundled model has no shared experts, so
+   its total and routed sparsity are the same;
 2. beyond the paper: (a) masks in blocks of 4-32 neurons at 0.85: achieved sparsity, perplexity,
    and MoE-layer time at batch 1; (b) mask reuse: how well an expert's previous active set (and
    the union of its last 4) predicts its next one at decode (recall and the share of neurons it
@@ -18,6 +26,8 @@ All in one process:
    (the `--for-sparsity` rows tier, our kernel), and bf16 + 0.85 in the decode comparison.
 
     python benchmarks/sparsity.py [--max-tokens 16384] [--skip-quality] [--skip-speed] [--skip-quant] [--repeats 5]
+
+(the speed parts time the engine's default switch: the original dense expert above the tipping point)
 
 Prints tables, then one JSON line.
 """
@@ -43,6 +53,8 @@ import moetier
 from moetier.config import EngineConfig, RuntimeConfig, SparsityConfig
 from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import source_fingerprint
+from moetier.policies.costmodel import load_profile, profile_names
+from moetier.policies.sparsity import roofline_profile, routed_target, tipping_point
 from moetier.runtime.calibrate import calibrate, model_identity
 from moetier.runtime.observers import Tap
 
@@ -50,6 +62,22 @@ MODEL = Path("models/tiny-shakespeare-moe")
 TEXT = Path("data/shakespeare_heldout.txt")
 WINDOW, CALIB = 256, 8192
 TARGETS = (0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
+# the paper's Table 2 (Qwen3.5-35B-A3B): target total, achieved total, routed sparsity (fractions)
+PAPER_TABLE2 = ((0.60, 0.57, 0.64), (0.70, 0.72, 0.81), (0.80, 0.79, 0.89), (0.85, 0.84, 0.94), (0.87, 0.87, 0.98))
+PAPER_SHAPE = {"hidden": 2048, "inter": 512, "k": 8, "shared": 512}  # Qwen3.5-35B-A3B (paper Table 1)
+
+
+def paper_accounting() -> dict[str, Any]:
+    """Routed sparsity for each of the paper's achieved total sparsities, and roofline tipping points."""
+    h, i, k, sh = (PAPER_SHAPE[x] for x in ("hidden", "inter", "k", "shared"))
+    rows = [{"total": tot, "paper_routed": rt, "ours_routed": round(routed_target(tot, "total", k * i, sh), 4)}
+            for _, tot, rt in PAPER_TABLE2]  # fmt: skip
+    tips: dict[str, dict[str, int]] = {}
+    for name in profile_names():
+        gpu = load_profile(name).gpu
+        if gpu is not None:
+            tips[name] = {f"{rt:g}": tipping_point(roofline_profile(gpu, h, i, 2, rt)) for _, _, rt in PAPER_TABLE2}
+    return {"shape": PAPER_SHAPE, "table2": rows, "roofline_tipping_tokens_per_expert": tips}
 
 
 def make_table(model: Path, ids: list[int], out: Path, window: int) -> Path:
@@ -61,6 +89,7 @@ def make_table(model: Path, ids: list[int], out: Path, window: int) -> Path:
 
 
 def engine(model: Path, target: float, table: Path | None, **sc: Any) -> Any:
+    """A bf16 engine; `sc` goes to SparsityConfig (dense="masked" for quality: the sparse model everywhere)."""
     scfg = SparsityConfig(target=target, table=str(table) if table else None, **sc)
     return moetier.load(model, EngineConfig(sparsity=scfg, runtime=RuntimeConfig(dtype="bf16")))
 
@@ -70,7 +99,7 @@ def quality(ids: list[int], max_tokens: int) -> dict[str, Any]:
     evalset = ids[CALIB : CALIB + max_tokens]
     rows: dict[str, Any] = {}
     for t in TARGETS:
-        eng = engine(MODEL, t, table)
+        eng = engine(MODEL, t, table, dense="masked")
         r = eng.perplexity(evalset, window=WINDOW)
         sp = r.stats.get("sparsity", {"achieved": 0.0, "layers": {}})
         rows[f"{t:g}"] = {"ppl": r.ppl, "achieved": sp["achieved"],
@@ -86,7 +115,7 @@ def quality(ids: list[int], max_tokens: int) -> dict[str, Any]:
         cutoff = t1
     blocks: dict[str, Any] = {}
     for b in (1, 4, 8, 16, 32):
-        eng = engine(MODEL, 0.85, table, block=b)
+        eng = engine(MODEL, 0.85, table, block=b, dense="masked")
         r = eng.perplexity(evalset, window=WINDOW)
         blocks[str(b)] = {"ppl": r.ppl, "achieved": r.stats["sparsity"]["achieved"]}
         eng.close()
@@ -98,7 +127,7 @@ def quality(ids: list[int], max_tokens: int) -> dict[str, Any]:
 def mask_reuse(table: Path, ids: list[int], target: float = 0.85) -> dict[str, float]:
     """Decode `ids` one token at a time; per (layer, expert) compare each active set with the expert's
     previous one and with the union of its last 4."""
-    eng = engine(MODEL, target, table, tipping=0)  # masked dense: simple to observe
+    eng = engine(MODEL, target, table, tipping=0, dense="masked")  # masked dense: simple to observe
     hist: dict[tuple[int, int], list[torch.Tensor]] = {}
     stats = {"prev_recall": [], "prev_size": [], "union4_recall": [], "union4_size": []}
     for block in eng.loaded.blocks:
@@ -260,6 +289,14 @@ def main() -> None:
     ap.add_argument("--skip-quant", action="store_true", help="skip int4 dense vs int4 sparse")
     args = ap.parse_args()
     out: dict[str, Any] = {}
+    pa = out["paper_accounting"] = paper_accounting()
+    print("paper Table 2 (Qwen3.5-35B-A3B): total sparsity -> routed sparsity, paper vs ours")
+    for r in pa["table2"]:
+        print(f"  total {r['total']:.2f}: paper {r['paper_routed']:.2f}, ours {r['ours_routed']:.3f}")
+    print("roofline tipping point (tokens per expert) at the paper's routed sparsities "
+          + ", ".join(f"{rt:g}" for _, _, rt in PAPER_TABLE2) + ":")  # fmt: skip
+    for name, tips in pa["roofline_tipping_tokens_per_expert"].items():
+        print(f"  {name}: " + ", ".join(str(t) for t in tips.values()))
     if not args.skip_quality:
         tok = moetier.load(MODEL).tokenizer
         ids = list(tok.encode(TEXT.read_text(), add_special_tokens=False))

@@ -57,9 +57,12 @@ class Budgets:
 
     host_expert_bytes: int | None = None
     accel_expert_bytes: int | None = None
+    # host DRAM caching experts' bytes (both precisions) between their disk tiers and the compute pools of
+    # dynamic precision (DynaExq's SSD -> DRAM -> HBM hierarchy); 0 = no such cache
+    host_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("host_expert_bytes", "accel_expert_bytes"):
+        for name in ("host_expert_bytes", "accel_expert_bytes", "host_cache_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value}")
@@ -122,6 +125,12 @@ class PrecisionConfig:
     text seed the hot set before serving. `spare_slots` extra low-precision slots let a
     demotion start before a promotion frees one (counted in the budget). `sync` waits for every
     switch to finish before the next forward (reproducible experiments).
+    `transient_slots` high-precision slots beyond the hot quota are the transient buffer (paper 3.4):
+    up to that many promotions are in flight before the demotions that make room for them have run
+    (counted in the budget; 0 = one switch at a time). `lookahead` > 0 ranks experts by their EMA
+    extrapolated that many periods ahead (promote ahead of need; 0 = Algorithm 1). `prefetch` stages
+    the high-precision bytes of experts predicted to be promoted at the next decision from disk into
+    the host DRAM cache (Budgets.host_cache_bytes) between decisions.
     """
 
     mode: str = "full"
@@ -135,6 +144,9 @@ class PrecisionConfig:
     warmup_tokens: int = 256
     spare_slots: int = 1
     sync: bool = False
+    transient_slots: int = 0
+    lookahead: float = 0.0
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISION_MODES:
@@ -162,6 +174,10 @@ class PrecisionConfig:
             raise ConfigError(
                 f"warmup_tokens must be >= 0 and spare_slots >= 1, got {self.warmup_tokens}, {self.spare_slots}"
             )
+        if self.transient_slots < 0:
+            raise ConfigError(f"transient_slots must be >= 0, got {self.transient_slots}")
+        if not 0 <= self.lookahead <= 16:
+            raise ConfigError(f"lookahead must be between 0 and 16 periods, got {self.lookahead}")
 
     def group(self, precision: str) -> int | None:
         """The configured group size of `precision`, None for its default (0 = per row for int8)."""
@@ -179,18 +195,28 @@ SPARSITY_BLOCKS = (1, 4, 8, 16, 32)
 
 @dataclass(frozen=True)
 class SparsityConfig:
-    """Intra-expert activation sparsity of routed experts. `target` is the fraction of neurons
-    skipped (0 = off, up to 0.95); it maps to a per-layer threshold through the calibrated table
+    """Intra-expert activation sparsity: routed experts are masked, shared experts stay dense (the paper's
+    system, its 4.1). `target` is the fraction of neurons skipped (0 = off, up to 0.95). With `scope`
+    "total" (the paper's Table 2 target) it is the total activation sparsity: skipped (token, neuron)
+    pairs over every active neuron of a token, the shared experts' counted (as active); the routed
+    experts then skip target * (k*I + S) / (k*I) of theirs (k routed experts of I neurons, S shared
+    neurons per token). With "routed" it is the routed experts' own sparsity (the same when a model has
+    no shared experts). The routed fraction maps to a per-layer threshold through the calibrated table
     at `table` (default MODEL/moetier-sparsity/thresholds.json, written by `moetier calibrate`).
     `block` > 1 masks neurons in groups of that many (beyond the paper). `tipping` is the token
-    count per expert from which the masked dense path runs instead of the gather path; None
-    measures it at start (cached per machine and shape), 0 always uses the dense path.
+    count per expert from which the dense path runs instead of the gather path; None measures it at
+    start (cached per machine and shape; on CUDA from the --profile's GPU roofline when one is named),
+    0 always uses the dense path. `dense` is what that path computes: "original", the unmasked dense
+    expert (the paper's switch: exact), or "masked", the dense matmuls with the same mask (the sparse
+    model's function at every batch size, for measuring its quality).
     """
 
     target: float = 0.0
     table: str | None = None
     block: int = 1
     tipping: int | None = None
+    scope: Literal["total", "routed"] = "total"
+    dense: Literal["original", "masked"] = "original"
 
     def __post_init__(self) -> None:
         if not 0 <= self.target <= SPARSITY_MAX:
@@ -199,6 +225,10 @@ class SparsityConfig:
             raise ConfigError(f"sparsity block must be one of {', '.join(map(str, SPARSITY_BLOCKS))}, got {self.block}")
         if self.tipping is not None and self.tipping < 0:
             raise ConfigError(f"sparsity tipping point must be >= 0 tokens, got {self.tipping}")
+        if self.scope not in ("total", "routed"):
+            raise ConfigError(f"sparsity scope must be 'total' or 'routed', got {self.scope!r}")
+        if self.dense not in ("original", "masked"):
+            raise ConfigError(f"sparsity dense path must be 'original' or 'masked', got {self.dense!r}")
 
     @property
     def enabled(self) -> bool:

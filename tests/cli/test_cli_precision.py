@@ -143,9 +143,49 @@ def test_eval_dynamic_sync_is_reproducible(tiny64: Path, quantized: dict[str, An
     assert (a["ppl"], a["promotions"], a["precision"]) == (b["ppl"], b["promotions"], b["precision"])
 
 
+def test_controller_transient_buffer_and_dram_cache_flags(tiny64: Path, quantized: dict[str, Any],
+                                                          text_file: Path) -> None:  # fmt: skip
+    """--hysteresis, --ema-alpha, --period, --lookahead reach the controller; --transient-slots the pools
+    (counted in the budget); --host-cache-mem and --precision-prefetch the DRAM level, whose hit rates
+    --json carries."""
+    if not (tiny64 / "moetier-quant" / "int2-g64").exists():
+        assert invoke("quantize", tiny64, "--precisions", "int2").exit_code == 0
+    base = ("eval", tiny64, "--text", text_file, "--max-tokens", 64, "--window", 6, "--precision", "dynamic",
+            "--hi", "int4", "--lo", "int2", "--sync-switches", "--json")  # fmt: skip
+    budget = _dynamic_budget(tiny64)
+    flags = ("--hysteresis", 0, "--ema-alpha", 0.9, "--period", 8, "--lookahead", 1, "--precision-prefetch",
+             "--host-cache-mem", "4MiB")  # fmt: skip
+    # a transient slot needs its bytes: at the 5-hot budget it costs hot slots
+    plain = last_json(invoke(*base, "--host-expert-mem", budget, *flags))
+    two = last_json(invoke(*base, "--host-expert-mem", budget, *flags, "--transient-slots", 1))
+    sw, sw2 = plain["switching"], two["switching"]
+    assert (sw["hysteresis"], sw["alpha"], sw["period"], sw["lookahead"]) == (0.0, 0.9, 8, 1.0)
+    assert sw["n_hot"] == 5 and sw["workers"] == 1 and sw["transient"]["hi_slots"] == 0
+    assert sw2["n_hot"] < 5 and sw2["workers"] == 2 and sw2["transient"]["hi_slots"] == 1
+    assert two["tiers"]["host"]["pool_bytes"] + two["staging_bytes"] <= budget
+    dram = sw["dram"]
+    assert dram["budget_bytes"] == 4 * 2**20 and set(dram["precisions"]) == {"int4", "int2"}
+    looks = sum(p["hits"] + p["misses"] for p in dram["precisions"].values())
+    assert looks == EXPERTS + plain["promotions"] + plain["demotions"] and 0 <= dram["hit_rate"] <= 1
+    assert sw["decisions"] > 2 and "prefetch" in sw and sw["prefetch"]["errors"] == []
+    # a reproducible run: the same flags give the same figures
+    again = last_json(invoke(*base, "--host-expert-mem", budget, *flags))
+    assert (again["ppl"], again["switching"]["dram"], again["promotions"]) == (plain["ppl"], dram, plain["promotions"])
+    # the human-readable stats table shows the DRAM level's hit rates
+    text = invoke(*base[:-1], "--host-expert-mem", budget, *flags)
+    assert text.exit_code == 0 and "host DRAM cache hits" in text.output
+
+
 @pytest.mark.parametrize(
     ("flags", "needles"),
     [
+        (("--precision", "dynamic", "--hi", "int8", "--lo", "int4", "--host-expert-mem", "1GiB", "--ema-alpha", "1"),
+         ("alpha must be in (0, 1)",)),
+        (("--precision", "int4", "--host-cache-mem", "1MiB"), ("need --precision dynamic",)),
+        (("--precision", "dynamic", "--hi", "int8", "--lo", "int4", "--host-expert-mem", "1GiB",
+          "--precision-prefetch"), ("set --host-cache-mem",)),
+        (("--precision", "dynamic", "--hi", "int8", "--lo", "int4", "--host-expert-mem", "1GiB",
+          "--host-cache-mem", "1KiB"), ("--host-cache-mem", "cannot hold one expert")),
         (("--precision", "int3"), ("precision must be one of", "'int3'")),
         (("--precision", "int4", "--group", "int4=48"), ("int4 group size must be 32, 64, 128 or 256, got 48",)),
         (("--precision", "int4", "--group", "int4"), ("--group takes PREC=SIZE", "'int4'")),

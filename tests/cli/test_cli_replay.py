@@ -113,3 +113,15 @@ def test_bad_files(tmp_path: Path) -> None:
         assert result.exit_code == 2, (result.stdout, result.stderr)
         assert result.stderr.startswith("error: ") and needle in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_per_layer_flag(trace_file: Path) -> None:
+    result = runner.invoke(app, ["replay", str(trace_file), "--cache-policy", "lru,belady", "--per-layer",
+                                 "--cache-ratio", "0.25", "--json"])  # fmt: skip
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    data = json.loads(result.stdout)
+    assert data["per_layer"] is True and data["slots"] == 2 * 2  # floor(0.25 * 8) per layer, 2 layers
+    want = replay_trace(traces.load(trace_file), "belady", 0.25, per_layer=True)
+    assert data["hit_rate"]["belady"] == pytest.approx(want.hit_rate)
+    assert data["results"]["lru"]["per_layer_caches"] is True
+    assert "per-layer caches" in result.stderr

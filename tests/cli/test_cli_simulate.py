@@ -52,6 +52,26 @@ def test_json_line_has_the_keys(tmp_path: Path) -> None:
     assert png.is_file() and png.stat().st_size > 1000
 
 
+def test_prefetch_predictor_flags() -> None:
+    # default: the history predictor, its accuracy per distance in the JSON and the table
+    res = runner.invoke(app, [*BASE, "--prefetch", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    assert d["predictor"] == "history" and set(d["prefetch"]["accuracy_by_distance"]) == {"1", "2", "3"}
+    # the corrupted-future oracle only when asked, at the accuracy asked
+    res = runner.invoke(app, [*BASE, "--prefetch", "--prefetch-oracle-accuracy", "1,1,1", "--json"])
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    assert d["predictor"] == "oracle" and set(d["prefetch"]["accuracy_by_distance"].values()) == {1.0}
+    res = runner.invoke(app, [*BASE, "--prefetch"])
+    assert "prediction accuracy (history)" in res.stdout and "d=1:" in res.stdout
+    res = runner.invoke(app, [*BASE, "--prefetch", "--prefetch-oracle-accuracy", "x"])
+    assert res.exit_code == 2 and "--prefetch-oracle-accuracy" in res.output
+    # adapmoe's adaptive gating is reported
+    res = runner.invoke(app, [*BASE, "--scheduler", "adapmoe", "--gate-drop", "0.25", "--json"])
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    assert d["gating"]["routed"] > 0 and 0.0 <= d["gating"]["dropped_frac"] < 0.5
+
+
 def test_table_output() -> None:
     res = runner.invoke(app, [*BASE, "--scheduler", "ktransformers"])
     assert res.exit_code == 0, res.output

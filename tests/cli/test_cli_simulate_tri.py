@@ -114,3 +114,27 @@ def test_drift_and_contention_flags() -> None:
     assert bad.exit_code == 2 and "contention must be one of array, channel" in bad.output
     res = runner.invoke(app, ["simulate-tri", "--scheduler", "trimoe", "--drift", "1", "--trace", "t.parquet"])
     assert res.exit_code == 2 and "--drift applies to --synthetic traces only" in res.output
+
+
+def test_step_noise_flag() -> None:
+    base = _json([*BASE, "--scheduler", "trimoe", "--steps", "3", "--drift", "0"])
+    noisy = _json([*BASE, "--scheduler", "trimoe", "--steps", "3", "--drift", "0", "--step-noise", "1.5"])
+    assert base["step_noise"] == 0.0 and noisy["step_noise"] == 1.5 and noisy["moe_s"] != base["moe_s"]
+    res = runner.invoke(app, ["simulate-tri", "--scheduler", "trimoe", "--step-noise", "1", "--trace", "t.parquet"])
+    assert res.exit_code == 2 and "--step-noise applies to --synthetic traces only" in res.output
+    bad = runner.invoke(app, [*BASE, "--step-noise", "-1"])
+    assert bad.exit_code == 2 and "--step-noise" in bad.output
+
+
+def test_prefill_output_len_and_dimm_link_flags() -> None:
+    d = _json([*BASE, "--prefill-tokens", "8", "--output-len", "4", "--dimm-link", "all-links"])
+    assert d["dimm_link"] == "all-links" and isinstance(d["prefill_s"], float) and d["prefill_s"] > 0
+    step, pre = float(d["step_s"]), float(d["prefill_s"])  # type: ignore[arg-type]
+    assert d["e2e_tok_s"] == pytest.approx(16 * 4 / (pre + 4 * step))
+    util = d["step_util"]
+    assert isinstance(util, dict) and set(util) == {"busy_gpu", "compute_gpu", "busy_cpu", "compute_cpu",
+                                                     "compute_ndp"}  # fmt: skip
+    off = _json(BASE)
+    assert off["prefill_s"] == 0.0 and off["dimm_link"] == "per-link"
+    res = runner.invoke(app, [*BASE, "--dimm-link", "one"])
+    assert res.exit_code == 2 and "dimm_link must be one of per-link, all-links" in res.output

@@ -1,6 +1,6 @@
 """The sparsity commands and flags: `moetier calibrate` writes the threshold table (with a JSON
-report), `generate`/`eval --sparsity` use it and report the achieved sparsity; bad values and
-missing or foreign tables exit 2 with one line."""
+report), `generate`/`eval --sparsity` use it and report the achieved sparsity; `--sparsity-scope` and
+`--sparsity-dense` reach the config; bad values and missing or foreign tables exit 2 with one line."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_calibrate_writes_the_default_table(model: Path, calibrated: dict[str, o
     assert calibrated["table"] == str(path) and path.is_file()
     table = json.loads(path.read_text())
     assert table["format"] == "moetier-sparsity-table" and table["shared_experts"] == "dense"
-    assert len(table["targets"]) == 20 and table["targets"][0] == 0
+    assert table["targets"][0] == 0 and table["targets"][-1] == 0.99 and 0.95 in table["targets"]
     for rows in table["thresholds"].values():
         assert set(rows) == {"1", "4", "8", "16", "32"}
         assert rows["1"] == sorted(rows["1"]) and rows["1"][0] == 0 and rows["1"][-1] > 0
@@ -50,10 +50,18 @@ def test_calibrate_out_file(model: Path, text_file: Path, tmp_path: Path) -> Non
 def test_eval_and_generate_report_sparsity(model: Path, text_file: Path, calibrated: dict[str, object]) -> None:
     del calibrated
     dense = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--json"))
-    sparse = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--sparsity", "0.7", "--json"))
+    base = ("eval", model, "--text", text_file, "--window", 32, "--sparsity", "0.7", "--json")
+    sparse = last_json(invoke(*base, "--sparsity-dense", "masked"))  # the sparse model at every batch size
     sp = sparse["sparsity"]
     assert sp["target"] == 0.7 and abs(sp["achieved"] - 0.7) < 0.05, sp
+    assert sp["dense_path"] == "masked" and sp["scope"] == "total" and sp["shared_neurons_per_token"] == 0
     assert sparse["ppl"] != dense["ppl"] and "sparsity" not in dense
+    # the default dense path is the original expert: calls above the tipping point skip nothing
+    default = last_json(invoke(*base, "--sparsity-tipping", "4"))["sparsity"]
+    assert default["dense_path"] == "original" and default["tipping_source"] == "configured"
+    assert abs(default["achieved_masked"] - 0.7) < 0.05 and default["achieved"] < default["achieved_masked"]
+    routed = last_json(invoke(*base, "--sparsity-scope", "routed"))["sparsity"]
+    assert routed["scope"] == "routed" and routed["routed_target"] == 0.7
     gen = invoke("generate", model, "--prompt", "ROMEO:", "--max-new-tokens", 4, "--ignore-eos", "--sparsity", "0.5",
                  "--sparsity-block", "4", "--sparsity-tipping", "3")  # fmt: skip
     assert gen.exit_code == 0, (gen.stdout, gen.stderr)
@@ -70,6 +78,8 @@ def test_eval_and_generate_report_sparsity(model: Path, text_file: Path, calibra
         (("--sparsity", "0.5", "--precision", "int8"), "--for-sparsity"),
         (("--sparsity", "0.5", "--precision", "dynamic", "--lo", "int8"), "--precision dynamic"),
         (("--sparsity", "0.5", "--sparsity-tipping", "-1"), "Error"),
+        (("--sparsity", "0.5", "--sparsity-scope", "shared"), "sparsity scope must be 'total' or 'routed'"),
+        (("--sparsity", "0.5", "--sparsity-dense", "exact"), "dense path must be 'original' or 'masked'"),
     ],
 )
 def test_bad_sparsity_flags_exit_2(
@@ -105,9 +115,13 @@ def test_quantize_for_sparsity_then_eval(model: Path, text_file: Path, calibrate
     (tier,) = data["tiers"]
     assert tier["path"].endswith("int4-g32-rows") and Path(tier["path"], "manifest.json").is_file()
     out = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--precision", "int4", "--group",
-                           "int4=32", "--sparsity", "0.6", "--json"))  # fmt: skip
+                           "int4=32", "--sparsity", "0.6", "--sparsity-dense", "masked", "--json"))  # fmt: skip
     assert out["precision"]["int4"]["experts"] > 0
     assert abs(out["sparsity"]["achieved"] - 0.6) < 0.1, out["sparsity"]
+    # the original dense path on quantized rows: the unmasked expert on dequantised weights
+    orig = last_json(invoke("eval", model, "--text", text_file, "--window", 32, "--precision", "int4", "--group",
+                            "int4=32", "--sparsity", "0.6", "--sparsity-tipping", "0", "--json"))  # fmt: skip
+    assert orig["sparsity"]["achieved"] == 0.0 and orig["ppl"] != out["ppl"]
 
 
 def test_info_shows_the_sparsity_table(model: Path, calibrated: dict[str, object], tmp_path: Path) -> None:

@@ -70,6 +70,33 @@ def test_fit_then_generate(app, tmp_path):
     assert len(t) == 2 * 9 and t.metadata["num_experts"] == 16
 
 
+def test_params_out_then_params(app, tmp_path):
+    knobs = tmp_path / "fits" / "stand-in.json"
+    first = tmp_path / "a.parquet"
+    res = runner.invoke(app, ["synth", "--spec", "stand-in", "--steps", "6", "--seed", "3", "--out", str(first),
+                              "--params-out", str(knobs), "--json"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["params_out"] == str(knobs) and knobs.exists()
+    second = tmp_path / "b.parquet"
+    res = runner.invoke(app, ["synth", "--params", str(knobs), "--steps", "6", "--seed", "3", "--out", str(second),
+                              "--json"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["source"] == f"params:{knobs}"
+    a, b = traces.load(first), traces.load(second)
+    assert a.table.equals(b.table)  # the same knobs and seed give the same trace
+
+
+def test_bad_params_file(app, tmp_path):
+    bad = tmp_path / "knobs.json"
+    bad.write_text('{"num_experts": 8, "colour": 1}')
+    res = runner.invoke(app, ["synth", "--params", str(bad), "--steps", "3", "--out", str(tmp_path / "o.parquet")])
+    assert res.exit_code == 2
+    assert res.stderr.startswith("error: ") and "unknown synthetic parameter(s) colour" in res.stderr
+    both = ["synth", "--params", str(bad), "--spec", "stand-in", "--steps", "3", "--out", str(tmp_path / "o.parquet")]
+    res = runner.invoke(app, both)
+    assert res.exit_code == 2 and "exactly one of --spec NAME, --fit TRACE or --params" in res.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

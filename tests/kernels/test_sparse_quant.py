@@ -111,7 +111,7 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
     x = torch.tensor([ids[:40]])
     got = {}
     for name, tipping in (("gather", 1000), ("dense", 0)):
-        cfg = EngineConfig(precision=pcfg, sparsity=SparsityConfig(target=0.6, tipping=tipping))
+        cfg = EngineConfig(precision=pcfg, sparsity=SparsityConfig(target=0.6, tipping=tipping, dense="masked"))
         with moetier.load(path, cfg) as eng:
             got[name] = eng.logits(x).float()
             sp = eng.stats()["sparsity"]
@@ -121,6 +121,17 @@ def test_engine_with_quantized_rows_tier(tmp_path: Path) -> None:
     with moetier.load(path, EngineConfig(precision=pcfg)) as eng:
         plain = eng.logits(x).float()
     assert (plain - got["dense"]).abs().max() > 1e-3  # sparsity did skip neurons
+    # the default dense path on quantized rows is the unmasked expert on the dequantised rows: no neuron
+    # skipped, and the same function as the gather path at threshold 0 (every neuron active)
+    with moetier.load(path, EngineConfig(precision=pcfg, sparsity=SparsityConfig(target=0.6, tipping=0))) as eng:
+        original = eng.logits(x).float()
+        assert eng.stats()["sparsity"]["achieved"] == 0.0
+        for b in eng.loaded.blocks:
+            b.pipeline.executor.threshold = 0.0  # type: ignore[union-attr]
+            b.pipeline.scheduler.tipping = 1000  # type: ignore[union-attr]
+        every_neuron = eng.logits(x).float()
+    torch.testing.assert_close(original, every_neuron, rtol=1e-3, atol=1e-3)
+    assert (original - got["dense"]).abs().max() > 1e-3
     from moetier.formats.qtier import list_tiers
 
     layouts = sorted((t["path"].rsplit("/", 1)[-1], t["layout"]) for t in list_tiers(path))

@@ -242,6 +242,114 @@ def test_invariants_under_random_streams(seed, n_hot, h, ops):
     assert ctl.promotions - ctl.demotions == sum(len(ctl.hot_set(layer)) for layer in ctl.layers)
 
 
+def test_hysteresis_zero_is_algorithm_1_computed_by_hand():
+    """4 experts, 2 hot slots, alpha 0.5, a decision every 2 tokens, top-1 routing with the gate weights
+    below. Every score and decision written out by hand from Algorithm 1 (UpdateHotness, then
+    PrecisionSchedule with tau = the 2nd largest score at the first decision)."""
+    ctl = PrecisionController({0: 2}, 4, alpha=0.5, period=2, hysteresis=0.0)
+
+    def tokens(*routed: tuple[int, float]) -> None:
+        ctl.observe(0, np.array([[e] for e, _ in routed]), np.array([[g] for _, g in routed]))
+
+    tokens((0, 1.0), (1, 0.8))
+    # t1: S0 = 0.5*0 + 0.5*1.0 = 0.5 ; t2: S0 = 0.25 (decay), S1 = 0.5*0.8 = 0.4
+    assert ctl.hotness.scores(0) == pytest.approx([0.25, 0.4, 0.0, 0.0])
+    d = ctl.decide()  # tau = 2nd largest = 0.25 ; H = {1, 0}
+    assert ctl.threshold(0) == pytest.approx(0.25)
+    assert d.upgrades == _keys(1, 0) and d.downgrades == ()
+    tokens((2, 1.0), (2, 0.6))
+    # t3: [0.125, 0.2, 0.5, 0] ; t4: [0.0625, 0.1, 0.25 + 0.3 = 0.55, 0]
+    assert ctl.hotness.scores(0) == pytest.approx([0.0625, 0.1, 0.55, 0.0])
+    d = ctl.decide()  # only expert 2 has S >= tau: H = {2}, fewer than K
+    assert d.downgrades == _keys(0, 1) and d.upgrades == _keys(2) and ctl.hot_set(0) == {2}
+    tokens((3, 1.0), (1, 1.0))
+    # t5: [0.03125, 0.05, 0.275, 0.5] ; t6: [0.015625, 0.525, 0.1375, 0.25]
+    assert ctl.hotness.scores(0) == pytest.approx([0.015625, 0.525, 0.1375, 0.25])
+    d = ctl.decide()  # S >= 0.25: experts 1 and 3 ; expert 2 (0.1375) falls out
+    assert d.downgrades == _keys(2) and d.upgrades == _keys(1, 3) and ctl.hot_set(0) == {1, 3}
+    tokens((0, 0.9), (0, 0.9))
+    # t7: [0.45 + 0.0078125, 0.2625, 0.06875, 0.125] ; t8: [0.678906.., 0.13125, 0.034375, 0.0625]
+    d = ctl.decide()  # S >= 0.25: expert 0 only
+    assert d.downgrades == _keys(3, 1) and d.upgrades == _keys(0) and ctl.hot_set(0) == {0}
+    assert [(r.promotions, r.demotions, r.hot) for r in ctl.history()] == [(2, 0, 2), (1, 2, 1), (2, 1, 2), (1, 2, 1)]
+
+
+def literal_algorithm_1(scores: np.ndarray, tau: float, k: int, state: set[int]) -> tuple[set[int], set[int]]:
+    """Algorithm 1's PrecisionSchedule as printed: sort by S descending, H = top-K with S >= tau;
+    returns (upgrades, downgrades). (Our controller also never promotes an expert of score 0.)"""
+    order = sorted(range(len(scores)), key=lambda e: -scores[e])
+    h = {e for e in order[:k] if scores[e] >= tau and scores[e] > 0}
+    return h - state, state - h
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(1, 8))
+def test_hysteresis_zero_equals_literal_algorithm_1_on_random_streams(seed: int, k: int, period: int):
+    rng = np.random.default_rng(seed)
+    e_count, alpha = 8, 0.8
+    ctl = PrecisionController({0: k}, e_count, alpha=alpha, period=period, hysteresis=0.0)
+    s = np.zeros(e_count)  # the reference's own EMA, token by token (Algorithm 1 UpdateHotness)
+    state: set[int] = set()
+    tau = None
+    for _ in range(12):
+        ids = np.stack([rng.choice(e_count, 2, replace=False) for _ in range(period)])  # [T, 2]
+        w = rng.random(ids.shape)  # distinct floats: no ties
+        for t in range(period):
+            s *= alpha
+            s[ids[t]] += (1 - alpha) * w[t]
+        ctl.observe(0, ids, w)
+        if tau is None:
+            tau = float(np.sort(s)[-k])
+        ups, downs = literal_algorithm_1(s, tau, k, state)
+        d = ctl.decide()
+        assert ctl.hotness.scores(0) == pytest.approx(s)
+        assert {x.expert for x in d.upgrades} == ups and {x.expert for x in d.downgrades} == downs
+        state = (state | ups) - downs
+        assert ctl.hot_set(0) == state
+
+
+def trend_run(lookahead: float) -> tuple[list[set[int]], list[set[int]]]:
+    """1 hot slot of 3, a decision every 20 tokens; expert 1's routing share rises 10 points per period
+    (spread evenly over it), expert 0 takes the rest. Returns the hot set after each decision and the
+    prediction made halfway through each period."""
+    ctl = PrecisionController({0: 1}, 3, alpha=0.9, period=20, hysteresis=0.0, lookahead=lookahead)
+    ctl.set_threshold(0, value=1e-9)
+    sets, predicted = [], []
+    for phase in range(8):
+        ids = np.zeros((20, 1), dtype=np.int64)  # [20, 1]
+        n1 = round(20 * (0.1 + 0.1 * phase))
+        ids[np.linspace(0, 19, n1).round().astype(np.int64)] = 1
+        ctl.observe(0, ids[:10], np.ones((10, 1)))
+        predicted.append({k.expert for k in ctl.predict_upgrades()})
+        ctl.observe(0, ids[10:], np.ones((10, 1)))
+        ctl.decide()
+        sets.append(ctl.hot_set(0))
+    return sets, predicted
+
+
+def test_prediction_follows_the_trend_and_lookahead_promotes_a_decision_early():
+    plain, plain_pred = trend_run(0.0)
+    ahead, ahead_pred = trend_run(1.0)
+    assert plain.index({1}) == 5 and ahead.index({1}) == 4  # one decision earlier with lookahead 1
+    assert plain[:5] == [{0}] * 5 and all(h == {1} for h in plain[5:])  # and no flapping after
+    assert plain_pred[5] == {1} and not any(plain_pred[:5])  # halfway, named before its decision
+    assert ahead_pred[3] == {1}  # with one period more of horizon, named a period earlier still
+    with pytest.raises(ValueError, match="lookahead"):
+        PrecisionController({0: 1}, 3, lookahead=-1.0)
+
+
+def test_predict_upgrades_is_empty_before_the_first_decision_and_excludes_hot_experts():
+    ctl = PrecisionController({0: 1}, 3, alpha=0.5, period=4, hysteresis=0.0)
+    ctl.observe(0, np.array([[0], [0]]), np.ones((2, 1)))
+    assert ctl.predict_upgrades() == ()
+    ctl.observe(0, np.array([[0], [0]]), np.ones((2, 1)))
+    ctl.decide()
+    assert ctl.hot_set(0) == {0}
+    ctl.observe(0, np.array([[2], [2]]), np.ones((2, 1)))  # 2 rises, 0 decays: 2 overtakes along the trend
+    assert ctl.predict_upgrades() == (ExpertKey(0, 2),)
+    assert ExpertKey(0, 0) not in ctl.predict_upgrades()
+
+
 def test_initial_hot_and_seed():
     ctl = PrecisionController({0: 2, 1: 1}, 4, period=1, initial_hot={0: [1, 3]})
     assert ctl.hot_set(0) == {1, 3} and ctl.state(ExpertKey(0, 3)) is ExpertState.HIGH
@@ -327,15 +435,30 @@ def test_order_switches_uses_free_slots_first_and_keeps_needless_demotions_high(
         order_switches(Decision(), -1)
 
 
-@settings(max_examples=100, deadline=None)
+def test_order_switches_with_a_transient_buffer_runs_promotions_first() -> None:
+    up, down = ExpertState.HIGH, ExpertState.LOW
+    plan = order_switches(Decision(upgrades=_keys(1, 2, 3), downgrades=_keys(7, 8, 9), step=0), 0, transient=2)
+    assert plan.moves == (
+        (ExpertKey(0, 1), up), (ExpertKey(0, 2), up),  # into the two transient slots
+        (ExpertKey(0, 7), down), (ExpertKey(0, 3), up), (ExpertKey(0, 8), down), (ExpertKey(0, 9), down),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="transient"):
+        order_switches(Decision(), 0, transient=-1)
+
+
+@settings(max_examples=150, deadline=None)
 @given(
     ups=st.integers(0, 6), downs=st.integers(0, 6), free=st.integers(0, 4), hot=st.integers(0, 6),
+    transient=st.integers(0, 3),
 )  # fmt: skip
-def test_order_switches_never_needs_a_slot_it_does_not_have(ups: int, downs: int, free: int, hot: int) -> None:
-    """Replaying the moves with hot slots = hot + free and one spare low slot never runs out."""
+def test_order_switches_never_needs_a_slot_it_does_not_have(
+    ups: int, downs: int, free: int, hot: int, transient: int
+) -> None:
+    """Replaying the moves with hot slots = hot + free + transient and one spare low slot never runs out,
+    and leaves the transient slots free."""
     decision = Decision(upgrades=_keys(*range(ups)), downgrades=_keys(*range(10, 10 + downs)), step=0)
-    plan = order_switches(decision, free)
-    free_hi, free_lo = free, 1
+    plan = order_switches(decision, free, transient)
+    free_hi, free_lo = free + transient, 1
     for _, state in plan.moves:
         if state is ExpertState.HIGH:
             assert free_hi > 0
@@ -343,6 +466,7 @@ def test_order_switches_never_needs_a_slot_it_does_not_have(ups: int, downs: int
         else:
             assert free_lo > 0
             free_hi, free_lo = free_hi + 1, free_lo - 1
+    assert free_hi >= transient
     moved = {k for k, _ in plan.moves}
     assert moved | set(plan.rejected_upgrades) | set(plan.kept_high) == set(decision.upgrades) | set(
         decision.downgrades

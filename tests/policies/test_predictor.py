@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from moetier.errors import ConfigError
 from moetier.policies.predictor import (
+    Action,
     ActionKind,
     ExpertState,
     FractionRule,
@@ -21,6 +22,7 @@ from moetier.policies.predictor import (
     PredictorStats,
     ThresholdRule,
     dimm_loads,
+    link_ports,
     plan_actions,
 )
 from moetier.types import ExpertKey
@@ -199,6 +201,25 @@ def test_ranking_by_benefit_and_window_respected_exactly() -> None:
     assert plan.pcie_s == 1.0 and plan.dimm_link_s == 1.0  # 0.5 + 0.25 + 0.25 fills the window exactly
 
 
+def test_dimm_link_is_priced_per_link() -> None:
+    # each move is one expert over one link: the ports it uses carry its cost, disjoint moves run in parallel
+    mig = Action(ActionKind.MIGRATE, ExpertKey(0, 1), 2.0, 1.0, src_dimm=0, dst_dimm=3)
+    assert link_ports(mig, 4) == [(0, 2.0), (3, 2.0)]
+    rel = Action(ActionKind.RELAYOUT, ExpertKey(0, 2), 2.0, 1.0, Layout.LOCALISED, dst_dimm=1)
+    assert link_ports(rel, 4) == [(0, 0.5), (1, 2.0), (2, 0.5), (3, 0.5)]  # the whole expert enters DIMM 1
+    back = Action(ActionKind.RELAYOUT, ExpertKey(0, 2), 2.0, 1.0, Layout.STRIPED, src_dimm=2)
+    assert dict(link_ports(back, 4))[2] == 2.0 and link_ports(Action(ActionKind.PREFETCH, ExpertKey(0, 3), 1.0,
+                                                                      1.0), 4) == []  # fmt: skip
+    # two skewed DIMMs: their migrations use disjoint ports, both fit a window that one link could not hold twice
+    states = [st_(0, C, Layout.LOCALISED, dimm=0, ndp=3.0), st_(1, C, Layout.LOCALISED, dimm=0, ndp=3.0),
+              st_(2, C, Layout.LOCALISED, dimm=1, ndp=3.0), st_(3, C, Layout.LOCALISED, dimm=1, ndp=3.0)]  # fmt: skip
+    plan = plan_actions(states, 4, 1.0, skew_ratio=1.0)
+    assert [(a.src_dimm, a.dst_dimm) for a in plan.actions] == [(0, 2), (1, 3)]
+    assert plan.dimm_link_s == 1.0 and plan.dimm_port_s == (1.0, 1.0, 1.0, 1.0)
+    # a move longer than the window never fits, however many links are idle
+    assert plan_actions([dataclasses.replace(s, migrate_s=1.5) for s in states], 4, 1.0, skew_ratio=1.0).actions == ()
+
+
 def test_planner_rejects_bad_input() -> None:
     with pytest.raises(ConfigError):
         plan_actions([st_(0, H), st_(0, W)], 2, 1.0)
@@ -265,11 +286,14 @@ def test_plan_properties(case: tuple[list[ExpertState], int, float, int | None, 
     states, n_dimms, window, slots, skew = case
     plan = plan_actions(states, n_dimms, window, hbm_free_slots=slots, skew_ratio=skew)
     by_key = {s.key: s for s in states}
-    used = {"pcie": 0.0, "dimm_link": 0.0}
+    pcie, port = 0.0, [0.0] * n_dimms
     for a in plan.actions:
-        used[a.link] += a.cost_s
-    assert used["pcie"] <= window and used["dimm_link"] <= window  # never over the window
-    assert (plan.pcie_s, plan.dimm_link_s) == (used["pcie"], used["dimm_link"])
+        pcie += a.cost_s if a.link == "pcie" else 0.0
+        for d, t in link_ports(a, n_dimms):
+            port[d] += t
+    assert pcie <= window and max(port) <= window  # never over the window, PCIe or any DIMM's link port
+    assert plan.pcie_s == pcie and plan.dimm_port_s == pytest.approx(port)
+    assert plan.dimm_link_s == pytest.approx(max(port))
     assert len({a.key for a in plan.actions}) == len(plan.actions)  # one action per expert: no conflicts
     assert all(a.benefit_s > 0 for a in plan.actions)
     if slots is not None:

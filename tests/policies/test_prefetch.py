@@ -120,5 +120,12 @@ def test_prefetch_stats() -> None:
     st_.record_prediction([K(2, 0)], [K(2, 3)])
     st_.issued, st_.used = 4, 3
     assert st_.as_dict() == {
-        "predicted": 4, "correct": 2, "issued": 4, "used": 3, "accuracy": 0.5, "used_frac": 0.75
+        "predicted": 4, "correct": 2, "issued": 4, "used": 3, "accuracy": 0.5, "used_frac": 0.75,
+        "accuracy_by_distance": {}, "predicted_by_distance": {},
     }  # fmt: skip
+    st_.record_distance(2, [K(1, 0), K(1, 1)], [K(1, 1)])
+    st_.record_distance(1, [K(1, 1)], [K(1, 1)])
+    st_.record_distance(2, [K(2, 0), K(2, 4)], [K(2, 3)])
+    d = st_.as_dict()
+    assert d["accuracy_by_distance"] == {"1": 1.0, "2": 0.25} and d["predicted_by_distance"] == {"1": 1, "2": 4}
+    assert d["predicted"] == 4  # the per-distance records leave the nearest-prediction counters alone

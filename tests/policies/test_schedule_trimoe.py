@@ -61,8 +61,14 @@ def test_dram_read_time_by_layout() -> None:
     # 1 GB at 128 GB/s host bandwidth over 16 DIMMs: striped uses it all, localised one DIMM's 8 GB/s
     assert dram_read_s(2**30, S, 2.0**37, 16) == 2.0**-7
     assert dram_read_s(2**30, L, 2.0**37, 16) == 2.0**-3
+    # with 8 channels a localised read has its DIMM's channel to itself: 16 GB/s, twice one DIMM's share
+    assert dram_read_s(2**30, L, 2.0**37, 16, channels=8) == 2.0**-4
+    assert dram_read_s(2**30, S, 2.0**37, 16, channels=8) == 2.0**-7
+    assert dram_read_s(2**30, L, 2.0**37, 4, channels=8) == 2.0**-4  # never above its channel, however few DIMMs
     with pytest.raises(ValueError, match="host_bw"):
         dram_read_s(1, S, 0.0, 16)
+    with pytest.raises(ValueError, match="channels"):
+        dram_read_s(1, L, 1.0, 16, channels=0)
 
 
 # Eq. 5-7: totals, contention, makespan ------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_fig5_baselines_by_hand() -> None:
 
 # Each scheduler's rule --------------------------------------------------------------------------------------------
 def test_registry_names_placements_and_cache_policies() -> None:
-    assert set(SCHEDULERS) == {"hybrimoe", "ktransformers", "llamacpp", "gpu-lru", "fiddler"}
+    assert set(SCHEDULERS) == {"hybrimoe", "ktransformers", "llamacpp", "gpu-lru", "fiddler", "adapmoe"}
     for name in SCHEDULERS:
         s = make_scheduler(name)
         assert s.name == name
@@ -92,6 +92,12 @@ def test_registry_names_placements_and_cache_policies() -> None:
     assert [make_scheduler(n).admits for n in ("hybrimoe", "gpu-lru", "ktransformers", "llamacpp", "fiddler")] == [
         True, True, False, False, False
     ]  # fmt: skip
+    # declared capabilities the simulator reads: kTransformers computes on the CPU at decode only (HybriMoE
+    # Table I), AdapMoE gates its decode calls
+    assert [getattr(make_scheduler(n), "prefill_on_gpu", False) for n in SCHEDULERS] == [
+        n == "ktransformers" for n in SCHEDULERS
+    ]
+    assert [getattr(make_scheduler(n), "gates", False) for n in SCHEDULERS] == [n == "adapmoe" for n in SCHEDULERS]
     with pytest.raises(ConfigError, match=r"unknown scheduler 'hybrid'; known: hybrimoe, ktransformers"):
         make_scheduler("hybrid")
     for name in ("trimoe", "klotski"):  # a three-domain name, wherever a two-domain one is checked

@@ -126,7 +126,7 @@ def test_interpolate_errors() -> None:
     row = _row()
     assert interpolate(TARGETS, row, -0.5) == 0.0
     with pytest.raises(ValueError, match="above the table"):
-        interpolate(TARGETS, row, 0.96)
+        interpolate(TARGETS, row, 0.995)
     with pytest.raises(ValueError, match="above the table"):
         interpolate(TARGETS[:5], row[:5], 0.3)
     with pytest.raises(ValueError, match="same length"):

@@ -222,9 +222,9 @@ class Sizes:
     def all_hi(self) -> int:
         return self.n * self.hi + self.staging + self.lo
 
-    def budget(self, n_hot: int, slack: int = 0) -> int:
-        """The budget that holds exactly `n_hot` experts at hi (slack < step)."""
-        return self.all_lo + n_hot * self.step + slack
+    def budget(self, n_hot: int, slack: int = 0, transient: int = 0) -> int:
+        """The budget that holds exactly `n_hot` experts at hi (slack < step), plus `transient` hi slots."""
+        return self.all_lo + n_hot * self.step + slack + transient * self.hi
 
 
 PAIRS = [("full", "int4"), ("int4", "int2")]
@@ -417,14 +417,19 @@ def poisoned(source: Any, pause: float) -> Callable[[ExpertKey, Any], int]:
     calls=st.lists(
         st.tuples(st.lists(st.integers(3, 95), min_size=1, max_size=10), st.integers(0, 3)), min_size=1, max_size=4
     ),
+    transient=st.integers(0, 3),
 )
-def test_async_switching_keeps_budget_provenance_and_accounting(model, sizes, pair, n_hot, slack, period, calls):
+def test_async_switching_keeps_budget_provenance_and_accounting(model, sizes, pair, n_hot, slack, period, calls,
+                                                                transient):  # fmt: skip
+    """Also with several switches in flight (transient high slots, pipelined mover)."""
     hi, lo = pair
     z = sizes(hi, lo)
-    budget = z.budget(n_hot, int(slack * z.step))
-    with dynamic(model, hi, lo, budget, period=period, hysteresis=0.0, alpha=0.5) as engine:
+    budget = z.budget(n_hot, int(slack * z.step), transient)
+    with dynamic(model, hi, lo, budget, period=period, hysteresis=0.0, alpha=0.5,
+                 transient_slots=transient) as engine:  # fmt: skip
         store, sw = engine.store, engine.switching
         assert sum(store.per_layer.values()) == n_hot
+        assert store.transient == transient and engine.switching.mover.workers == transient + 1
         for p in store.pools.values():
             p.source.read_into = poisoned(p.source, 0.001)
         for prompt, new in calls:
@@ -434,7 +439,7 @@ def test_async_switching_keeps_budget_provenance_and_accounting(model, sizes, pa
                 assert len(engine.generate(prompt, max_new_tokens=new, stop_at_eos=False).token_ids) == new
             store.check()
             assert store.used_bytes() <= budget
-            assert len(hi_set(engine)) <= n_hot
+            assert len(hi_set(engine)) <= n_hot + transient  # promotions run ahead into the transient slots
         assert torch.isfinite(engine.logits(PROBE)).all()  # plenty of tokens: at least one decision
         assert sw.controller.decisions >= 1
         sw.mover.drain()
@@ -444,9 +449,58 @@ def test_async_switching_keeps_budget_provenance_and_accounting(model, sizes, pa
         got = engine.logits(PROBE[:, :5])  # computed in `target`: what it enqueues runs after it
         sw.mover.drain()
         assert_settled(engine, budget)
-    with dynamic(model, hi, lo, budget, period=10**6) as ref:
+        assert store.peak_inflight <= transient + 1
+    with dynamic(model, hi, lo, budget, period=10**6, transient_slots=transient) as ref:
         bring_to(ref, target)
         assert torch.equal(got, ref.logits(PROBE[:, :5]))
+
+
+# -- the three-level hierarchy: host DRAM cache of both precisions, prefetch of predicted promotions ----
+def cached(model, hi: str, lo: str, budget: int, cache: int, **kw: Any) -> moetier.Engine:
+    cfg = EngineConfig(budgets=Budgets(host_expert_bytes=budget, host_cache_bytes=cache), runtime=CPU,
+                       precision=PrecisionConfig(mode="dynamic", hi=hi, lo=lo, **kw))  # fmt: skip
+    return moetier.load(model("qwen3_bf16"), cfg)
+
+
+@pytest.mark.parametrize(("hi", "lo"), PAIRS)
+def test_dram_cache_and_prefetch_keep_sync_runs_exact_and_report_hit_rates(model, sizes, hi: str, lo: str) -> None:
+    z = sizes(hi, lo)
+    budget = z.budget(4, transient=2)
+    text = WARMUP + PROBE[0].tolist()
+    kw = dict(sync=True, period=8, hysteresis=0.0, transient_slots=2)
+    with dynamic(model, hi, lo, budget, **kw) as plain:  # no DRAM level: every switch reads its disk tier
+        plain.warmup(WARMUP[:16])
+        want = plain.perplexity(text, window=6).ppl
+        want_state, want_disk = precision_map(plain), plain.stats()["disk_bytes"]
+        want_moves = (plain.stats()["promotions"], plain.stats()["demotions"])
+        assert "dram" not in plain.stats()["switching"]
+    # a cache holding everything: after preload, only first promotions read disk
+    big = 12 * (z.hi + z.lo) + z.hi
+    with cached(model, hi, lo, budget, big, prefetch=True, **kw) as engine:
+        engine.warmup(WARMUP[:16])
+        assert engine.perplexity(text, window=6).ppl == want  # the cache changes where bytes come from, not them
+        assert precision_map(engine) == want_state
+        s = engine.stats()
+        assert (s["promotions"], s["demotions"]) == want_moves and want_moves[0] > 0
+        assert_settled(engine, budget)
+        dram, sw = s["switching"]["dram"], s["switching"]
+        lo_d, hi_d = dram["precisions"][lo], dram["precisions"][hi]
+        # one lookup per fill: preload (8 lo, 4 hi), then each switch; the cache holds all 24 versions, so
+        # each is read from disk at most once (a staged hi version by the prefetch, not by a lookup)
+        assert lo_d["hits"] + lo_d["misses"] == 8 + s["demotions"] and lo_d["misses"] <= 12
+        assert hi_d["hits"] + hi_d["misses"] == 4 + s["promotions"]
+        assert hi_d["misses"] + engine.store.prefetch_issued <= 12 and lo_d["hits"] + hi_d["hits"] > 0
+        assert dram["used_bytes"] <= dram["budget_bytes"] == big
+        assert s["disk_bytes"] < want_disk
+        pf = sw["prefetch"]
+        assert pf["staged"] == engine.store.prefetch_issued and pf["predicted"] >= pf["staged"] > 0
+        assert dram["prefetch_used"] + dram["prefetch_wasted"] + dram["prefetch_pending"] == pf["staged"]
+        assert sw["transient"]["hi_slots"] == 2 and sw["transient"]["peak_inflight"] >= 1
+        engine.store.check()
+    with pytest.raises(BudgetError, match="--host-cache-mem"):
+        cached(model, hi, lo, budget, z.hi)
+    with pytest.raises(ConfigError, match="--host-cache-mem"):
+        dynamic(model, hi, lo, budget, prefetch=True)
 
 
 # -- a mover that fails mid-transfer -----------------------------------------------------------------

@@ -4,9 +4,12 @@ One Qwen3-MoE-style checkpoint (hidden 32, expert inner size 48: every mask bloc
 it) is built and calibrated once per module on random token ids; the table goes to the default
 path MODEL/moetier-sparsity/thresholds.json. Then:
 - target 0 is the dense engine, bit for bit;
+- above the tipping point the default dense path is the original expert: with tipping=0 the sparse
+  engine is the dense engine (up to fp32 summation order); with a tipping point between the experts' token counts the
+  small calls are masked and the big ones exact (a float64 reference that masks only those);
 - the gather path (tipping=1000: every call below the tipping point) and the masked dense path
-  (tipping=0) agree, reach the target on the calibration tokens, and match a dense engine whose
-  experts are masked by hand in float64 (a model-level reference);
+  (tipping=0, dense="masked") agree, reach the target on the calibration tokens, and match a dense
+  engine whose experts are masked by hand in float64 (a model-level reference);
 - the torch fallback of the gather path, a 2-slot expert budget (chunks of 2 experts per native
   call) and decode agree with the same engines;
 - the refusals: quantized precision, no table, another model's table, a block not dividing the
@@ -34,6 +37,7 @@ from moetier.formats.qtier import source_fingerprint
 from moetier.kernels import native
 from moetier.kernels.sparse import ThresholdTable, default_table_path, native_kernel
 from moetier.models.tiny import build_tiny_checkpoint
+from moetier.policies.hwprofile import ComputeProfile, HardwareProfile, LinkProfile
 from moetier.policies.sparsity import tipping_point
 from moetier.runtime.calibrate import calibrate, model_identity
 from moetier.runtime.executors import sparse as rs
@@ -65,8 +69,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def sparse_cfg(target: float, tipping: int, block: int = 1, **kw: Any) -> EngineConfig:
-    return EngineConfig(runtime=CPU, sparsity=SparsityConfig(target=target, tipping=tipping, block=block), **kw)
+def sparse_cfg(target: float, tipping: int, block: int = 1, dense: str = "masked", **kw: Any) -> EngineConfig:
+    """Masked dense by default here: most tests compare the gather path with the same function on the
+    dense matmuls; the original-expert default has its own tests."""
+    sc = SparsityConfig(target=target, tipping=tipping, block=block, dense=dense)  # type: ignore[arg-type]
+    return EngineConfig(runtime=CPU, sparsity=sc, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +89,14 @@ def calib_windows(engine: moetier.Engine) -> None:
 
 @pytest.fixture(scope="module")
 def engines(model: Path) -> Iterator[Callable[..., moetier.Engine]]:
-    """engines(target, tipping, block=1) -> a sparse engine, opened once per module (counts reset)."""
-    cache: dict[tuple[float, int, int], moetier.Engine] = {}
+    """engines(target, tipping, block=1, dense="masked") -> a sparse engine, opened once per module (counts
+    reset)."""
+    cache: dict[tuple[float, int, int, str], moetier.Engine] = {}
 
-    def get(target: float, tipping: int, block: int = 1) -> moetier.Engine:
-        key = (target, tipping, block)
+    def get(target: float, tipping: int, block: int = 1, dense: str = "masked") -> moetier.Engine:
+        key = (target, tipping, block, dense)
         if key not in cache:
-            cache[key] = moetier.load(model, sparse_cfg(target, tipping, block))
+            cache[key] = moetier.load(model, sparse_cfg(target, tipping, block, dense))
         engine = cache[key]
         assert engine.sparsity is not None
         engine.sparsity.reset_counts()
@@ -179,10 +187,11 @@ def test_blocks_paths_agree(engines: Callable[..., moetier.Engine], block: int) 
 
 class HandMasked:
     """Executor of one MoE layer on the dense store: per token and routed expert, in float64,
-    a = silu(x Wg^T); y = ((|a| >= thr) * a * (x Wu^T)) Wd^T; out = sum w * y."""
+    a = silu(x Wg^T); y = ((|a| >= thr) * a * (x Wu^T)) Wd^T; out = sum w * y. With `tipping`, only
+    experts given fewer tokens than it in the call are masked (the others are the original expert)."""
 
-    def __init__(self, threshold: float, moe: Any = None) -> None:
-        self.threshold, self.moe = threshold, moe
+    def __init__(self, threshold: float, moe: Any = None, tipping: int | None = None) -> None:
+        self.threshold, self.moe, self.tipping = threshold, moe, tipping
 
     def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
         return Grouped({e: int((ids == e).sum()) for e in sorted(set(ids.flatten().tolist()))}, (ids, weights))
@@ -201,11 +210,13 @@ class HandMasked:
             xt = x[t].double()
             for e, w in zip(ids[t].tolist(), weights[t].tolist(), strict=True):
                 key = ExpertKey(moe.layer, e)
+                masked = self.tipping is None or int((ids == e).sum()) < self.tipping
                 v = moe.store.acquire(key)
                 try:
                     gate, up = (v.w13.double() @ xt).chunk(2)
                     a = F.silu(gate)
-                    out[t] += w * (v.w2.double() @ ((a.abs() >= self.threshold) * a * up))
+                    keep = a.abs() >= self.threshold if masked else torch.ones_like(a, dtype=torch.bool)
+                    out[t] += w * (v.w2.double() @ (keep * a * up))
                 finally:
                     moe.store.release(key)
         return out
@@ -241,6 +252,48 @@ def test_mixed_paths_in_one_call(engines: Callable[..., moetier.Engine]) -> None
     assert all(ls["sparse_calls"] > 0 and ls["dense_calls"] > 0 for ls in layers.values())
     assert all(ls["sparse_tokens"] + ls["dense_tokens"] == 2 * PROBE.shape[1] for ls in layers.values())
     torch.testing.assert_close(got, engines(0.5, 0).logits(PROBE), **CLOSE)
+
+
+def test_original_dense_path_above_the_tipping_point_is_exact(
+    model: Path, engines: Callable[..., moetier.Engine], dense_logits: torch.Tensor
+) -> None:
+    """The default dense path is the original expert (the paper's switch): with every call at or above the
+    tipping point the sparse engine computes the dense engine's logits, prefill and decode, and counts no
+    neuron skipped: equal up to fp32 summation order (the sparse layout's down projection is read
+    transposed), far inside the exactness tolerance (1e-4)."""
+    exact = engines(0.9, 0, dense="original")
+    assert (exact.logits(PROBE) - dense_logits).abs().max().item() <= 1e-5
+    s = exact.stats()["sparsity"]
+    assert s["dense_path"] == "original" and s["tipping_source"] == "configured"
+    assert s["achieved"] == 0.0 and s["achieved_masked"] == 0.0
+    assert all(ls["dense_calls"] > 0 and ls["sparse_calls"] == 0 for ls in s["layers"].values())
+    prompt = PROBE[0, :6].tolist()
+    with moetier.load(model, EngineConfig(runtime=CPU)) as ref:
+        want = ref.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+    got = exact.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+    assert got.token_ids == want.token_ids
+    # the masked dense path at the same settings is not the dense model
+    assert not torch.allclose(engines(0.9, 0).logits(PROBE), dense_logits, **CLOSE)
+
+
+def test_mixed_paths_with_the_original_dense_expert(model: Path, engines: Callable[..., moetier.Engine]) -> None:
+    """Tipping point 14: experts given fewer tokens are masked (gather path), the others run unmasked; a
+    float64 reference that masks exactly those experts agrees; the achieved sparsity counts the unmasked
+    calls as fully active, and `achieved_masked` (the masked calls alone) stays near the target."""
+    mixed = engines(0.5, 14, dense="original")
+    got = mixed.logits(PROBE)
+    s = mixed.stats()["sparsity"]
+    assert all(ls["sparse_calls"] > 0 and ls["dense_calls"] > 0 for ls in s["layers"].values())
+    thresholds = {layer: ls["threshold"] for layer, ls in s["layers"].items()}
+    with moetier.load(model, EngineConfig(runtime=CPU)) as ref:
+        for b in ref.loaded.blocks:
+            assert b.pipeline is not None
+            b.attach(Pipeline(ResidentFirst(b.store), HandMasked(thresholds[b.layer], b, tipping=14),
+                              b.pipeline.observers))  # fmt: skip
+        want = ref.logits(PROBE)
+    torch.testing.assert_close(got, want, **CLOSE)
+    assert 0 < s["achieved"] < s["achieved_masked"]
+    assert abs(s["achieved_masked"] - 0.5) < 0.1
 
 
 def test_perplexity_finite_and_near_dense(model: Path, engines: Callable[..., moetier.Engine]) -> None:
@@ -362,6 +415,11 @@ def test_config_validation() -> None:
     for bad in ({"target": -0.1}, {"target": 0.96}, {"block": 2}, {"tipping": -1}):
         with pytest.raises(ConfigError):
             SparsityConfig(**bad)
+    with pytest.raises(ConfigError, match="scope must be 'total' or 'routed'"):
+        SparsityConfig(target=0.5, scope="shared")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="dense path must be 'original' or 'masked'"):
+        SparsityConfig(target=0.5, dense="exact")  # type: ignore[arg-type]
+    assert SparsityConfig().scope == "total" and SparsityConfig().dense == "original"  # the paper's defaults
     assert not SparsityConfig().enabled and SparsityConfig(target=0.05).enabled
 
 
@@ -390,3 +448,35 @@ def test_tipping_profile_is_cached(tmp_path: Path) -> None:
         cache.write_text(json.dumps({key: bad}))
         tip4, _, cached4 = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache)
         assert not cached4 and tip4 >= 0
+
+
+def test_tipping_profile_keys_the_dense_path(tmp_path: Path) -> None:
+    """The original and the masked dense path are timed (and cached) separately: the dense side is the
+    path the engine runs above the switch."""
+    cache = tmp_path / "p.json"
+    kernel = native_kernel(32, INTER, torch.float32, torch.device("cpu"))
+    cfg = SparsityConfig(target=0.5)
+    for masked in (True, False):
+        tip, profile, cached = load_or_measure_tipping(32, INTER, torch.float32, F.silu, cfg, kernel, cache=cache,
+                                                       masked=masked)  # fmt: skip
+        assert not cached and tip == tipping_point(profile)
+    keys = [json.loads(k) for k in json.loads(cache.read_text())]
+    assert sorted(k["dense"] for k in keys) == ["masked", "original"]
+
+
+# --- the GPU tipping point from a hardware profile (unverified on a GPU: none was lent) ----------
+
+
+def test_roofline_tipping_from_a_profile() -> None:
+    """On CUDA with --profile NAME the tipping point is read off the profile's GPU roofline at the routed
+    sparsity; a profile without a GPU is refused, naming the way out."""
+    gpu = ComputeProfile(peak_flops=8e14, mem_bw=2e12, overhead_s=1e-5, efficiency=((64, 0.1), (256, 0.3)))
+    hw = HardwareProfile("fake-gpu", "test", cpu=gpu, gpu=gpu, pcie=LinkProfile(3e10), disk=LinkProfile(3e9),
+                         cpu_threads=8, host_mem_bytes=1 << 34, gpu_mem_bytes=1 << 34)  # fmt: skip
+    tip, profile = rs.roofline_tipping(hw, 2048, 512, 2, 0.94)
+    assert tip == tipping_point(profile) and 1 < tip < max(profile)
+    assert tip < rs.roofline_tipping(hw, 2048, 512, 2, 0.98)[0]  # more sparsity: the gather path pays longer
+    cpu_only = HardwareProfile("cpu-box", "test", cpu=gpu, gpu=None, pcie=None, disk=LinkProfile(3e9),
+                               cpu_threads=8, host_mem_bytes=1 << 34, gpu_mem_bytes=None)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'cpu-box' has no GPU section.*--sparsity-tipping"):
+        rs.roofline_tipping(cpu_only, 2048, 512, 2, 0.94)

@@ -207,3 +207,27 @@ def test_belady_future_matches_replay_order() -> None:
     best = replay(calls, "belady", 0.25, num_experts=16, top_k=4)
     for p in ("lru", "lfu", "mrs"):
         assert replay(calls, p, 0.25, num_experts=16, top_k=4).hits <= best.hits
+
+
+def test_per_layer_caches_do_not_compete() -> None:
+    # E=4, ratio 0.5: global cache 4 slots, per-layer 2 slots each. Layer 0 cycles 0 1 2, layer 1 always uses 3.
+    seq0 = [0, 1, 2] * 4
+    calls = [c for i, e in enumerate(seq0) for c in (call(i + 1, 0, [[e]], 4), call(i + 1, 1, [[3]], 4))]
+    glob = replay(calls, "lru", 0.5, num_experts=4)
+    per = replay(calls, "lru", 0.5, num_experts=4, per_layer=True)
+    assert (glob.slots, per.slots) == (4, 4) and per.per_layer and not glob.per_layer
+    assert [h.hits for h in glob.layers] == [len(seq0) - 3, len(seq0) - 1]  # everything fits after warm-up
+    assert [h.hits for h in per.layers] == [0, len(seq0) - 1]  # LRU on a 3-cycle in 2 slots never hits
+    assert per.evictions == len(seq0) - 2
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_per_layer_equals_each_layer_alone(policy: str) -> None:
+    calls = random_calls(5, steps=40, layers=3, E=8, k=2, prefill=4)
+    per = replay(calls, policy, 0.25, num_experts=8, top_k=2, per_layer=True)
+    assert per.slots == 3 * 2  # floor(0.25 * 8) per layer
+    for h in per.layers:
+        alone = replay([c for c in calls if c.layer == h.layer], policy, 0.25, num_experts=8, top_k=2,
+                       layers=[h.layer])  # fmt: skip
+        assert (alone.slots, alone.accesses, alone.hits) == (2, h.accesses, h.hits)
+    assert per.hits == sum(h.hits for h in per.layers) and per.hits + per.misses == per.accesses

@@ -39,7 +39,6 @@ def _calls(steps: int = 6, T: int = 16, seed: int = 0) -> list[Call]:
 def test_ndp_defaults_are_table_1() -> None:
     n = load_ndp("h100-8470")
     assert (n.n_dimms, n.ndp_flops, n.ndp_bw, n.link_bw, n.host_bw) == (16, 256e9, 153.6e9, 25e9, 307.2e9)
-    assert n.n_links == 8 and NdpParams(n_dimms=4, links=3).n_links == 3
     assert ndp_from_dict({"n_dimms": 8, "notes": "x"}).n_dimms == 8
     with pytest.raises(ConfigError, match="unknown keys"):
         ndp_from_dict({"dimms": 8})
@@ -59,9 +58,12 @@ def test_prices_by_hand() -> None:
     assert m.ndp_calc(np.array([2]))[0] == pytest.approx(6 * H * I * 2 / 256e9 + 2 * 2 * H * 2 / (307.2e9 / 16))
     assert m.internal_s() == pytest.approx(W / 153.6e9)
     assert m.dram_s(Layout.STRIPED) == pytest.approx(W / 307.2e9)
-    assert m.dram_s(Layout.LOCALISED) == pytest.approx(W * 16 / 307.2e9)
+    assert m.dram_s(Layout.LOCALISED) == pytest.approx(W * 8 / 307.2e9)  # its channel's 38.4 GB/s (8 channels)
+    assert NdpMachine(SPEC, ndp=NdpParams(channels=16)).dram_s(Layout.LOCALISED) == pytest.approx(W * 16 / 307.2e9)
+    with pytest.raises(ConfigError, match="channels"):
+        NdpParams(channels=0)
     assert m.pcie_s() == pytest.approx(1e-5 + W / 64e9)
-    assert m.link_s() == pytest.approx(W / 25e9)
+    assert m.link_s() == pytest.approx(W / 25e9)  # one expert over one DIMM-Link
     assert m.gpu_calc(np.array([0]))[0] == 0.0
 
 
@@ -134,8 +136,8 @@ def test_ablation_flags() -> None:
 
 def test_cpu_scale_and_dimms_change_prices() -> None:
     calls = _calls(steps=2, T=64)
-    slow = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_tflops_scale=0.125, context=64))
-    fast = simulate_tri(SPEC, calls, TriSimConfig(scheduler="ktransformers-plus", cpu_tflops_scale=2.0, context=64))
+    slow = simulate_tri(SPEC, calls, TriSimConfig(scheduler="trimoe", cpu_tflops_scale=0.125, context=64))
+    fast = simulate_tri(SPEC, calls, TriSimConfig(scheduler="trimoe", cpu_tflops_scale=2.0, context=64))
     assert slow.moe_s > fast.moe_s
 
 

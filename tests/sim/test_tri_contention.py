@@ -32,7 +32,7 @@ def test_busy_s_by_reading() -> None:
     assert arr.busy_s(Layout.LOCALISED) == pytest.approx(W / 153.6e9)
     # channel: the whole channel transfer, T_DRAM
     assert ch.busy_s(Layout.STRIPED) == pytest.approx(ch.dram_s(Layout.STRIPED)) == pytest.approx(W / 307.2e9)
-    assert ch.busy_s(Layout.LOCALISED) == pytest.approx(W * 16 / 307.2e9)
+    assert ch.busy_s(Layout.LOCALISED) == pytest.approx(W * 8 / 307.2e9)  # its channel (8 channels)
     k = ExpertKey(0, 3)
     priced = price_call(arr, 0, {3: 2, 1: 1}, set(), {k: Layout.LOCALISED}, {k: 5}, shared_tokens=3)
     assert [e.busy_s for e in priced] == pytest.approx([arr.busy_s(Layout.STRIPED), arr.busy_s(Layout.LOCALISED), 0.0])

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from moetier.errors import BudgetError
 from moetier.policies.precision import Decision, ExpertState, order_switches
 from moetier.store.dynamic import DynamicStore
-from moetier.store.mover import Mover
+from moetier.store.mover import Mover, SwitchPipeline
 from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
 
 CODES = {Precision.FULL: 1, Precision.INT8: 2, Precision.INT4: 3, Precision.INT2: 4}
@@ -68,14 +68,22 @@ class FakeSource:
         pass
 
 
-def make_store(layers: int, experts: int, n_hot: int, spare: int = 1, pause: float = 0.0, fail=None):
-    """A store and its keys; `preload(hot=keys[:n_hot])` fills it."""
+def make_store(layers: int, experts: int, n_hot: int, spare: int = 1, pause: float = 0.0, fail=None,
+               transient: int = 0, cache_bytes: int = 0):  # fmt: skip
+    """A store and its keys, its budget exactly the pools (transient slots included) and staging;
+    `preload(hot=keys[:n_hot])` fills it."""
     hi = FakeSource(Precision.FULL, 64, pause)
     lo = FakeSource(Precision.INT4, 16, pause, fail)
     keys = [ExpertKey(layer, e) for layer in range(layers) for e in range(experts)]
     n_lo = len(keys) - n_hot + spare
-    budget = n_hot * hi.slot_bytes + n_lo * lo.slot_bytes + hi.staging_bytes + lo.staging_bytes
-    return DynamicStore(hi, lo, keys, n_hot, spare, torch.device("cpu"), budget), keys
+    budget = (n_hot + transient) * hi.slot_bytes + n_lo * lo.slot_bytes + hi.staging_bytes + lo.staging_bytes
+    store = DynamicStore(hi, lo, keys, n_hot, spare, torch.device("cpu"), budget, transient=transient,
+                         cache_bytes=cache_bytes)  # fmt: skip
+    return store, keys
+
+
+def pipeline(store: DynamicStore, workers: int) -> SwitchPipeline:
+    return SwitchPipeline(lambda m: store.begin_switch(m.key, m.precision, timeout=10), store.finish_switch, workers)
 
 
 def read_row(store: DynamicStore, key: ExpertKey) -> tuple[float, float]:
@@ -162,17 +170,20 @@ def test_failed_switch_keeps_the_stable_version_and_is_reported() -> None:
     experts=st.integers(2, 8),
     hot_frac=st.floats(0.1, 0.9),
     spare=st.integers(1, 3),
+    transient=st.integers(0, 3),
     seed=st.integers(0, 10**6),
 )
 def test_concurrent_switches_keep_budget_provenance_and_accounting(
-    layers: int, experts: int, hot_frac: float, spare: int, seed: int
+    layers: int, experts: int, hot_frac: float, spare: int, transient: int, seed: int
 ) -> None:
+    """Several switches in flight (SwitchPipeline, up to transient + spare at once) against forwards."""
     rng = random.Random(seed)
     n_hot = max(1, int(hot_frac * layers * experts))
-    store, keys = make_store(layers, experts, n_hot, spare, pause=0.0005)
+    store, keys = make_store(layers, experts, n_hot, spare, pause=0.0005, transient=transient,
+                             cache_bytes=rng.choice([0, 600, 10**4]))  # fmt: skip
     hot = set(keys[:n_hot])
     store.preload(hot)
-    mover = Mover(lambda m: store.switch(m.key, m.precision, timeout=10))
+    mover = pipeline(store, transient + spare)
     stop = threading.Event()
     violations: list[str] = []
 
@@ -189,7 +200,7 @@ def test_concurrent_switches_keep_budget_provenance_and_accounting(
             # a decision: a random new hot set, fitted to the slots as the engine does
             new_hot = set(rng.sample(keys, rng.randint(0, n_hot)))
             decision = Decision(upgrades=tuple(new_hot - hot), downgrades=tuple(hot - new_hot), step=0)
-            plan = order_switches(decision, n_hot - len(hot))
+            plan = order_switches(decision, n_hot - len(hot), transient)
             moves = []
             for key, state in plan.moves:
                 high = state is ExpertState.HIGH
@@ -221,3 +232,106 @@ def test_concurrent_switches_keep_budget_provenance_and_accounting(
         assert registered + len(state.free) == state.pool.n_slots
     mix = store.stats()["precision"]
     assert mix["full"]["experts"] + mix["int4"]["experts"] == len(keys)
+    assert store.peak_inflight <= transient + spare
+
+
+class GatedSource(FakeSource):
+    """A FakeSource whose reads of experts in `gated` block until `gate` is set."""
+
+    def __init__(self, precision: Precision, numel: int) -> None:
+        super().__init__(precision, numel)
+        self.gate, self.gated, self.started = threading.Event(), set(), threading.Semaphore(0)
+
+    def read_into(self, key: ExpertKey, views: _Views) -> int:
+        if key in self.gated:
+            self.started.release()
+            assert self.gate.wait(10)
+        return super().read_into(key, views)
+
+
+def test_several_promotions_in_flight_through_the_transient_buffer() -> None:
+    """Three promotions in flight at once, into the 3 transient high slots, before any demotion has run;
+    the forwards meanwhile read the stable low versions, the budget holds, and the demotions then
+    give the transient slots back."""
+    hi, lo = GatedSource(Precision.FULL, 64), GatedSource(Precision.INT4, 16)
+    keys = [ExpertKey(0, e) for e in range(8)]
+    n_hot, spare, transient = 3, 1, 3
+    budget = (n_hot + transient) * hi.slot_bytes + (8 - n_hot + spare) * lo.slot_bytes + 128
+    store = DynamicStore(hi, lo, keys, n_hot, spare, torch.device("cpu"), budget, transient=transient)
+    store.preload(keys[:3])
+    ups, downs = keys[5:], keys[:3]
+    hi.gated = set(ups)
+    plan = order_switches(Decision(upgrades=tuple(ups), downgrades=tuple(downs), step=0), 0, transient)
+    assert [s for _, s in plan.moves] == [ExpertState.HIGH] * 3 + [ExpertState.LOW] * 3  # promotions first
+    mover = SwitchPipeline(lambda m: store.begin_switch(m.key, m.precision, timeout=10), store.finish_switch,
+                           workers=transient + spare)  # fmt: skip
+    mover.submit(Move(MoveKind.PROMOTE if st_ is ExpertState.HIGH else MoveKind.DEMOTE, k, Tier.DISK, Tier.HOST,
+                      Precision.FULL if st_ is ExpertState.HIGH else Precision.INT4) for k, st_ in plan.moves)
+    try:
+        for _ in ups:
+            assert hi.started.acquire(timeout=10)  # all three promotions are reading at once
+        assert len(store.pools[Precision.FULL].inflight) == 3
+        assert store.peak_inflight >= 3
+        store.check()
+        assert store.used_bytes() <= budget
+        for key in ups:  # in flight: invisible, the low version is what a forward reads
+            assert store.precision_of(key) == Precision.INT4
+            assert read_row(store, key) == (signature(key, Precision.INT4),) * 2
+        hi.gate.set()
+        assert mover.drain(10)
+    finally:
+        hi.gate.set()
+        mover.close()
+    assert not mover.errors
+    store.check()
+    assert {k for k, v in store.index.items() if v.precision == Precision.FULL} == set(ups)
+    hs = store.pools[Precision.FULL]
+    assert len(hs.free) == transient and not hs.inflight  # the transient slots are free again
+    assert store.stats()["transient"] == {"hi_slots": 3, "lo_slots": 1, "bytes": 3 * hi.slot_bytes + lo.slot_bytes,
+                                          "inflight": 0, "peak_inflight": store.peak_inflight}
+
+
+def test_without_transient_slots_switches_run_one_at_a_time() -> None:
+    store, keys = make_store(1, 6, n_hot=2, spare=1, pause=0.002)
+    store.preload(keys[:2])
+    plan = order_switches(Decision(upgrades=tuple(keys[4:]), downgrades=tuple(keys[:2]), step=0), 0, 0)
+    mover = pipeline(store, 1)
+    mover.submit(Move(MoveKind.PROMOTE if s is ExpertState.HIGH else MoveKind.DEMOTE, k, Tier.DISK, Tier.HOST,
+                      Precision.FULL if s is ExpertState.HIGH else Precision.INT4) for k, s in plan.moves)
+    assert mover.drain(10)
+    mover.close()
+    assert store.peak_inflight == 1 and not mover.errors
+    assert {k for k, v in store.index.items() if v.precision == Precision.FULL} == set(keys[4:])
+
+
+def test_promotion_with_no_slot_and_nothing_in_flight_fails_at_once() -> None:
+    store, keys = make_store(1, 4, n_hot=1, spare=1)
+    store.preload(keys[:1])
+    with pytest.raises(BudgetError, match="no free full slot"):
+        store.begin_switch(keys[2], Precision.FULL)
+    store.check()
+
+
+def test_dram_cache_serves_re_promotions_and_prefetched_experts_without_disk_reads() -> None:
+    store, keys = make_store(1, 4, n_hot=1, spare=1, cache_bytes=10**4)
+    store.preload(keys[:1])  # every expert read once from disk, kept in the cache
+    hi_src, lo_src = store.pools[Precision.FULL].source, store.pools[Precision.INT4].source
+    reads = (hi_src.reads, lo_src.reads)  # type: ignore[attr-defined]
+    assert store.switch(keys[0], Precision.INT4)  # preloaded at hi: its low version comes from disk
+    assert store.switch(keys[1], Precision.FULL)  # a first promotion: disk
+    assert store.switch(keys[1], Precision.INT4)  # back to low: cached
+    assert store.switch(keys[0], Precision.FULL)  # hi again: cached
+    assert (hi_src.reads, lo_src.reads) == (reads[0] + 1, reads[1] + 1)  # type: ignore[attr-defined]
+    assert store.stats()["dram"]["precisions"]["full"]["misses"] == 2  # keys[0] at preload, keys[1]
+    assert read_row(store, keys[0]) == (signature(keys[0], Precision.FULL),) * 2
+    # prefetch: stage keys[2] at hi, then its promotion reads no disk
+    assert store.stage(keys[2]) and not store.stage(keys[2]) and not store.stage(keys[0])
+    assert store.switch(keys[0], Precision.INT4)
+    disk = store.disk_bytes
+    assert store.switch(keys[2], Precision.FULL)
+    assert store.disk_bytes == disk and read_row(store, keys[2]) == (signature(keys[2], Precision.FULL),) * 2
+    dram = store.stats()["dram"]
+    assert dram["prefetch_used"] == 1 and store.prefetch_issued == 1
+    assert dram["precisions"]["full"]["hits"] == 2  # keys[0] re-promoted, keys[2] prefetched
+    assert dram["precisions"]["int4"]["hits"] == 2  # keys[1] and keys[0] demoted again
+    store.check()

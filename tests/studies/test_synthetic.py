@@ -15,9 +15,13 @@ from moetier.studies.synthetic import (
     HYBRIMOE_LRU25,
     SynthParams,
     generate,
+    load_params,
+    params_dict,
+    params_from_dict,
     preset,
     routing,
     save,
+    save_params,
     shares,
     with_skew,
 )
@@ -136,6 +140,37 @@ def test_fit_recovers_known_knobs():
 def test_fit_without_scores_keeps_default_sharpness():
     p = fit_params(generate(replace(SMALL, sharpness=5.0), 30, with_scores=False))
     assert p.sharpness == SynthParams().sharpness
+
+
+def test_fit_of_a_few_expert_trace_without_scores_round_trips(tmp_path):
+    # 8 experts, top-2, batch 1, no prefill, no scores (the shape of a Mixtral decode trace): the default
+    # classes (5% hot) do not fit 8 experts, the fit must still start; knobs survive a JSON round trip
+    truth = SynthParams(num_layers=4, num_experts=8, top_k=2, hot_frac=0.0, warm_frac=0.5, hot_share=0.0,
+                        warm_share=0.7, spread=0.2, temporal=0.5, layer_corr=0.6, seed=5)  # fmt: skip
+    rec = generate(truth, 400, with_scores=False)
+    p = fit_params(rec)
+    assert (p.num_experts, p.top_k, p.batch_size, p.sharpness) == (8, 2, 1, SynthParams().sharpness)
+    assert p.temporal == pytest.approx(0.5, abs=0.12)
+    obs, syn = trace_stats(rec), trace_stats(generate(replace(p, seed=9), 400))
+    for key in ("top10_share", "bottom70_share", "reuse", "layer_pred"):
+        assert syn[key] == pytest.approx(obs[key], abs=0.05), key
+    path = save_params(p, tmp_path / "fits" / "knobs.json")
+    assert load_params(path) == p and params_from_dict(params_dict(p)) == p
+
+
+def test_params_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing.json: cannot read"):
+        load_params(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"bad.json: not a JSON file"):
+        load_params(bad)
+    with pytest.raises(ConfigError, match=r"unknown synthetic parameter.*colour"):
+        params_from_dict({**params_dict(SMALL), "colour": 1})
+    with pytest.raises(ConfigError, match="temporal must be in"):
+        params_from_dict({**params_dict(SMALL), "temporal": 3.0})
+    with pytest.raises(ConfigError, match="JSON object"):
+        params_from_dict([1, 2])
 
 
 def test_fit_refuses_short_or_ragged_traces():

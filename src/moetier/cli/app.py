@@ -56,8 +56,8 @@ COMMANDS: dict[str, Entry] = {  # the order of `moetier --help`
     "quantize": Entry("moetier.cli.quantize", "Write quantized disk tiers of the routed experts, one per precision "
                       "(resumable: rerun to go on)."),
     "calibrate": Entry("moetier.cli.calibrate", "Thresholds of intra-expert activation sparsity: per MoE layer, "
-                       "target sparsity 0-0.95 -> threshold on |act(gate x)| of routed experts (shared experts "
-                       "stay dense)."),
+                       "routed-expert sparsity 0-0.99 -> threshold on |act(gate x)| of routed experts (shared "
+                       "experts stay dense; the engine turns a total target into a routed one)."),
     "info": Entry("moetier.cli.info", "Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and "
                   "non-expert bytes."),
     "profile": Entry("moetier.cli.profile", "Measure this machine (expert compute vs tokens per precision, memory "
@@ -65,8 +65,8 @@ COMMANDS: dict[str, Entry] = {  # the order of `moetier --help`
                      "cost model and the simulator."),
     "replay": Entry("moetier.cli.replay", "Replay a routing trace through cache policies: hit rate per layer, "
                     "overall and in decode."),
-    "synth": Entry("moetier.cli.synth", "Write a synthetic routing trace from a model's preset or a fit to a "
-                   "recorded trace."),
+    "synth": Entry("moetier.cli.synth", "Write a synthetic routing trace from a model's preset, a fit to a "
+                   "recorded trace, or a knobs file."),
     "simulate": Entry("moetier.cli.simulate", "Simulate a trace on a two-domain (GPU + CPU) machine profile: TTFT, "
                       "TBT, utilisation, hit rate, link bytes."),
     "simulate-tri": Entry("moetier.cli.simulate_tri", "Simulate decode on the three-domain GPU + AMX CPU + DIMM-NDP "

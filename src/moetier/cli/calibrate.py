@@ -50,8 +50,9 @@ def calibrate(
     max_seq_len: MaxSeqLen = 0,
     json_out: JsonOut = False,
 ) -> None:
-    """Thresholds of intra-expert activation sparsity: per MoE layer, target sparsity 0-0.95 -> threshold on
-    |act(gate x)| of routed experts (shared experts stay dense)."""
+    """Thresholds of intra-expert activation sparsity: per MoE layer, routed-expert sparsity 0-0.99 -> threshold
+    on |act(gate x)| of routed experts (shared experts stay dense; the engine turns a total target into a
+    routed one)."""
     report, err = consoles(json_out)
     with user_errors():
         body = read_text(text)

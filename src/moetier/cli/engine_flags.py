@@ -59,6 +59,7 @@ from moetier.cli.options import (
     precision_config,
     prefetch_config,
     scheduler_config,
+    size_flag,
     sparsity_config,
 )
 from moetier.config import EngineConfig
@@ -79,11 +80,64 @@ DensePrecision = Annotated[
                       "as llama.cpp's Q8_0 (int8) / Q4_0 (int4) files hold them (the output head at Q8_0 under "
                       "both); needs the native kernels."),
 ]  # fmt: skip
+# SparsityConfig.scope / dense (the other sparsity flags are cli/options.py's)
+SparsityScope = Annotated[
+    str,
+    typer.Option("--sparsity-scope", metavar="total|routed", rich_help_panel="Sparsity",
+                 help="What --sparsity counts: total (default, the paper's target) = skipped neurons over all of a "
+                      "token's active neurons, shared experts' included (they stay dense); routed = the routed "
+                      "experts' own sparsity."),
+]  # fmt: skip
+SparsityDense = Annotated[
+    str,
+    typer.Option("--sparsity-dense", metavar="original|masked", rich_help_panel="Sparsity",
+                 help="The path above the tipping point: original (default, the paper's: the unmasked expert, "
+                      "exact) or masked (the same mask on the dense matmuls: the sparse model at every batch size, "
+                      "for measuring its quality)."),
+]  # fmt: skip
 KernelCache = Annotated[
     Path | None,
     typer.Option("--kernel-cache", metavar="DIR", envvar="MOETIER_CACHE", rich_help_panel="Engine",
                  help="Folder of native kernel builds, measured tipping profiles and the quantized tiers and sparsity "
                       "tables of hub models (hub/OWNER--NAME/) (default ~/.cache/moetier)."),
+]  # fmt: skip
+
+# dynamic precision's controller, transient buffer, prefetch and DRAM cache (PrecisionConfig, Budgets)
+Hysteresis = Annotated[
+    float,
+    typer.Option("--hysteresis", min=0.0, rich_help_panel="Precision",
+                 help="dynamic: a challenger must beat a hot expert's EMA by this factor to displace it; "
+                      "0 = the paper's Algorithm 1 exactly."),
+]  # fmt: skip
+EmaAlpha = Annotated[
+    float,
+    typer.Option("--ema-alpha", min=0.0, max=1.0, rich_help_panel="Precision",
+                 help="dynamic: EMA factor per token of expert hotness (paper eq. 2), in (0, 1); memory about "
+                      "1 / (1 - alpha) tokens."),
+]  # fmt: skip
+TransientSlots = Annotated[
+    int,
+    typer.Option("--transient-slots", min=0, rich_help_panel="Precision",
+                 help="dynamic: high-precision slots of the transient buffer (paper 3.4), counted in the budget: "
+                      "up to this many promotions in flight before their demotions run; 0 = one switch at a time."),
+]  # fmt: skip
+Lookahead = Annotated[
+    float,
+    typer.Option("--lookahead", min=0.0, max=16.0, metavar="PERIODS", rich_help_panel="Precision",
+                 help="dynamic: rank experts by their EMA extrapolated this many periods along its trend "
+                      "(promote ahead of need); 0 = Algorithm 1."),
+]  # fmt: skip
+PrecisionPrefetch = Annotated[
+    bool,
+    typer.Option("--precision-prefetch", rich_help_panel="Precision",
+                 help="dynamic: halfway between decisions, stage the high-precision bytes of the experts predicted "
+                      "to be promoted next from disk into the host DRAM cache (needs --host-cache-mem)."),
+]  # fmt: skip
+HostCacheMem = Annotated[
+    int | None,
+    typer.Option("--host-cache-mem", parser=size_flag, metavar="SIZE", rich_help_panel="Precision",
+                 help="dynamic: host DRAM caching experts of both precisions between their disk tiers and the "
+                      "compute pools (DynaExq's SSD -> DRAM level), e.g. 64MiB; default none."),
 ]  # fmt: skip
 
 
@@ -140,10 +194,18 @@ class EngineFlags:
     warmup_tokens: WarmupTokens = 256
     period: Period = 128
     sync_switches: SyncSwitches = False
+    hysteresis: Hysteresis = 0.1
+    ema_alpha: EmaAlpha = 0.99
+    transient_slots: TransientSlots = 0
+    lookahead: Lookahead = 0.0
+    precision_prefetch: PrecisionPrefetch = False
+    host_cache_mem: HostCacheMem = None
     sparsity: Sparsity = 0.0
     sparsity_table: SparsityTable = None
     sparsity_block: SparsityBlock = 1
     sparsity_tipping: SparsityTipping = None
+    sparsity_scope: SparsityScope = "total"
+    sparsity_dense: SparsityDense = "original"
     prefetch: Prefetch = False
     prefetch_depth: PrefetchDepth = 1
     prefetch_max: PrefetchMax = 4
@@ -164,6 +226,15 @@ class EngineFlags:
             prefetch_config(self.prefetch, self.prefetch_depth, self.prefetch_max),
             scheduler_config(self.scheduler, self.profile),
         )  # fmt: skip
+        sparsity = replace(cfg.sparsity, scope=self.sparsity_scope, dense=self.sparsity_dense)  # type: ignore[arg-type]
+        cfg = replace(cfg, sparsity=sparsity)  # SparsityConfig checks both values (ConfigError)
+        precision = replace(cfg.precision, hysteresis=self.hysteresis, alpha=self.ema_alpha,
+                            transient_slots=self.transient_slots, lookahead=self.lookahead,
+                            prefetch=self.precision_prefetch)  # fmt: skip
+        budgets = replace(cfg.budgets, host_cache_bytes=self.host_cache_mem or 0)
+        if self.precision != "dynamic" and (self.host_cache_mem or self.precision_prefetch or self.transient_slots):
+            raise ConfigError("--host-cache-mem, --precision-prefetch and --transient-slots need --precision dynamic")
+        cfg = replace(cfg, precision=precision, budgets=budgets)  # PrecisionConfig checks the values (ConfigError)
         cache = str(self.kernel_cache) if self.kernel_cache is not None else None
         runtime = replace(
             cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,

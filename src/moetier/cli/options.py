@@ -178,8 +178,9 @@ _SPARSE = "Sparsity"
 Sparsity = Annotated[
     float,
     typer.Option("--sparsity", min=0.0, max=0.95, rich_help_panel=_SPARSE,
-                 help="Fraction of routed-expert neurons to skip (0 = off, up to 0.95), through the calibrated "
-                      "thresholds of `moetier calibrate`."),
+                 help="Activation sparsity to reach, 0 = off, up to 0.95: by default the total over every active "
+                      "neuron of a token, shared experts counted dense, as the paper defines it (see "
+                      "--sparsity-scope); through the calibrated thresholds of `moetier calibrate`."),
 ]  # fmt: skip
 SparsityTable = Annotated[
     Path | None,

@@ -33,6 +33,10 @@ RatioOpt = Annotated[
 ]
 AlphaOpt = Annotated[float | None, typer.Option("--alpha", help="MRS averaging coefficient in (0, 1].")]
 TopPOpt = Annotated[int | None, typer.Option("--top-p", help="MRS: experts whose scores count per call (default 2k).")]
+PerLayerOpt = Annotated[
+    bool,
+    typer.Option("--per-layer", help="One cache per MoE layer of floor(ratio x E) slots, not one global cache."),
+]
 
 
 def _pct(x: float) -> str:
@@ -44,7 +48,7 @@ def replay_table(results: list[dict[str, Any]]) -> Table:
     first = results[0]
     table = Table(
         title=f"cache hit rate, {first['slots']} of {first['total_experts']} experts cached "
-        f"(ratio {first['cache_ratio']:g})",
+        f"(ratio {first['cache_ratio']:g}{', per-layer caches' if first.get('per_layer_caches') else ''})",
         title_justify="left",
     )
     table.add_column("layer")
@@ -65,6 +69,7 @@ def replay_cmd(
     cache_ratio: RatioOpt = 0.25,
     alpha: AlphaOpt = None,
     top_p: TopPOpt = None,
+    per_layer: PerLayerOpt = False,
     json_out: JsonOut = False,
 ) -> None:
     """Replay a routing trace through cache policies: hit rate per layer, overall and in decode."""
@@ -91,7 +96,7 @@ def replay_cmd(
                 progress.update(task, description=f"replaying {len(calls)} calls: {name}")
                 results.append(replay(
                     calls, name, cache_ratio, num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]),
-                    layers=trace_layers(loaded), **(knobs if name == "mrs" else {}),
+                    layers=trace_layers(loaded), per_layer=per_layer, **(knobs if name == "mrs" else {}),
                 ).as_dict())  # fmt: skip
                 progress.advance(task)
         # 4. report
@@ -102,7 +107,7 @@ def replay_cmd(
             emit_json({
                 "trace": str(trace), "model": meta.get("model"), "cache_ratio": cache_ratio,
                 "slots": results[0]["slots"], "total_experts": results[0]["total_experts"],
-                "scores": results[0]["scores"], "calls": len(calls), "policies": policies,
+                "scores": results[0]["scores"], "calls": len(calls), "policies": policies, "per_layer": per_layer,
                 "hit_rate": {r["policy"]: r["hit_rate"] for r in results},
                 "decode_hit_rate": {r["policy"]: r["decode_hit_rate"] for r in results},
                 "results": {r["policy"]: r for r in results},

@@ -54,9 +54,13 @@ PrefetchOpt = Annotated[bool, typer.Option("--prefetch/--no-prefetch", rich_help
                         help="Impact-driven prefetching of the next MoE layers' experts.")]  # fmt: skip
 DepthOpt = Annotated[int, typer.Option("--prefetch-depth", min=1, max=3, rich_help_panel=_SIM,
                      help="MoE layers ahead to predict (1-3).")]  # fmt: skip
-AccOpt = Annotated[str | None, typer.Option("--prefetch-accuracy", rich_help_panel=_SIM,
-                   help="Assumed prediction accuracy per distance, comma-separated "
-                        "(default 0.85,0.75,0.65).")]  # fmt: skip
+AccOpt = Annotated[str | None, typer.Option("--prefetch-oracle-accuracy", rich_help_panel=_SIM,
+                   help="Predict from the trace's true future degraded to this accuracy per distance, "
+                        "comma-separated (e.g. 0.85,0.75,0.65); default: a predictor learning from the "
+                        "replayed routing (policies/route_history.py).")]  # fmt: skip
+GateOpt = Annotated[float, typer.Option("--gate-drop", rich_help_panel=_SIM,
+                    help="adapmoe: fraction of routed experts its adaptive gating drops at decode "
+                         "(threshold fitted on the warm-up; AdapMoE reports 25%).")]  # fmt: skip
 TimelineOpt = Annotated[Path | None, typer.Option("--timeline", rich_help_panel=_SIM,
                         help="Write a Gantt chart (PNG) of the window to this file.")]  # fmt: skip
 PrecOpt = Annotated[str, typer.Option("--precision", rich_help_panel=_SIM,
@@ -90,7 +94,7 @@ def _accuracy(text: str | None) -> tuple[float, ...] | None:
     try:
         return tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise ConfigError(f"--prefetch-accuracy must be comma-separated numbers, got {text!r}") from None
+        raise ConfigError(f"--prefetch-oracle-accuracy must be comma-separated numbers, got {text!r}") from None
 
 
 def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: int | None, seed: int,
@@ -120,11 +124,17 @@ def result_table(d: dict[str, Any], source: str) -> Table:
     ]
     rows += [(f"utilization {lane}", f"{100 * u:.1f}%") for lane, u in d["utilization"].items()]
     rows += [(f"bytes over {link}", f"{b / 2**30:.2f} GiB") for link, b in d["link_bytes"].items()]
+    if d.get("gating"):
+        g = d["gating"]
+        rows.append(("adaptive gating", f"threshold {g['threshold']:.3f}, {100 * g['dropped_frac']:.1f}% of "
+                                        f"{g['routed']} decode routings dropped"))  # fmt: skip
     rows.append(("moves (demand / prefetch)", f"{d['moves']['demand']} / {d['moves']['prefetch']}"))
     pf = d["prefetch"]
     if pf["enabled"]:
-        rows.append(("prefetch accuracy (assumed)", ",".join(f"{a:g}" for a in d["prefetch_accuracy"])))
-        rows.append(("prediction accuracy", f"{100 * pf['accuracy']:.1f}%"))
+        if d["predictor"] == "oracle":
+            rows.append(("oracle accuracy (assumed)", ",".join(f"{a:g}" for a in d["prefetch_accuracy"])))
+        by_d = ", ".join(f"d={k}: {100 * v:.1f}%" for k, v in pf["accuracy_by_distance"].items())
+        rows.append((f"prediction accuracy ({d['predictor']})", by_d or "-"))
         rows.append(("prefetches issued / used", f"{pf['issued']} / {pf['used']} ({100 * pf['used_frac']:.1f}%)"))
     return metric_table(title, rows, source)
 
@@ -144,6 +154,7 @@ def simulate_cmd(
     prefetch: PrefetchOpt = False,
     prefetch_depth: DepthOpt = 3,
     prefetch_accuracy: AccOpt = None,
+    gate_drop: GateOpt = 0.25,
     precision: PrecOpt = "full",
     stats: StatsOpt = "trimoe",
     warmup_steps: WarmOpt = 0,
@@ -161,6 +172,7 @@ def simulate_cmd(
         acc = _accuracy(prefetch_accuracy)
         cfg = SimConfig(
             prefetch_accuracy=acc if acc is not None else SimConfig.prefetch_accuracy,
+            predictor="oracle" if acc is not None else "history", gate_drop=gate_drop,
             scheduler=scheduler, cache_policy=cache_policy, cache_ratio=cache_ratio, prefetch=prefetch,
             prefetch_depth=prefetch_depth, batch_size=batch_size, prompt_len=prompt_len,
             steps=steps if trace is not None else None, seed=seed, precision=precision,

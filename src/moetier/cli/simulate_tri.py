@@ -9,7 +9,7 @@ or, with --json, one JSON line (the TriSimResult's fields plus moe_step_s, the c
 
 Invariants (as cli/app.py): bad input is one line `error: ...` on stderr and exit 2, checked before any
 trace work where it can be; the JSON line is the TriSimResult's fields, flattened only as dataclasses.asdict
-does (busy, flop_util, experts, predictor, migration stay objects).
+does (busy, flop_util, compute, step_util, experts, predictor, migration stay objects).
 """
 
 from __future__ import annotations
@@ -58,8 +58,19 @@ NoRelayoutOpt = Annotated[bool, typer.Option("--no-relayout", rich_help_panel=_T
                           help="No relayout / cold rebalancing over the DIMM-Link (trimoe, gpu-ndp).")]  # fmt: skip
 DriftOpt = Annotated[float | None, typer.Option("--drift", min=0.0, rich_help_panel=_TRI,
                      help="Synthetic trace: popularity rank swaps per layer per step (preset: 0.02).")]  # fmt: skip
+StepNoiseOpt = Annotated[float, typer.Option("--step-noise", min=0.0, rich_help_panel=_TRI,
+                         help="Synthetic trace: sd of a batch-shared router-logit offset per step, layer and "
+                              "expert (stationary popularity, the preset's shares kept; 0: none).")]  # fmt: skip
 ContentionOpt = Annotated[str | None, typer.Option("--contention", rich_help_panel=_TRI,
                           help="Eq. 6 contention reading: array (default) or channel (docs/trimoe.md).")]  # fmt: skip
+DimmLinkOpt = Annotated[str, typer.Option("--dimm-link", rich_help_panel=_TRI,
+                        help="DIMM-Link move pricing: per-link (one expert over one 25 GB/s link) or all-links "
+                             "(spread over every DIMM's link).")]  # fmt: skip
+PrefillOpt = Annotated[int, typer.Option("--prefill-tokens", min=0, rich_help_panel=_TRI,
+                       help="Prompt tokens per sequence for a GPU prefill phase (0: none).")]  # fmt: skip
+OutputLenOpt = Annotated[int, typer.Option("--output-len", min=0, rich_help_panel=_TRI,
+                         help="Decode tokens per sequence for the end-to-end throughput (0: the simulated "
+                              "steps).")]  # fmt: skip
 
 
 def _decode_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: TriSimConfig,
@@ -91,9 +102,11 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
         ("MoE time per step", f"{d['moe_step_s'] * 1e3:.3f} ms ({d['steps']} steps, {d['calls']} calls)"),
         ("step time", f"{d['step_s'] * 1e3:.3f} ms (batch {d['batch']:g})"),
         ("throughput", f"{d['throughput_tok_s']:.1f} tok/s"),
+        ("prefill / end to end", f"{d['prefill_s'] * 1e3:.3f} ms / {d['e2e_tok_s']:.1f} tok/s"),
         ("greedy-start MoE / step", f"{d['greedy_moe_s'] / d['steps'] * 1e3:.3f} ms ({d['moves']} refinement moves)"),
     ]
     rows += [(f"busy {k}", f"{100 * v:.1f}%") for k, v in d["busy"].items()]
+    rows += [(f"per step: {k}", f"{100 * v:.1f}%") for k, v in d["step_util"].items()]
     rows += [(f"FLOP utilisation {k}", f"{100 * v:.2f}%") for k, v in d["flop_util"].items()]
     rows += [(f"experts on {k}", str(v)) for k, v in d["experts"].items()]
     rows.append(("predictor accuracy", f"{100 * pred['accuracy']:.1f}% (hot recall {100 * pred['hot_recall']:.1f}%)"))
@@ -117,7 +130,11 @@ def simulate_tri_cmd(
     no_refinement: NoRefineOpt = False,
     no_relayout: NoRelayoutOpt = False,
     drift: DriftOpt = None,
+    step_noise: StepNoiseOpt = _BASE.step_noise,
     contention: ContentionOpt = None,
+    dimm_link: DimmLinkOpt = _BASE.dimm_link,
+    prefill_tokens: PrefillOpt = _BASE.prefill_tokens,
+    output_len: OutputLenOpt = _BASE.output_len,
     run_dir: SimRunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -130,10 +147,13 @@ def simulate_tri_cmd(
             scheduler=scheduler, ndp_count=ndp_count, cpu_tflops_scale=cpu_tflops_scale, hbm_ratio=hbm_ratio,
             batch_size=batch_size or _BASE.batch_size, steps=steps or _BASE.steps, seed=seed,
             refinement=not no_refinement, relayout=not no_relayout, profile=profile, drift=drift,
-            contention=contention,
+            step_noise=step_noise, contention=contention, dimm_link=dimm_link, prefill_tokens=prefill_tokens,
+            output_len=output_len,
         )  # fmt: skip
         if drift is not None and not synthetic:
             raise ConfigError("--drift applies to --synthetic traces only")
+        if step_noise and not synthetic:
+            raise ConfigError("--step-noise applies to --synthetic traces only")
         load_ndp(cfg.profile)  # an unknown profile fails before any trace work
         # 2. the calls, 3. the run
         model, calls, source = _decode_calls(spec, trace, synthetic, cfg, steps, batch_size)
@@ -141,8 +161,8 @@ def simulate_tri_cmd(
         payload = asdict(result)
         payload.update(moe_step_s=result.moe_s / result.steps, profile=cfg.profile, ndp_count=cfg.ndp_count,
                        cpu_tflops_scale=cfg.cpu_tflops_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
-                       relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift,
-                       contention=cfg.contention or "array")  # fmt: skip
+                       relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift, step_noise=cfg.step_noise,
+                       contention=cfg.contention or "array", dimm_link=cfg.dimm_link)  # fmt: skip
         report.print(tri_table(payload, source))
         write_simulation(run_dir, payload, source, trace)
         if json_out:

@@ -1,12 +1,13 @@
 """`moetier synth`: write a synthetic routing trace (moetier.studies.synthetic) and print its statistics.
 
 Registered on the main app by cli/app.py (`register(app)`). The knobs come from a model spec's
-preset (`--spec NAME`, TriMoE 3.1 statistics) or from a fit to a recorded trace (`--fit TRACE`); the
-trace has `--steps` decode steps of `--batch-size` tokens after a prefill chunk of `--prompt-len`
-tokens per sequence, and carries all router scores.
+preset (`--spec NAME`, TriMoE 3.1 statistics), from a fit to a recorded trace (`--fit TRACE`) or from a
+knobs file (`--params FILE.json`, as `--params-out` writes it: fit once, generate many); the trace has
+`--steps` decode steps of `--batch-size` tokens after a prefill chunk of `--prompt-len` tokens per
+sequence, and carries all router scores.
 
-Invariants (as cli/app.py): bad input (neither or both of --spec/--fit, an unknown spec, a missing or
-malformed trace, non-positive steps) is one line `error: ...` on stderr and exit 2; with --json stdout
+Invariants (as cli/app.py): bad input (not exactly one of --spec/--fit/--params, an unknown spec, a missing
+or malformed trace or knobs file, non-positive steps) is one line `error: ...` on stderr and exit 2; with --json stdout
 holds exactly one JSON line.
 """
 
@@ -42,6 +43,13 @@ BatchOpt = Annotated[
 ]
 PromptOpt = Annotated[int, typer.Option("--prompt-len", help="Prefill tokens per sequence (step 0); 0 = none.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed of the generator.")]
+ParamsOpt = Annotated[
+    Path | None, typer.Option("--params", help="Knobs file (.json) written by --params-out: generate from it.")
+]
+ParamsOutOpt = Annotated[
+    Path | None,
+    typer.Option("--params-out", help="Also write the knobs used (e.g. the fitted ones) to this .json file."),
+]
 
 STAT_ROWS = (
     ("top10_share", "share of tokens on the top 10% experts"),
@@ -97,14 +105,16 @@ def synth_cmd(
     batch_size: BatchOpt = None,
     prompt_len: PromptOpt = 0,
     seed: SeedOpt = 0,
+    params_file: ParamsOpt = None,
+    params_out: ParamsOutOpt = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Write a synthetic routing trace from a model's preset or a fit to a recorded trace."""
+    """Write a synthetic routing trace from a model's preset, a fit to a recorded trace, or a knobs file."""
     report, err = consoles(json_out)
     with user_errors():
         # 1. flags
-        if (spec is None) == (fit is None):
-            raise ConfigError("give exactly one of --spec NAME or --fit TRACE")
+        if sum(x is not None for x in (spec, fit, params_file)) != 1:
+            raise ConfigError("give exactly one of --spec NAME, --fit TRACE or --params FILE.json")
         if steps < 1:
             raise ConfigError(f"--steps must be at least 1, got {steps}")
         if prompt_len < 0:
@@ -116,9 +126,13 @@ def synth_cmd(
             require_trace(fit)
             with err.status(f"fitting to {fit}"):
                 params = fit_params(traces.load(fit))
+        elif params_file is not None:
+            params = synthetic.load_params(params_file)
         else:
             params = synthetic.preset(_load_spec(str(spec)))
         params = replace(params, seed=seed, batch_size=batch_size or params.batch_size)
+        if params_out is not None:
+            synthetic.save_params(params, params_out)
         # 3. generate, write, measure
         with err.status("generating"):
             trace = synthetic.generate(params, steps, prompt_len)
@@ -127,9 +141,12 @@ def synth_cmd(
         knobs = {**asdict(params), "moe_layers": list(params.layer_ids)}
         report.print(stats_table(stats, knobs))
         err.print(f"trace written to {out} ({len(trace)} rows)", markup=False, highlight=False)
+        if params_out is not None:
+            err.print(f"knobs written to {params_out}", markup=False, highlight=False)
+        source = f"fit:{fit}" if fit else f"params:{params_file}" if params_file else f"spec:{spec}"
         if json_out:
-            emit_json({"out": str(out), "rows": len(trace), "source": f"fit:{fit}" if fit else f"spec:{spec}",
-                       "params": knobs, "stats": stats})  # fmt: skip
+            emit_json({"out": str(out), "rows": len(trace), "source": source, "params": knobs, "stats": stats,
+                       "params_out": None if params_out is None else str(params_out)})  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

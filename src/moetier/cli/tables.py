@@ -78,6 +78,11 @@ def _precision_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     if sw is not None:
         rows.append(("promotions / demotions", f"{stats.get('promotions', 0)} / {stats.get('demotions', 0)}"))
         rows.append(("precision decisions", f"{sw['decisions']} ({sw['n_hot']} hot slots)"))
+        dram = sw.get("dram")
+        if dram is not None:
+            per = ", ".join(f"{p} {m['hit_rate']:.0%}" for p, m in dram["precisions"].items())
+            cached = f"{dram['hit_rate']:.0%} ({per}; {format_size(dram['budget_bytes'])})"
+            rows.append(("host DRAM cache hits", cached))
         if sw["mover_errors"]:
             rows.append(("mover errors", f"{len(sw['mover_errors'])}: {sw['mover_errors'][-1]}"))
     return rows

@@ -12,7 +12,9 @@ table from another checkpoint is refused.
 - `sparse_torch`: the same gather path in torch ops, for where the kernel is missing (no
   compiler, CUDA: unverified here, activations other than SiLU);
 - `masked_dense`: the dense matmuls with the mask applied, for calls with many tokens, where
-  contiguous matmuls beat gathers (the dense/sparse switch never changes the result's math).
+  contiguous matmuls beat gathers (with it the dense/sparse switch never changes the result's math);
+- `dense_original`: the unmasked expert on dequantised weights (the paper's dense path above the
+  switch, for quantized rows; full-precision slots use the layer's own expert function).
 
 The torch paths' products with the weight as [out, in] rows go through `matmul.linear` (the
 small-row kernel chosen per call); the down product of the gather path (x @ rows [k, H]) is a plain
@@ -183,6 +185,15 @@ def masked_dense(
     a = act(gate)  # [N, I]
     m = block_mask(a, threshold, block)
     return matmul.linear(a * m * up, w2), int(m.sum())
+
+
+def dense_original(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The unmasked expert on plain weights: x [N, H], w13 [2I, H], w2 [H, I] (any strides) -> y [N, H]
+    (kernels/experts.py SwiGLU's math, for weights that are dequantised copies)."""
+    gate, up = matmul.linear(x, w13).chunk(2, dim=-1)  # [N, I] each
+    return matmul.linear(act(gate) * up, w2)
 
 
 def sparse_torch(

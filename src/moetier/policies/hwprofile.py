@@ -82,6 +82,8 @@ class ComputeProfile:
     efficiency: Points = ()  # (tokens, fraction of peak_flops reached) for the roofline; () -> 1.0
     small_luts: Mapping[str, Points] = field(default_factory=dict)  # as luts, measured on small_shape
     small_shape: tuple[int, int] | None = None  # (hidden, inter) of small_luts, fewer params than lut_shape
+    first_expert_s: float = 0.0  # extra time of the first expert of a layer call on this domain (HybriMoE Fig. 3e:
+    # "the first expert computation on the CPU is slower, but subsequent tasks are processed faster"); 0: off
 
     def __post_init__(self) -> None:
         _positive(
@@ -93,6 +95,7 @@ class ComputeProfile:
             layer_overhead_s=self.layer_overhead_s,
             token_overhead_s=self.token_overhead_s,
             dispatch_s=self.dispatch_s,
+            first_expert_s=self.first_expert_s,
         )
         if self.peak_flops <= 0 or self.mem_bw <= 0:
             raise ConfigError(

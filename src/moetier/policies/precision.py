@@ -26,7 +26,19 @@ Invariants:
 - an expert with score 0 (never routed, or decayed to 0) is never made HIGH;
 - with hysteresis h > 0 an incumbent HIGH expert is displaced only by a challenger whose
   score exceeds the incumbent's by the factor (1 + h), and stays eligible while
-  score * (1 + h) >= tau; with h = 0 this is Algorithm 1 exactly (ties keep the incumbent).
+  score * (1 + h) >= tau; with h = 0 (and lookahead 0) this is Algorithm 1 exactly (ties keep
+  the incumbent).
+
+Prediction (paper 3.3, "prefetches experts predicted to become hot"; the paper predicts from
+cross-layer correlations, we from the EMA's own trend, a named simplification): the trend of
+an expert is its score's change since the last decision per token, d_i = (S_i - S_i^last) / p
+(p tokens since then; 0 before the first decision). `predicted_scores(layer, t)` is
+max(0, S_i + t * d_i), 0 for an expert whose score is 0. Two uses:
+- `predict_upgrades()` between decisions: the LOW experts the next decision would promote if the
+  trend held until it (their high-precision bytes can be staged SSD -> DRAM ahead of need);
+- `lookahead` L > 0 (periods): `decide()` ranks by the score predicted L periods ahead instead of
+  the current one, so a rising expert is promoted a decision early (promote ahead of need).
+  L = 0 is Algorithm 1.
 """
 
 from __future__ import annotations
@@ -144,9 +156,13 @@ class PrecisionController:
         period: int = DEFAULT_PERIOD,
         hysteresis: float = 0.0,
         initial_hot: Mapping[int, Iterable[int]] | None = None,
+        lookahead: float = 0.0,
     ) -> None:
         if not n_hot:
             raise ValueError("n_hot must name at least one layer")
+        if not (np.isfinite(lookahead) and lookahead >= 0):
+            raise ValueError(f"lookahead must be finite and >= 0 periods, got {lookahead}")
+        self._lookahead = float(lookahead)
         if period < 1:
             raise ValueError(f"period must be >= 1 token, got {period}")
         if not (np.isfinite(hysteresis) and hysteresis >= 0):
@@ -162,6 +178,7 @@ class PrecisionController:
         self._high: dict[int, set[int]] = {layer: set() for layer in self._n_hot}
         self._tau: dict[int, float | None] = dict.fromkeys(self._n_hot)
         self._pending = dict.fromkeys(self._n_hot, 0)  # tokens per layer since the last decision
+        self._last: dict[int, np.ndarray | None] = dict.fromkeys(self._n_hot)  # scores [E] at the last decision
         self._history: list[DecisionRecord] = []
         self._promotions = 0
         self._demotions = 0
@@ -193,6 +210,10 @@ class PrecisionController:
     @property
     def hysteresis(self) -> float:
         return self._hysteresis
+
+    @property
+    def lookahead(self) -> float:
+        return self._lookahead
 
     @property
     def hotness(self) -> EmaHotness:
@@ -286,6 +307,32 @@ class PrecisionController:
         else:
             self._high[key.layer].discard(key.expert)
 
+    # --- prediction (paper 3.3 prefetch; see the module docstring) ---------------------------
+
+    def predicted_scores(self, layer: int, tokens_ahead: float) -> np.ndarray:
+        """Scores [E] extrapolated `tokens_ahead` tokens along the trend since the last decision."""
+        self._check_layer(layer)
+        scores = self._hotness.scores(layer)  # [E]
+        last, p = self._last[layer], self._pending[layer]
+        if last is None or p == 0 or tokens_ahead <= 0:
+            return scores
+        trend = (scores - last) / p  # [E] per token
+        return np.where(scores > 0, np.maximum(scores + tokens_ahead * trend, 0.0), 0.0)
+
+    def predict_upgrades(self) -> tuple[ExpertKey, ...]:
+        """LOW experts the next decision would make HIGH if every score followed its trend until then
+        (hottest predicted first); empty before the first decision (no threshold, no trend)."""
+        out: list[tuple[float, ExpertKey]] = []
+        for layer in self._n_hot:
+            if self._tau[layer] is None or self._last[layer] is None:
+                continue
+            ahead = max(self._period - self._pending[layer], 0) + self._lookahead * self._period
+            pred = self.predicted_scores(layer, ahead)  # [E]
+            for e in sorted(self._select(layer, pred) - self._high[layer]):
+                out.append((float(pred[e]), ExpertKey(layer, e)))
+        out.sort(key=lambda sk: (-sk[0], sk[1]))
+        return tuple(k for _, k in out)
+
     # --- Algorithm 1 -----------------------------------------------------------------------
 
     def decide(self, force: bool = False) -> Decision:
@@ -300,8 +347,10 @@ class PrecisionController:
         for layer in self._n_hot:
             if self._tau[layer] is None:  # warmup ends at the first decision (paper 3.5)
                 self.set_threshold(layer)
-            scores = self._hotness.scores(layer)  # [E]
+            now = self._hotness.scores(layer)  # [E]
+            scores = self.predicted_scores(layer, self._lookahead * self._period) if self._lookahead else now
             target = self._select(layer, scores)
+            self._last[layer] = now
             for e in sorted(self._high[layer] - target):
                 downs.append((float(scores[e]), ExpertKey(layer, e)))
             for e in sorted(target - self._high[layer]):
@@ -370,25 +419,39 @@ class SwitchPlan:
     kept_high: tuple[ExpertKey, ...]  # stay HIGH: demoting them would free a slot nobody needs
 
 
-def order_switches(decision: Decision, free_high_slots: int) -> SwitchPlan:
+def order_switches(decision: Decision, free_high_slots: int, transient: int = 0) -> SwitchPlan:
     """Pair a decision's moves so that the two pools never need a slot they do not have.
 
     Every expert is resident, so the low pool has room for all but the hot experts plus a
     few spares: a demotion needs the low slot a promotion frees, and a promotion needs the
     high slot a demotion frees (or one of `free_high_slots`). So: the first `free_high_slots`
-    promotions go alone, then each further promotion follows one demotion (coldest first).
+    promotions go alone, then each further promotion is paired with one demotion (coldest first).
     Demotions nobody needs a slot from are dropped: the expert keeps its high precision,
     which costs nothing (its slot is paid for) and is never less accurate. Promotions beyond
     the demotions available are rejected.
+
+    `transient` is the number of high-precision slots of the transient buffer (paper 3.4: "a small
+    transient buffer absorbs transfer bursts, allowing multiple in-flight promotions"). With none,
+    each pair runs demotion first (it frees the high slot its promotion fills). With T >= 1 the first
+    T paired promotions go first, into the transient slots, then each demotion is followed by the next
+    promotion (d_1, u_(T+1), d_2, u_(T+2), ..., then the last T demotions), so a pipelined mover has up
+    to T promotions in flight before any demotion has run, and the transient slots are free again at
+    the end. Either order is feasible when the moves run one at a time in plan order (the high pool
+    has quota + T slots, each promotion frees the low slot a later demotion takes).
     """
-    if free_high_slots < 0:
-        raise ValueError(f"free_high_slots must be >= 0, got {free_high_slots}")
+    if free_high_slots < 0 or transient < 0:
+        raise ValueError(f"free_high_slots and transient must be >= 0, got {free_high_slots}, {transient}")
     ups, downs = list(decision.upgrades), list(decision.downgrades)
     alone = ups[:free_high_slots]
     paired = ups[free_high_slots : free_high_slots + len(downs)]
     moves: list[tuple[ExpertKey, ExpertState]] = [(k, ExpertState.HIGH) for k in alone]
-    for down, up in zip(downs, paired, strict=False):
-        moves += [(down, ExpertState.LOW), (up, ExpertState.HIGH)]
+    lead = paired[:transient]  # into the transient slots, ahead of every demotion
+    moves += [(k, ExpertState.HIGH) for k in lead]
+    rest = paired[len(lead) :]
+    for i, down in enumerate(downs[: len(paired)]):
+        moves.append((down, ExpertState.LOW))
+        if i < len(rest):
+            moves.append((rest[i], ExpertState.HIGH))
     return SwitchPlan(
         moves=tuple(moves),
         rejected_upgrades=tuple(ups[free_high_slots + len(downs) :]),

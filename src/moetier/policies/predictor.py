@@ -32,9 +32,15 @@ Greedy: take the candidate of highest benefit (ties: lower cost, prefetch < rela
 layer, expert) that still fits its link's window, apply it, re-derive the load-dependent candidates
 (migrations go one by one), repeat; one that does not fit is skipped, a smaller one may still fit.
 Window reading: PCIe (host -> GPU) and the DIMM-Link (inter-DIMM, host-free) are independent, each
-gets the whole window hidden by the layer's attention and dense work, and each is serial.
+gets the whole window hidden by the layer's attention and dense work. PCIe is one serial link. The DIMM-Link is
+priced per link (`link_ports`): each DIMM has one link port (Table 1: 25 GB/s per link); an action's cost_s is one
+expert over one link, and it occupies the ports it uses: a migration its source and destination DIMMs' ports for
+cost_s each; a relayout its localised end's port for cost_s (the whole expert enters or leaves that DIMM) and every
+other DIMM's port for cost_s / D (its 1/D stripe). Moves on disjoint ports run in parallel; a port's chosen
+actions never exceed the window. `ActionPlan.dimm_link_s` is the busiest port's time (the DIMM-Link's wall time).
 
-Invariants: per link, the sum of chosen costs <= window_s; an expert gets at most one action;
+Invariants: PCIe: the sum of chosen costs <= window_s; DIMM-Link: per port, the sum of its shares <= window_s;
+an expert gets at most one action;
 prefetches <= hbm_free_slots; a migration never raises the maximum DIMM load; bad input: ConfigError.
 """
 
@@ -281,9 +287,23 @@ class ActionPlan:
 
     actions: tuple[Action, ...]  # in the order chosen (priority order)
     pcie_s: float  # time used on PCIe
-    dimm_link_s: float  # time used on the DIMM-Link
+    dimm_link_s: float  # time the busiest DIMM-Link port is used (link_ports)
     dimm_load_before: tuple[float, ...] = ()  # predicted cold load per DIMM, seconds
     dimm_load_after: tuple[float, ...] = ()
+    dimm_port_s: tuple[float, ...] = ()  # time each DIMM's link port is used
+
+
+def link_ports(action: Action, num_dimms: int) -> list[tuple[int, float]]:
+    """(DIMM, seconds) each DIMM-Link port is busy for one action (module docstring); [] for a prefetch."""
+    if action.kind is ActionKind.PREFETCH:
+        return []
+    c = action.cost_s
+    if action.kind is ActionKind.MIGRATE:
+        assert action.src_dimm is not None and action.dst_dimm is not None
+        return [(action.src_dimm, c), (action.dst_dimm, c)]
+    end = action.dst_dimm if action.layout is Layout.LOCALISED else action.src_dimm
+    assert end is not None
+    return [(d, c if d == end else c / num_dimms) for d in range(num_dimms)]
 
 
 def dimm_loads(experts: Sequence[ExpertState], num_dimms: int, base: Sequence[float] | None = None) -> np.ndarray:
@@ -365,28 +385,36 @@ def plan_actions(
     load = dimm_loads(experts, num_dimms, dimm_base_s)  # [D]
     before = tuple(float(x) for x in load)
     static = _static_candidates(experts)
-    used = {"pcie": 0.0, "dimm_link": 0.0}  # sums of chosen costs, in order: compared, never subtracted
+    pcie = 0.0  # sum of chosen PCIe costs, in order: compared, never subtracted
+    port = [0.0] * num_dimms  # DIMM-Link time per DIMM port (link_ports)
     slots = math.inf if hbm_free_slots is None else hbm_free_slots
+
+    def fits(a: Action) -> bool:
+        if a.kind is ActionKind.PREFETCH:
+            return slots > 0 and pcie + a.cost_s <= window_s
+        return all(port[d] + t <= window_s for d, t in link_ports(a, num_dimms))
+
     touched: set[ExpertKey] = set()
     chosen: list[Action] = []
     # 3. Greedy: best fitting candidate, apply, re-derive the load-dependent candidates
     while True:
         cands = [a for a in static if a.key not in touched]
         cands += [a for a in _load_candidates(experts, load, skew_ratio) if a.key not in touched]
-        fits = [
-            a for a in cands if used[a.link] + a.cost_s <= window_s and (a.kind is not ActionKind.PREFETCH or slots > 0)
-        ]
-        if not fits:
+        ok = [a for a in cands if fits(a)]
+        if not ok:
             break
-        best = min(fits, key=lambda a: (-a.benefit_s, a.cost_s, list(ActionKind).index(a.kind), a.key))
+        best = min(ok, key=lambda a: (-a.benefit_s, a.cost_s, list(ActionKind).index(a.kind), a.key))
         chosen.append(best)
         touched.add(best.key)
-        used[best.link] += best.cost_s
+        for d, t in link_ports(best, num_dimms):
+            port[d] += t
         s = by_key[best.key]
         if best.kind is ActionKind.PREFETCH:
+            pcie += best.cost_s
             slots -= 1
         if best.kind is ActionKind.MIGRATE:
             load[s.dimm] = max(0.0, load[s.dimm] - s.times.ndp)
         if best.dst_dimm is not None:  # a migration's or a relayout-to-localised's target
             load[best.dst_dimm] += s.times.ndp
-    return ActionPlan(tuple(chosen), used["pcie"], used["dimm_link"], before, tuple(float(x) for x in load))
+    return ActionPlan(tuple(chosen), pcie, max(port, default=0.0), before, tuple(float(x) for x in load),
+                      tuple(port))  # fmt: skip

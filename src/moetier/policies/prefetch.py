@@ -3,7 +3,8 @@
 Prediction: the routers of the next layers (up to 3 ahead) applied to the current hidden state
 give predicted tokens per expert (top-k per token), which the caller prices with the cost model
 into ExpertWork lists, cached flags as of now. The engine (runtime/prefetch.py) counts its routers'
-own top-k ids and the simulator degrades the trace's future routing (sim/predict.py);
+own top-k ids and the simulator asks a predictor learning from the replayed routing
+(policies/route_history.py) or degrades the trace's future routing (sim/predict.py, an option);
 `predicted_counts` / `predicted_layers` do the same top-k count from score arrays [T, E], but
 neither the engine nor the simulator calls them.
 
@@ -34,7 +35,8 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -145,12 +147,15 @@ def choose_prefetch(
 
 @dataclass
 class PrefetchStats:
-    """Prediction and prefetch counters, shared by the engine and the simulator."""
+    """Prediction and prefetch counters, shared by the engine and the simulator. `predicted` / `correct` count
+    the last prediction made for each layer call (the nearest one); `by_distance` counts every prediction by
+    how many MoE layers ahead it was made (distance -> [predicted, correct])."""
 
     predicted: int = 0  # experts predicted ((layer, expert) pairs)
     correct: int = 0  # predicted and then actually routed in that layer call
     issued: int = 0  # prefetches started
     used: int = 0  # prefetched experts accessed before eviction
+    by_distance: dict[int, list[int]] = field(default_factory=dict)
 
     def record_prediction(self, predicted: Collection[ExpertKey], actual: Collection[ExpertKey]) -> None:
         """One layer call's prediction against the experts it actually routed to."""
@@ -158,7 +163,14 @@ class PrefetchStats:
         self.predicted += len(pred)
         self.correct += len(pred & set(actual))
 
-    def as_dict(self) -> dict[str, float]:
+    def record_distance(self, distance: int, predicted: Collection[ExpertKey], actual: Collection[ExpertKey]) -> None:
+        """A prediction made `distance` MoE layers ahead, against the call's actual experts."""
+        pred = set(predicted)
+        row = self.by_distance.setdefault(int(distance), [0, 0])
+        row[0] += len(pred)
+        row[1] += len(pred & set(actual))
+
+    def as_dict(self) -> dict[str, Any]:
         return {
             "predicted": self.predicted,
             "correct": self.correct,
@@ -166,4 +178,8 @@ class PrefetchStats:
             "used": self.used,
             "accuracy": self.correct / self.predicted if self.predicted else 0.0,
             "used_frac": self.used / self.issued if self.issued else 0.0,
+            "accuracy_by_distance": {
+                str(d): (c / n if n else 0.0) for d, (n, c) in sorted(self.by_distance.items())
+            },
+            "predicted_by_distance": {str(d): n for d, (n, _) in sorted(self.by_distance.items())},
         }

@@ -77,13 +77,17 @@ class Scheduler(Protocol):
     - `placement`: the initial fast-tier placement, a key of policies.placement.PLACEMENTS:
       "frequency" (hottest experts of a warm-up window) or "layers" (whole layers, llama.cpp);
     - `cache_policy`: the default eviction policy name (policies.CACHE_POLICIES) when the user
-      names none; it only decides anything when `admits` (or when prefetches are admitted).
+      names none; it only decides anything when `admits` (or when prefetches are admitted);
+    - `gates`: True when the scheduler drops low-weight routed experts at decode (AdapMoE's adaptive
+      gating), which its user applies to the routing before scheduling; the engine refuses it (it would
+      change the model's output).
     """
 
     name: str
     admits: bool
     placement: str
     cache_policy: str
+    gates: bool
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         """`ready`: when each lane is free (e.g. the link is busy with a prefetch), default 0."""
@@ -177,6 +181,8 @@ def moved_timeline(work: Sequence[ExpertWork], ready: tuple[float, float, float]
 class LayerScheduler:
     """The `schedule` every variant shares: read the lanes' ready times, check the call, and without a slow
     domain fall back to `moved_timeline`; otherwise `plan` (the variant's own decision) decides."""
+
+    gates = False  # AdapMoE's variant overrides it
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         t0 = lane_ready(ready)

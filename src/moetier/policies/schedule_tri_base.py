@@ -11,7 +11,8 @@ whose parts the caller priced with its cost model (sim/ndp.py); this module comp
 - eq. 4  NDP:                        max(f_calc_ndp(L), T_Internal(W)); only for a LOCALISED expert,
                                      and only on its home DIMM
 T_DRAM(W, M) is the host read of its weights under its layout M (`dram_read_s`): striped, W at the full
-host bandwidth B; localised, W at one DIMM's share B / D.
+host bandwidth B; localised, W at "single-DIMM bandwidth": the DIMM's channel, B / channels (sim/ndp.py passes
+Table 1's 8 channels: 38.4 GB/s, not B / D = 19.2 GB/s, since a DIMM read alone has its channel).
 
 Totals (eq. 5-7), `domain_totals`:
 - GPU, CPU: serial sums of their experts' costs (eq. 5);
@@ -33,6 +34,8 @@ policies.schedulers.TRI_SCHEDULERS. A scheduler declares its capabilities as dat
 - `prefetches`: hot experts are prefetched into HBM over PCIe, hidden by the attention/dense window;
 - `relayouts` / `rebalances`: layout changes (striped <-> localised) / cold-expert migrations between
   DIMMs over the DIMM-Link (both switched off by the simulator's `relayout` setting);
+- `pipelines` (optional, False when absent): its schedule takes `window_s`, the PCIe time left free in the
+  layer's attention/dense window, to stream weights under it (klotski);
 - `refines`: its schedule takes the bottleneck-aware refinement's iteration budget (`max_iters`; the
   simulator passes 0, the greedy start alone, when its `refinement` setting is off).
 `schedule(experts, n_dimms, hot, max_iters)` returns a `TriOutcome`: the one `Plan` type every scheduler
@@ -59,12 +62,16 @@ INF = math.inf
 ALL_DOMAINS: frozenset[Domain] = frozenset((Domain.ACCEL, Domain.HOST, Domain.NDP))
 
 
-def dram_read_s(nbytes: int, layout: Layout, host_bw: float, n_dimms: int) -> float:
-    """T_DRAM(W, M): host read time of `nbytes` weights: striped at the full host bandwidth, localised at one
-    DIMM's share of it (host_bw / n_dimms)."""
-    if not (finite_time(host_bw) and host_bw > 0) or n_dimms < 1 or nbytes < 0:
-        raise ValueError(f"dram_read_s: need nbytes >= 0, host_bw > 0, n_dimms >= 1: {nbytes}, {host_bw}, {n_dimms}")
-    return nbytes / host_bw if layout == Layout.STRIPED else nbytes * n_dimms / host_bw
+def dram_read_s(nbytes: int, layout: Layout, host_bw: float, n_dimms: int, channels: int | None = None) -> float:
+    """T_DRAM(W, M): host read time of `nbytes` weights: striped at the full host bandwidth; localised at "single-DIMM
+    bandwidth", its channel's rate host_bw / channels (a DIMM read alone has its channel to itself, and never more;
+    channels None: one DIMM's share host_bw / n_dimms, as if every DIMM of its channel were read at once)."""
+    bad_channels = channels is not None and channels < 1
+    if not (finite_time(host_bw) and host_bw > 0) or n_dimms < 1 or nbytes < 0 or bad_channels:
+        raise ValueError(f"dram_read_s: need nbytes >= 0, host_bw > 0, n_dimms >= 1, channels >= 1: {nbytes}, "
+                         f"{host_bw}, {n_dimms}, {channels}")  # fmt: skip
+    ways = n_dimms if channels is None else channels
+    return nbytes / host_bw if layout == Layout.STRIPED else nbytes * ways / host_bw
 
 
 @dataclass(frozen=True)
@@ -157,8 +164,12 @@ class TriScheduler(Protocol):
     rebalances: bool
     refines: bool
 
-    def schedule(self, experts: Sequence[TriExpert], n_dimms: int, hot: frozenset[int], max_iters: int) -> TriOutcome:
-        """`hot`: expert ids the load predictor calls hot for this call; `max_iters`: refinement budget (0: none)."""
+    def schedule(
+        self, experts: Sequence[TriExpert], n_dimms: int, hot: frozenset[int], max_iters: int
+    ) -> TriOutcome:
+        """`hot`: expert ids the load predictor calls hot for this call; `max_iters`: refinement budget (0: none).
+        A scheduler that also declares `pipelines = True` takes a keyword `window_s`: the PCIe time free during the
+        layer's attention/dense work before this call (Klotski's multi-batch pipeline)."""
         ...
 
 
@@ -279,8 +290,48 @@ def greedy_assignment(experts: Sequence[TriExpert], domains: Collection[Domain] 
     return [DOMAINS[k] for k in greedy_codes(p, experts, who)]
 
 
+def hot_order(experts: Sequence[TriExpert], idx: Sequence[int]) -> list[int]:
+    """Indices `idx` hottest first: by tokens in this call descending, ties to the input order."""
+    return sorted(idx, key=lambda i: (-experts[i].tokens, i))
+
+
+def hot_split(experts: Sequence[TriExpert], n_dimms: int, other: int, who: str) -> tuple[list[int], DomainTotals]:
+    """The "hot experts on the GPU, the rest elsewhere" split that the two-domain baselines share (En-KTransformers:
+    `other` = 1, the CPU; MoNDE: `other` = 2, NDP). Shared and resident experts compute on the GPU (eq. 1). Of the
+    others, those the other domain cannot take (NDP: striped ones) are loaded on demand to the GPU (eq. 2); the rest,
+    hottest first (tokens in this call), are cut at the prefix length k that minimises the eq. 7 makespan: the k
+    hottest go to the GPU (on-demand PCIe loads, eq. 2), the others to `other` (eq. 3 or eq. 4). Ties go to the
+    smallest k (the least PCIe traffic). O(n log n + n * D). Returns the domain codes and the eq. 5-7 totals."""
+    use = (True, other == 1, other == 2)
+    p = price_paths(experts, n_dimms, use, who)
+    g, c, nd, rd, home, res = p
+    alt = c if other == 1 else nd
+    assign = [0] * len(experts)
+    movable = [i for i in range(len(experts)) if not res[i] and alt[i] < INF]
+    for i in movable:
+        assign[i] = other
+    # start: k = 0 (every movable expert on `other`); then move them to the GPU hottest first
+    base = sum_totals(p, assign, n_dimms)
+    G, C, loc, S = base.gpu_s, base.cpu_s, list(base.dimm_s), 0.0
+    best_k, best_ms = 0, base.makespan
+    order = hot_order(experts, movable)
+    for k, i in enumerate(order, start=1):
+        G += g[i]
+        if other == 1:
+            C -= c[i]  # its DRAM read stays (GPU miss or CPU): contention unchanged
+        else:  # off its home DIMM's NDP, and its home now serves the GPU's host read (eq. 6)
+            loc[home[i]] += rd[i] - nd[i]
+        ms = max(G, C, max(loc, default=0.0) + S)
+        if ms < best_ms * (1 - 1e-12):
+            best_k, best_ms = k, ms
+    for i in order[:best_k]:
+        assign[i] = 0
+    return assign, sum_totals(p, assign, n_dimms)
+
+
 __all__ = [
     "ALL_DOMAINS", "CODE", "DOMAINS", "INF", "DomainTotals", "Prices", "TriExpert", "TriOutcome", "TriScheduler",
-    "domain_totals", "domain_use", "dram_read_s", "greedy_assignment", "greedy_codes", "price_paths", "sum_totals",
+    "domain_totals", "domain_use", "dram_read_s", "greedy_assignment", "greedy_codes", "hot_order", "hot_split",
+    "price_paths", "sum_totals",
     "tri_plan",
 ]  # fmt: skip

@@ -4,7 +4,8 @@ Two-domain (GPU + CPU, schedule_base.Scheduler; the engine and moetier.sim), `SC
 - hybrimoe: HybriMoE's hybrid CPU-GPU schedule (paper IV-B), admits moved experts, MRS cache;
 - ktransformers: static mapping, cached (incl. shared) on the GPU, misses on the CPU;
 - llamacpp: static layer mapping, whole layers on the GPU (placement "layers");
-- gpu-lru: GPU only, every miss moved on demand, LRU cache (mixtral-offloading, AdapMoE);
+- gpu-lru: GPU only, every miss moved on demand, LRU cache (mixtral-offloading style);
+- adapmoe: gpu-lru plus AdapMoE's adaptive gating at decode (declared `gates`) and, with prefetch, its prefetch;
 - fiddler: a miss computes on the CPU when that beats moving it, static placement.
 
 Three-domain (GPU + AMX CPU + DIMM-NDP, schedule_tri_base.TriScheduler; moetier.sim.tri), `TRI_SCHEDULERS`:
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moetier.errors import ConfigError
+from moetier.policies.schedule_adapmoe import AdapMoEScheduler
 from moetier.policies.schedule_base import Scheduler
 from moetier.policies.schedule_fiddler import FiddlerScheduler
 from moetier.policies.schedule_gpu_lru import GpuLruScheduler
@@ -42,6 +44,7 @@ SCHEDULERS: dict[str, Callable[[], Scheduler]] = {
     "llamacpp": LlamaCppScheduler,
     "gpu-lru": GpuLruScheduler,
     "fiddler": FiddlerScheduler,
+    "adapmoe": AdapMoEScheduler,
 }
 TRI_SCHEDULERS: dict[str, Callable[[], TriScheduler]] = {
     "klotski": KlotskiScheduler,

@@ -4,9 +4,14 @@
   octave, 2^-40 .. 2^24; zeros and anything below fall in bin 0), so calibration keeps a few
   KiB per layer whatever the text length; `threshold(s)` is the magnitude below which a
   fraction s of the recorded values lie (log-linear inside a bin: relative error < 1.1%).
-- `thresholds_for` builds a calibrated table row (targets 0, 0.05, ..., 0.95);
+- `thresholds_for` builds a calibrated table row (targets 0, 0.05, ..., 0.95, 0.96, ..., 0.99);
   `interpolate` reads a threshold for any target between grid points.
-- `tipping_point` and `use_sparse`: the dense/sparse switch (paper 4.1) from a timing profile.
+- `routed_target` turns a total activation sparsity target (the paper's Table 2: shared experts'
+  neurons counted, as active) into the fraction of routed neurons to skip; `total_sparsity` counts
+  it back from (token, neuron) pairs.
+- `tipping_point` and `use_sparse`: the dense/sparse switch (paper 4.1) from a timing profile;
+  `roofline_profile` prices both paths of one expert call from a hardware profile's compute section
+  (for a device this process cannot time, e.g. a GPU named by --profile).
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-TARGETS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(20))  # 0 .. 0.95
+from moetier.errors import ConfigError
+from moetier.policies.hwprofile import ComputeProfile
+
+# 0 .. 0.95 in steps of 0.05, then 0.96 .. 0.99: a total target near the paper's 87% on a model with shared
+# experts needs about 0.98 of the routed neurons skipped (its Table 2)
+TARGETS: tuple[float, ...] = (*(round(0.05 * i, 2) for i in range(20)), 0.96, 0.97, 0.98, 0.99)
 BINS_PER_OCTAVE = 64
 LOG2_MIN, LOG2_MAX = -40, 24
 N_BINS = (LOG2_MAX - LOG2_MIN) * BINS_PER_OCTAVE + 1  # bin 0: zero and underflow
@@ -114,3 +124,60 @@ def tipping_point(profile: Mapping[int, tuple[float, float]], margin: float = 0.
 def use_sparse(tokens: int, tipping: int) -> bool:
     """The gather path for an expert call of `tokens` tokens below the tipping point."""
     return 0 < tokens < tipping
+
+
+def routed_target(target: float, scope: str, routed: int, shared: int, max_routed: float = TARGETS[-1]) -> float:
+    """The fraction of routed neurons to skip for `target`. `routed`: routed neurons per token (k * I),
+    `shared`: shared-expert neurons per token (S, 0 without shared experts). Scope "routed": the target
+    itself. Scope "total" (the paper, 4.2.2: "threshold-based masking is applied to routed experts,
+    yielding a model-specific routed expert sparsity that translates to the desired total activation
+    sparsity when shared experts are accounted for"): target * (routed + shared) / routed, since the shared
+    neurons always run. ConfigError when that exceeds `max_routed` (the table's largest target)."""
+    if scope not in ("total", "routed"):
+        raise ConfigError(f"sparsity scope must be 'total' or 'routed', got {scope!r}")
+    if routed <= 0 or shared < 0:
+        raise ConfigError(f"routed neurons per token must be > 0 and shared >= 0, got {routed} and {shared}")
+    if scope == "routed" or shared == 0 or target <= 0:
+        return target
+    r = target * (routed + shared) / routed
+    if r > max_routed + 1e-9:
+        top = max_routed * routed / (routed + shared)
+        raise ConfigError(
+            f"total activation sparsity {target} needs {r:.3f} of the routed neurons skipped ({shared} shared "
+            f"neurons per token always run beside {routed} routed), above the table's {max_routed}; the largest "
+            f"total target for this model is {top:.3f} (or use --sparsity-scope routed)"
+        )
+    return min(r, max_routed)
+
+
+def total_sparsity(skipped: int, routed_pairs: int, shared_pairs: int) -> float:
+    """Skipped (token, neuron) pairs over all computed ones, shared experts' (always active) included."""
+    denom = routed_pairs + shared_pairs
+    return skipped / denom if denom else 0.0
+
+
+def roofline_profile(
+    gpu: ComputeProfile, hidden: int, inter: int, weight_bytes: float, routed: float,
+    counts: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+) -> dict[int, tuple[float, float]]:  # fmt: skip
+    """tokens per expert -> (dense s, sparse s) of one SwiGLU expert call, priced on a compute profile's
+    roofline (peak_flops * eff(n), mem_bw; its fixed overhead_s cancels: both paths launch three kernels).
+    `routed` is the fraction of routed neurons skipped.
+    - dense: gate, up and down read once (3*H*I weights) against 6*H*I*n FLOPs at eff(n);
+    - sparse, as the paper's kernel (4.1, Fig. 5c): the gate projection dense (H*I weights, 2*H*I*n FLOPs
+      at eff(n)), then each token gathers its own active up and down rows and runs a matrix-vector
+      product: n * 2*H*I*(1 - routed) weights read and 4*H*I*(1 - routed)*n FLOPs at eff(1), since
+      gathered rows form no tile across tokens. Reuse of rows shared by several tokens (caches) is not
+      counted, so the sparse side is priced high and the switch errs towards the exact dense path."""
+    if not 0 <= routed < 1:
+        raise ValueError(f"routed sparsity must be in [0, 1), got {routed}")
+    hi = hidden * inter
+    out: dict[int, tuple[float, float]] = {}
+    for n in counts:
+        flops = gpu.peak_flops * gpu.eff(n)
+        dense = max(3 * hi * weight_bytes / gpu.mem_bw, 6 * hi * n / flops)
+        gate = max(hi * weight_bytes / gpu.mem_bw, 2 * hi * n / flops)
+        live = hi * (1 - routed) * n
+        gathered = max(2 * live * weight_bytes / gpu.mem_bw, 4 * live / (gpu.peak_flops * gpu.eff(1)))
+        out[n] = (dense, gate + gathered)
+    return out

@@ -13,14 +13,17 @@ before any pool is allocated).
 
 `Switching` is the control loop (paper 3.2-3.3): a route observer (runtime/observers.py) collects
 each MoE layer's routing during a forward; `after_forward` (Engine.step) feeds it to the
-PrecisionController, and every
-`period` tokens enqueues the decided demotions, then promotions, on the Mover. The
-forward pass never waits for them (unless `sync`), and always computes with the last
-registered version of each expert.
+PrecisionController, and every `period` tokens enqueues the decided switches, paired by
+`order_switches`, on the SwitchPipeline (store/mover.py: up to transient + spare switches in
+flight). Once per period, halfway between decisions, with `prefetch` on, the experts the
+controller predicts the next decision will promote are staged at the high precision from disk
+into the host DRAM cache (store/dram.py) on a background thread. The forward pass never waits for
+either (unless `sync`), and always computes with the last registered version of each expert.
 
-Invariants: the controller's plan never has more experts at hi than there are hi slots (demotions are
-enqueued before the promotions they free room for); a failed switch leaves the expert at its registered
-precision and the controller is told so.
+Invariants: the controller's plan never has more experts at hi than there are hi slots once its moves
+have run (each promotion beyond the free quota is paired with a demotion: the demotion first without a
+transient buffer, up to `transient_slots` promotions first with one, landing in its slots); a failed
+switch leaves the expert at its registered precision and the controller is told so.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from moetier.kernels.qformat import ExpertFormat
 from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
 from moetier.runtime.observers import Route, Stage
 from moetier.store.dynamic import DynamicStore
-from moetier.store.mover import Mover
+from moetier.store.mover import Mover, SwitchPipeline
 from moetier.store.source import ExpertSource, FullSource, QuantSource, StoredSource
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
@@ -97,7 +100,11 @@ def build_store(
         per_layer: dict[int, int] = {}
         for key in keys:
             per_layer[key.layer] = per_layer.get(key.layer, 0) + 1
-        staging = hi.staging_bytes + lo.staging_bytes + pcfg.spare_slots * lo.slot_bytes
+        # the transient buffer (spare low + transient high slots) and the staging buffers come off the budget
+        staging = (hi.staging_bytes + lo.staging_bytes + pcfg.spare_slots * lo.slot_bytes
+                   + pcfg.transient_slots * hi.slot_bytes)  # fmt: skip
+        if pcfg.prefetch and not cfg.budgets.host_cache_bytes:
+            raise ConfigError("precision prefetch stages experts in the host DRAM cache: set --host-cache-mem")
         all_lo, all_hi = len(keys) * lo.slot_bytes + staging, len(keys) * hi.slot_bytes + staging
         if budget is None:
             raise ConfigError(
@@ -111,7 +118,10 @@ def build_store(
                 f"raise it to at least {format_size(all_lo + hi.slot_bytes - lo.slot_bytes)} "
                 f"or use --precision {pcfg.lo}"
             )
-        return DynamicStore(hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget, per_layer=n_hot)
+        return DynamicStore(
+            hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget, per_layer=n_hot,
+            transient=pcfg.transient_slots, cache_bytes=cfg.budgets.host_cache_bytes,
+        )  # fmt: skip
     except BaseException:
         hi.close()
         lo.close()
@@ -135,11 +145,21 @@ class Switching:
         initial = {layer: range(n) for layer, n in n_hot.items()}
         store.preload(ExpertKey(layer, e) for layer, experts in initial.items() for e in experts)
         self.controller = PrecisionController(
-            n_hot, num_experts, alpha=cfg.alpha, period=cfg.period, hysteresis=cfg.hysteresis, initial_hot=initial
-        )
+            n_hot, num_experts, alpha=cfg.alpha, period=cfg.period, hysteresis=cfg.hysteresis, initial_hot=initial,
+            lookahead=cfg.lookahead,
+        )  # fmt: skip
         self.hi_slots = sum(n_hot.values())
         self.planned_hi = self.hi_slots  # experts at hi once every queued move has run
-        self.mover = Mover(self._run, lambda move, exc: self._failures.put(move))
+        self.mover = SwitchPipeline(
+            lambda m: store.begin_switch(m.key, m.precision, timeout=30.0), store.finish_switch,
+            workers=cfg.transient_slots + cfg.spare_slots, on_error=lambda move, exc: self._failures.put(move),
+        )  # fmt: skip
+        # disk -> DRAM staging of predicted promotions, behind the switches (its own thread)
+        self.stager = Mover(lambda m: store.stage(m.key), name="moetier-stage") if cfg.prefetch else None
+        self._staged_this_period = False
+        self.predicted = 0  # experts predicted to be promoted at the next decision (summed over periods)
+        self.predicted_hits = 0  # of those, promoted at that decision
+        self._last_prediction: set[ExpertKey] = set()
         self._failures: queue.SimpleQueue[Move] = queue.SimpleQueue()  # from the mover thread
         self._seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, ids [T, k], weights [T, k])
 
@@ -161,11 +181,16 @@ class Switching:
                 )
             self.controller.observe(layer, ids.cpu().numpy(), w)
         decision = self.controller.decide(force=force)
+        if decision.step >= 0:  # a decision ran: score the last prediction, predict anew halfway
+            self.predicted_hits += len(self._last_prediction & set(decision.upgrades))
+            self._last_prediction, self._staged_this_period = set(), False
+        elif self.stager is not None and not self._staged_this_period:
+            self._stage_predicted()
         if decision.empty:
             return
         # pair demotions with promotions (policies.precision.order_switches); what cannot move
         # keeps its precision, and the controller is told so
-        plan = order_switches(decision, self.hi_slots - self.planned_hi)
+        plan = order_switches(decision, self.hi_slots - self.planned_hi, transient=self.cfg.transient_slots)
         for key in plan.rejected_upgrades:
             self.controller.reset_target(key, high=False)
         for key in plan.kept_high:
@@ -181,8 +206,20 @@ class Switching:
         if self.cfg.sync:
             self.mover.drain()
 
-    def _run(self, move: Move) -> None:
-        self.store.switch(move.key, move.precision, timeout=30.0)
+    def _stage_predicted(self) -> None:
+        """Halfway to the next decision: stage the high-precision bytes of the experts it is predicted to
+        promote (controller.predict_upgrades) from disk into the DRAM cache."""
+        c = self.controller
+        if c.decisions == 0 or 2 * c.pending_tokens < c.period:
+            return
+        self._staged_this_period = True
+        keys = c.predict_upgrades()
+        self._last_prediction = set(keys)
+        self.predicted += len(keys)
+        assert self.stager is not None
+        self.stager.submit(Move(MoveKind.PREFETCH, k, Tier.DISK, Tier.HOST, self.store.hi_precision) for k in keys)
+        if self.cfg.sync:
+            self.stager.drain()
 
     def _failed(self, move: Move) -> None:
         """The expert stays at its registered precision; let the controller decide it again."""
@@ -195,9 +232,26 @@ class Switching:
         return {
             "decisions": c.decisions, "decided_promotions": c.promotions, "decided_demotions": c.demotions,
             "pending_moves": self.mover.pending, "mover_errors": list(self.mover.errors),
-            "n_hot": sum(c.n_hot.values()),
-        }  # fmt: skip
+            "n_hot": sum(c.n_hot.values()), "hysteresis": c.hysteresis, "alpha": c.hotness.alpha,
+            "period": c.period, "lookahead": c.lookahead, "workers": self.mover.workers,
+        } | self._store_stats() | self._prefetch_stats()  # fmt: skip
+
+    def _store_stats(self) -> dict[str, Any]:
+        """The transient buffer and the DRAM cache (`dram`: hit rates per precision), from the store."""
+        s = self.store.stats()
+        return {"transient": s["transient"]} | ({"dram": s["dram"]} if "dram" in s else {})
+
+    def _prefetch_stats(self) -> dict[str, Any]:
+        if self.stager is None:
+            return {}
+        return {"prefetch": {
+            "predicted": self.predicted, "predicted_promoted": self.predicted_hits,
+            "staged": self.store.prefetch_issued, "errors": list(self.stager.errors[-5:]),
+        }}  # fmt: skip
 
     def close(self) -> None:
         self.mover.close()
+        if self.stager is not None:
+            self.stager.drain(30.0)
+            self.stager.close()
 

@@ -1,10 +1,15 @@
 """The dense/sparse switch of intra-expert sparsity, measured: where the gather path stops paying.
 
 `tipping_profile` times one expert call on both paths (masked dense matmuls vs the gather kernel)
-on synthetic experts of the model's shape, dtype and quantization, at token counts 1..64;
-`policies.sparsity.tipping_point` reads the switch from it. `load_or_measure_tipping` caches
-profiles per machine, threads, shape, dtype, quantization, target, block, kernel build and torch
-in CACHE/sparse-profiles.json (CACHE: RuntimeConfig.kernel_cache, default ~/.cache/moetier).
+on synthetic experts of the model's shape, dtype and quantization, at token counts 1..64, on the
+engine's device (the paper: "we profile the tipping batch size between the sparse execution path and
+dense execution path during engine startup", 4.1); `policies.sparsity.tipping_point` reads the switch
+from it. The dense side is the path the engine runs above the switch: the original, unmasked expert
+(SparsityConfig.dense "original") or the masked matmuls ("masked"). On CUDA the
+timing synchronises the device around each measured loop; this is **unverified**: no GPU was lent to
+this work. `load_or_measure_tipping` caches profiles per machine (CPU, and the GPU's name on CUDA),
+threads, shape, dtype, quantization, target, block, kernel build and torch in
+CACHE/sparse-profiles.json (CACHE: RuntimeConfig.kernel_cache, default ~/.cache/moetier).
 
 Invariants: the cache file is replaced atomically (temp file, then os.replace); an unreadable or
 unwritable cache only costs a re-measure, never an error.
@@ -27,7 +32,14 @@ import torch.nn.functional as F
 from moetier.config import SparsityConfig
 from moetier.kernels import native
 from moetier.kernels.qformat import QExpertViews, QLinearWeight
-from moetier.kernels.sparse import NativeSparse, NativeSparseQuant, dense_weights, masked_dense, sparse_torch
+from moetier.kernels.sparse import (
+    NativeSparse,
+    NativeSparseQuant,
+    dense_original,
+    dense_weights,
+    masked_dense,
+    sparse_torch,
+)
 from moetier.policies.sparsity import tipping_point
 
 PROFILE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -36,28 +48,41 @@ PROFILE_VERSION = 2
 
 def _profile_key(
     hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: str,
-    quant: tuple[int, int] | None = None,
+    quant: tuple[int, int] | None = None, device: torch.device | None = None, masked: bool = True,
 ) -> str:  # fmt: skip
-    """Everything a measured profile depends on: CPU (model and flags), threads, shape, dtype, target,
-    block, which kernel (`kernel`: the native build's key (source, compiler, flags) or "torch") and torch."""
+    """Everything a measured profile depends on: CPU (model and flags), threads, the GPU on CUDA, shape,
+    dtype, target, block, which kernel (`kernel`: the native build's key (source, compiler, flags) or
+    "torch") and torch."""
     cpu = hashlib.sha256(native._cpu_id().encode()).hexdigest()[:16]
-    return json.dumps(
-        {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
-         "dtype": str(dtype), "target": round(target, 4), "block": block, "quant": list(quant or ()),
-         "kernel": kernel, "version": PROFILE_VERSION,
-         "torch": torch.__version__}, sort_keys=True,
-    )  # fmt: skip
+    key = {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
+           "dtype": str(dtype), "target": round(target, 4), "block": block, "quant": list(quant or ()),
+           "kernel": kernel, "version": PROFILE_VERSION, "torch": torch.__version__,
+           "dense": "masked" if masked else "original"}  # fmt: skip
+    if device is not None and device.type == "cuda":
+        key["gpu"] = torch.cuda.get_device_name(device)
+    return json.dumps(key, sort_keys=True)
 
 
-def _best_time(fn: Callable[[], object], min_s: float = 0.01, rounds: int = 3) -> float:
-    """Median over `rounds` of the mean time of fn over at least `min_s` seconds."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(
+    fn: Callable[[], object], min_s: float = 0.01, rounds: int = 3, device: torch.device | None = None
+) -> float:
+    """Median over `rounds` of the mean time of fn over at least `min_s` seconds (the device synchronised
+    before the clock starts and before it is read, so queued kernels are counted)."""
+    dev = device or torch.device("cpu")
     fn()
     res = []
     for _ in range(rounds):
+        _sync(dev)
         n, t0 = 0, time.perf_counter()
         while True:
             fn()
             n += 1
+            _sync(dev)
             el = time.perf_counter() - t0
             if el >= min_s:
                 break
@@ -66,8 +91,9 @@ def _best_time(fn: Callable[[], object], min_s: float = 0.01, rounds: int = 3) -
 
 
 def _synthetic_experts(
-    hidden: int, inter: int, dtype: torch.dtype, quant: tuple[int, int] | None, gen: torch.Generator
-) -> list[Any]:
+    hidden: int, inter: int, dtype: torch.dtype, quant: tuple[int, int] | None, gen: torch.Generator,
+    device: torch.device | None = None,
+) -> list[Any]:  # fmt: skip
     """Random experts of this shape in the layout the engine uses: full precision as SlotViews-like
     (w13 [2I, H], w2 view, down_rows [I, H], row) or quantized rows as QExpertViews; about 64 MiB, one
     at a time, in the target dtype (never fewer than one)."""
@@ -78,6 +104,7 @@ def _synthetic_experts(
     for _ in range(n_exp):
         if quant is None:
             row = torch.empty(3 * inter, hidden, dtype=dtype).normal_(0.0, hidden**-0.5, generator=gen)
+            row = row.to(device) if device is not None else row
             down = row[2 * inter :]
             out.append(SimpleNamespace(w13=row[: 2 * inter], w2=down.t(), down_rows=down, row=row))
             continue
@@ -95,17 +122,23 @@ def _synthetic_experts(
 def tipping_profile(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], target: float,
     block: int, kernel: NativeSparse | NativeSparseQuant | None, counts: Sequence[int] = PROFILE_COUNTS,
-    stop_after: int = 2, quant: tuple[int, int] | None = None,
+    stop_after: int = 2, quant: tuple[int, int] | None = None, device: torch.device | None = None,
+    masked: bool = True,
 ) -> dict[int, tuple[float, float]]:  # fmt: skip
     """tokens per expert -> (dense s, sparse s) for one expert call on synthetic experts of this shape
     (full precision, or `quant` = (bits, group) in the rows layout), rotating over enough of them to
     leave the CPU caches (as real experts are, at decode). Inputs are random; each token's threshold
     is its own quantile at `target`, so every token has the target's sparsity and the union over
     tokens is that of independent tokens (pessimistic for the gather path). Stops `stop_after`
-    counts after dense first wins."""
+    counts after dense first wins. `masked`: the dense side applies the mask (else it is the original,
+    unmasked expert). `device` (default CPU) is where the experts live and both paths run;
+    quantized rows are CPU-only (the native kernel's)."""
+    dev = device or torch.device("cpu")
+    if quant is not None and dev.type != "cpu":
+        raise ValueError("quantized rows are timed on the CPU only")
     gen = torch.Generator().manual_seed(0)
-    experts = _synthetic_experts(hidden, inter, dtype, quant, gen)
-    x_all = torch.randn(max(counts), hidden, generator=gen).to(dtype)
+    experts = _synthetic_experts(hidden, inter, dtype, quant, gen, dev)
+    x_all = torch.randn(max(counts), hidden, generator=gen).to(dev, dtype)
     w13_0 = dense_weights(experts[0], dtype)[0]
     a = act(F.linear(x_all, w13_0[:inter]).float())  # [N, I]
     thr = float(torch.quantile(a.abs().flatten().float(), target)) if target > 0 else 0.0
@@ -123,7 +156,10 @@ def tipping_profile(
 
         def dense(x: torch.Tensor = x) -> None:
             w13, w2, _ = dense_weights(pick(), dtype)
-            masked_dense(x, w13, w2, act, thr, block)  # 1-2 rows: matmul.linear picks the kernel per call
+            if masked:
+                masked_dense(x, w13, w2, act, thr, block)  # 1-2 rows: matmul.linear picks the kernel per call
+            else:
+                dense_original(x, w13, w2, act)
 
         def sparse(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
             v = pick()
@@ -135,7 +171,7 @@ def tipping_profile(
                 sparse_torch(x, w13, rows, act, thr, block)
 
         with torch.inference_mode():
-            out[c] = (_best_time(dense), _best_time(sparse))
+            out[c] = (_best_time(dense, device=dev), _best_time(sparse, device=dev))
         dense_wins = dense_wins + 1 if out[c][0] <= out[c][1] else 0
         if dense_wins >= stop_after:
             break
@@ -145,14 +181,14 @@ def tipping_profile(
 def load_or_measure_tipping(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], cfg: SparsityConfig,
     kernel: NativeSparse | NativeSparseQuant | None, cache: Path | None = None, quant: tuple[int, int] | None = None,
-    kernel_cache: Path | str | None = None,
+    kernel_cache: Path | str | None = None, device: torch.device | None = None, masked: bool = True,
 ) -> tuple[int, dict[int, tuple[float, float]], bool]:  # fmt: skip
     """(tipping point, profile, from cache). A profile is cached per machine, threads, shape, dtype,
     target and block in `cache`, by default KERNEL_CACHE/sparse-profiles.json (`kernel_cache`:
     RuntimeConfig.kernel_cache, None: ~/.cache/moetier); an unwritable cache only costs the re-measure."""
     path = cache or native.cache_root(kernel_cache) / "sparse-profiles.json"
     build = kernel.build_key if kernel is not None else "torch"
-    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, build, quant)
+    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, build, quant, device, masked)
     stored: dict[str, Any] = {}
     try:
         stored = json.loads(path.read_text()) if path.exists() else {}
@@ -166,7 +202,8 @@ def load_or_measure_tipping(
             return tipping_point(profile), profile, True
         except (AttributeError, TypeError, ValueError):
             pass  # a malformed entry: measure again and overwrite it
-    profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel, quant=quant)
+    profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel, quant=quant, device=device,
+                              masked=masked)  # fmt: skip
     stored[key] = {str(c): list(v) for c, v in profile.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.kernels import decode, native
 from moetier.models.families import Family
+from moetier.policies.schedulers import make_scheduler
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
 from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
@@ -121,6 +122,11 @@ def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], 
         if family.seam:
             raise ConfigError(f"prefetch predicts with the next layer's router, which {family.name} keeps inside "
                               "transformers' own MoE block (the experts seam, models/seam.py): run without --prefetch")
+    name = cfg.scheduler.name
+    if name is not None and make_scheduler(name).gates:
+        raise ConfigError(f"scheduler {name!r} drops routed experts (adaptive gating), which changes the model's "
+                          "output; it runs in the simulator only (`moetier simulate --scheduler "
+                          f"{name}`)")  # fmt: skip
     if cuda and cfg.scheduler.name is not None:
         hybrid = EXECUTORS["hybrid"]
         refuse_missing(hybrid.needs, capabilities)

@@ -2,7 +2,10 @@
 
 One global cache holds `slots = floor(cache_ratio * total_experts)` experts (at least 1), where
 total_experts counts the routed experts of all MoE layers (the paper's "GPU expert cache ratio").
-It starts empty. Per layer call, in trace order:
+With `per_layer=True` each MoE layer has its own cache of `floor(cache_ratio * E)` slots (at least 1)
+and its own policy instance (equal slots per layer, as mixtral-offloading's per-layer LRU); the layers'
+caches never compete, so each layer's calls are replayed on their own and `slots` reports the sum.
+A cache starts empty. Per layer call, in trace order:
 
 1. the policy sees the call's router scores summed over its tokens (`on_route`; a trace without
    scores falls back to the top-k gate weights scattered into an [E] vector, and the result says
@@ -19,7 +22,8 @@ An access is one unique expert of one layer call. Decode counts cover calls with
 hits-first reordering inside a call does not disturb it).
 
 Invariants: hits + misses == accesses, per layer and overall; resident experts never exceed
-the slots; the victim is always a resident outside the current call (checked). Pure numpy.
+the slots (of the layer's cache in per-layer mode); the victim is always a resident outside the current
+call (checked). Pure numpy.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class ReplayResult:
     layers: tuple[LayerHits, ...]
     options: tuple[tuple[str, Any], ...] = ()
     seconds: float = 0.0
+    per_layer: bool = False  # one cache per layer (slots = their sum) instead of one global cache
 
     @property
     def misses(self) -> int:
@@ -89,7 +94,7 @@ class ReplayResult:
             "decode_hit_rate": self.decode_hit_rate,
             "per_layer": {str(h.layer): {"accesses": h.accesses, "hits": h.hits, "hit_rate": h.hit_rate}
                           for h in self.layers},
-            "options": dict(self.options), "replay_s": self.seconds,
+            "options": dict(self.options), "replay_s": self.seconds, "per_layer_caches": self.per_layer,
         }  # fmt: skip
 
 
@@ -136,41 +141,32 @@ def call_scores(call: Call, num_experts: int) -> np.ndarray:
     return np.bincount(ids, weights=w, minlength=num_experts).astype(np.float64)  # [E]
 
 
-def replay(
+@dataclass
+class _Counts:
+    """Hit / access counters of one replay (per layer and decode-only)."""
+
+    acc: dict[int, int]
+    hit: dict[int, int]
+    dec_acc: int = 0
+    dec_hit: int = 0
+    evictions: int = 0
+    options: dict[str, Any] | None = None
+
+
+def _run(
     calls: Sequence[Call],
+    call_keys: Sequence[list[ExpertKey]],
     policy: str,
-    cache_ratio: float,
+    slots: int,
     num_experts: int,
-    top_k: int | None = None,
-    layers: Sequence[int] | None = None,
-    **knobs: Any,
-) -> ReplayResult:
-    """Replay `calls` (traces.iter_calls) through a fresh `policy` with a cache of `cache_ratio` of all
-    experts; `layers` are the MoE layers (default: those in the calls); `knobs` go to the policy
-    (MRS: alpha, top_p, normalize)."""
-    t0 = time.perf_counter()
-    # 1. size the cache
-    layer_ids = sorted({int(c.layer) for c in calls}) if layers is None else sorted({int(x) for x in layers})
-    missing = sorted({int(c.layer) for c in calls} - set(layer_ids))
-    if missing:
-        raise TraceError(f"trace calls layer(s) {missing[:4]} outside the MoE layers {layer_ids[:8]}")
-    if num_experts < 1:
-        raise TraceError(f"num_experts must be >= 1, got {num_experts}")
-    total = num_experts * max(1, len(layer_ids))
-    slots = slots_for(cache_ratio, total)
-    if policy not in CACHE_POLICIES:
-        raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
-    # 2. the access sequence (Belady's future) and the policy
-    call_keys = [[ExpertKey(int(c.layer), e) for e in ex] for c, ex in zip(calls, _call_experts(calls, num_experts),
-                                                                          strict=True)]  # fmt: skip
+    top_k: int | None,
+    counts: _Counts,
+    knobs: dict[str, Any],
+) -> None:
+    """Replay `calls` (their unique keys in `call_keys`) through one fresh policy and one cache of `slots`."""
     future: list[Hashable] = [key for keys in call_keys for key in keys]
     pol = make_cache_policy(policy, top_k=top_k, future=future, **knobs)  # only Belady takes the future
-    has_scores = all(c.scores is not None for c in calls)
-    # 3. replay
     resident: set[ExpertKey] = set()
-    acc = dict.fromkeys(layer_ids, 0)
-    hit = dict.fromkeys(layer_ids, 0)
-    dec_acc = dec_hit = evictions = 0
     for call, keys in zip(calls, call_keys, strict=True):
         layer = int(call.layer)
         pol.on_route(layer, call_scores(call, num_experts))
@@ -188,22 +184,63 @@ def replay(
                     raise AssertionError(f"policy {policy!r} chose {victim!r}, not a candidate")
                 resident.discard(victim)
                 pol.on_evict(victim)
-                evictions += 1
+                counts.evictions += 1
             resident.add(key)
             pol.on_insert(key)
-        acc[layer] += len(keys)
-        hit[layer] += n_hit
+        counts.acc[layer] += len(keys)
+        counts.hit[layer] += n_hit
         if call.step > 0:
-            dec_acc += len(keys)
-            dec_hit += n_hit
-    options = dict(getattr(pol, "options", knobs))  # the knobs in effect, defaults included (MRS)
+            counts.dec_acc += len(keys)
+            counts.dec_hit += n_hit
+    counts.options = dict(getattr(pol, "options", knobs))  # the knobs in effect, defaults included (MRS)
+
+
+def replay(
+    calls: Sequence[Call],
+    policy: str,
+    cache_ratio: float,
+    num_experts: int,
+    top_k: int | None = None,
+    layers: Sequence[int] | None = None,
+    per_layer: bool = False,
+    **knobs: Any,
+) -> ReplayResult:
+    """Replay `calls` (traces.iter_calls) through a fresh `policy` with a cache of `cache_ratio` of all
+    experts (`per_layer`: one cache of `cache_ratio` of E per layer); `layers` are the MoE layers (default:
+    those in the calls); `knobs` go to the policy (MRS: alpha, top_p, normalize)."""
+    t0 = time.perf_counter()
+    # 1. size the cache(s)
+    layer_ids = sorted({int(c.layer) for c in calls}) if layers is None else sorted({int(x) for x in layers})
+    missing = sorted({int(c.layer) for c in calls} - set(layer_ids))
+    if missing:
+        raise TraceError(f"trace calls layer(s) {missing[:4]} outside the MoE layers {layer_ids[:8]}")
+    if num_experts < 1:
+        raise TraceError(f"num_experts must be >= 1, got {num_experts}")
+    total = num_experts * max(1, len(layer_ids))
+    slots = slots_for(cache_ratio, total)
+    if policy not in CACHE_POLICIES:
+        raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
+    # 2. the access sequence (Belady's future): unique experts per call
+    call_keys = [[ExpertKey(int(c.layer), e) for e in ex] for c, ex in zip(calls, _call_experts(calls, num_experts),
+                                                                          strict=True)]  # fmt: skip
+    counts = _Counts(dict.fromkeys(layer_ids, 0), dict.fromkeys(layer_ids, 0))
+    # 3. replay: one global cache, or one cache per layer (independent, so replayed layer by layer)
+    if per_layer:
+        per = slots_for(cache_ratio, num_experts)
+        slots = per * max(1, len(layer_ids))
+        for layer in layer_ids:
+            idx = [i for i, c in enumerate(calls) if int(c.layer) == layer]
+            _run([calls[i] for i in idx], [call_keys[i] for i in idx], policy, per, num_experts, top_k, counts, knobs)
+    else:
+        _run(calls, call_keys, policy, slots, num_experts, top_k, counts, knobs)
+    options = counts.options if counts.options is not None else dict(knobs)  # no layer replayed: knobs as given
     return ReplayResult(
         policy=policy, cache_ratio=float(cache_ratio), slots=slots, total_experts=total,
-        scores="router" if has_scores else "weights", calls=len(calls),
-        accesses=sum(acc.values()), hits=sum(hit.values()), evictions=evictions,
-        decode_accesses=dec_acc, decode_hits=dec_hit,
-        layers=tuple(LayerHits(layer, acc[layer], hit[layer]) for layer in layer_ids),
-        options=tuple(sorted(options.items())), seconds=time.perf_counter() - t0,
+        scores="router" if all(c.scores is not None for c in calls) else "weights", calls=len(calls),
+        accesses=sum(counts.acc.values()), hits=sum(counts.hit.values()), evictions=counts.evictions,
+        decode_accesses=counts.dec_acc, decode_hits=counts.dec_hit,
+        layers=tuple(LayerHits(layer, counts.acc[layer], counts.hit[layer]) for layer in layer_ids),
+        options=tuple(sorted(options.items())), seconds=time.perf_counter() - t0, per_layer=per_layer,
     )  # fmt: skip
 
 
@@ -215,7 +252,7 @@ def trace_layers(trace: Trace) -> list[int] | None:
     return None
 
 
-def replay_trace(trace: Trace, policy: str, cache_ratio: float, **knobs: Any) -> ReplayResult:
+def replay_trace(trace: Trace, policy: str, cache_ratio: float, per_layer: bool = False, **knobs: Any) -> ReplayResult:
     """`replay` with num_experts, top_k and the MoE layers taken from the trace's metadata."""
     calls = iter_calls(trace)
     if not calls:
@@ -223,5 +260,5 @@ def replay_trace(trace: Trace, policy: str, cache_ratio: float, **knobs: Any) ->
     meta = trace.metadata
     return replay(
         calls, policy, cache_ratio, num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]),
-        layers=trace_layers(trace), **knobs,
+        layers=trace_layers(trace), per_layer=per_layer, **knobs,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 from moetier.errors import ConfigError
 from moetier.policies.schedulers import check_scheduler
 from moetier.sim.machine import TimelineOp
-from moetier.sim.predict import DEFAULT_ACCURACY, check_accuracy
+from moetier.sim.predict import DEFAULT_ACCURACY, PREDICTORS, check_accuracy
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,12 @@ class SimConfig:
     cache_ratio: float = 0.25  # fraction of all routed experts (all MoE layers) the fast tier holds
     prefetch: bool = False
     prefetch_depth: int = 3  # MoE layers ahead (<= 3, HybriMoE IV-C)
-    prefetch_accuracy: tuple[float, ...] = DEFAULT_ACCURACY  # per distance 1..depth (see sim/predict.py)
+    predictor: str = "history"  # what predicts the next layers' experts (sim/predict.py): "history" (a predictor
+    # learning online from the routing replayed so far, policies/route_history.py) or "oracle" (the trace's true
+    # future degraded to prefetch_accuracy)
+    prefetch_accuracy: tuple[float, ...] = DEFAULT_ACCURACY  # "oracle" only: kept per distance 1..depth
+    gate_drop: float = 0.25  # schedulers that gate (adapmoe): fraction of routed experts adaptive gating drops at
+    # decode, by a weight threshold fitted on the warm-up window (AdapMoE reports 25% fewer activated experts)
     prefetch_max: int | None = None  # experts chosen per decision; None: top_k per predicted layer
     fill: bool = False  # decode misses not moved by the schedule are fetched in the background (link, prefetch
     # priority) and admitted by the cache policy: a dynamic cache for schedulers that never move
@@ -50,7 +55,11 @@ class SimConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not _int(self.prefetch_depth) or self.prefetch_depth < 1:
             raise ConfigError(f"prefetch_depth must be an integer >= 1, got {self.prefetch_depth!r}")
+        if self.predictor not in PREDICTORS:
+            raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
         check_accuracy(tuple(self.prefetch_accuracy), self.prefetch_depth if self.prefetch else 0)
+        if not (_number(self.gate_drop) and 0.0 <= self.gate_drop < 1.0):
+            raise ConfigError(f"gate_drop must be in [0, 1), got {self.gate_drop!r}")
         object.__setattr__(self, "prefetch_accuracy", tuple(float(a) for a in self.prefetch_accuracy))
         for name in ("batch_size", "steps", "prefetch_max"):
             v = getattr(self, name)
@@ -71,7 +80,8 @@ class SimConfig:
         return {
             "scheduler": self.scheduler, "cache_policy": self.cache_policy, "cache_ratio": self.cache_ratio,
             "prefetch": self.prefetch, "prefetch_depth": self.prefetch_depth,
-            "prefetch_accuracy": list(self.prefetch_accuracy), "prefetch_max": self.prefetch_max,
+            "predictor": self.predictor, "prefetch_accuracy": list(self.prefetch_accuracy),
+            "prefetch_max": self.prefetch_max, "gate_drop": self.gate_drop,
             "fill": self.fill, "batch_size": self.batch_size, "prompt_len": self.prompt_len, "steps": self.steps,
             "warmup_steps": self.warmup_steps, "prefill_admit": self.prefill_admit, "seed": self.seed,
             "precision": self.precision,
@@ -109,6 +119,7 @@ class SimResult:
     cache_slots: int
     evictions: int
     machine: dict[str, str | None]  # fast / slow / link
+    gating: dict[str, float] = field(default_factory=dict)  # adaptive gating: threshold, routed, dropped(_frac)
     timeline: tuple[TimelineOp, ...] = field(default=(), repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,4 +132,5 @@ class SimResult:
             "busy_s": dict(self.busy_s), "link_bytes": dict(self.link_bytes), "moves": dict(self.moves),
             "prefetch": {**self.prefetch.as_dict(), "enabled": self.config.prefetch},
             "cache_slots": self.cache_slots, "evictions": self.evictions, "machine": dict(self.machine),
+            "gating": dict(self.gating),
         }  # fmt: skip

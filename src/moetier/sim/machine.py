@@ -146,11 +146,12 @@ class Machine:
             self.env.process(self._demand(sorted(link_ops, key=lambda o: o.start), t0, arrivals, nbytes, set(inflight)))
         if then is not None:
             then()
-        # 2. slow lane: never waits for anything, its ops run back to back
+        # 2. slow lane: never waits for anything, its ops run back to back; the plan's CPU ready time (the profile's
+        # first_expert_s, HybriMoE Fig. 3e; 0 by default) is CPU work added to its first op
         slow_name = self.shape.lane_name("cpu") if slow_ops else ""
         slow_end = t0
-        for op in sorted(slow_ops, key=lambda o: o.start):
-            d = op.end - op.start
+        for n, op in enumerate(sorted(slow_ops, key=lambda o: o.start)):
+            d = op.end - op.start + (op.start if n == 0 else 0.0)  # the first op also pays the lane's ready offset
             self.record(slow_name, _kind(op.key), _label(op.key), slow_end, slow_end + d)
             slow_end += d
             self.busy[slow_name] += d

@@ -2,9 +2,9 @@
 
 `NdpParams` (frozen): the near-data tier that no shipped profile measures. Defaults are TriMoE Table 1:
 16 DIMM-NDPs, each a GEMV unit of 256 GFLOPS bf16 reading its own DIMM at 153.6 GB/s internal bandwidth;
-DIMM-Link 25 GB/s per link; host DRAM of 8 channels at 307.2 GB/s. `links` is how many DIMM-Link transfers
-run at once (DIMM-Link is host-free and parallel, paper 5.5); 0 means n_dimms // 2 (disjoint DIMM pairs), an
-ESTIMATE that makes "four experts in ~0.63 ms" (5.5) about right for the paper's expert sizes.
+DIMM-Link 25 GB/s per link (one link port per DIMM; a move is priced per link, policies/predictor.link_ports);
+host DRAM of 8 channels at 307.2 GB/s (`channels`: a localised expert is read at its DIMM's channel rate,
+307.2 / 8 = 38.4 GB/s, the "single-DIMM bandwidth" of eq. 2-3).
 `load_ndp` reads the optional "ndp" section of a profile JSON (moetier/data/profiles/*.json), defaults otherwise; the
 profile loader in policies/hwprofile.py ignores that section, so old profiles stay valid.
 
@@ -24,8 +24,8 @@ readings, picked by NdpParams.contention:
   transfer is the channel's time, already in T_DRAM (eq. 2-3). Striped: W / D / ndp_bw on every DIMM;
   localised: W / ndp_bw on its home.
 - "channel": the DIMM serves nothing else for the whole channel transfer: busy_s = T_DRAM (W / B on
-  every DIMM for a striped expert, W * D / B on its home for a localised one). Under it a host read
-  always keeps a DIMM busier than the NDP would (W * D / B > W / ndp_bw), so no move off NDP can
+  every DIMM for a striped expert, W * channels / B on its home for a localised one). Under it a
+  host read always keeps a DIMM busier than the NDP would (W * 8 / B > W / ndp_bw), so no move off NDP can
   lower a DIMM's time; docs/trimoe.md measures both.
 
 `price_call` turns one layer call (expert -> tokens), the HBM residency, layouts and home DIMMs into
@@ -71,8 +71,8 @@ class NdpParams:
     ndp_flops: float = 256e9  # per DIMM, bf16
     ndp_bw: float = 153.6e9  # per DIMM internal bandwidth, bytes/s
     link_bw: float = 25e9  # DIMM-Link, bytes/s per link
-    links: int = 0  # concurrent DIMM-Link transfers; 0 -> n_dimms // 2 (ESTIMATE)
     host_bw: float = 307.2e9  # 8 channels DDR5-4800
+    channels: int = 8  # memory channels (Table 1: "8 Channels x 2 DIMM"); single-DIMM reads run at host_bw / channels
     contention: str = "array"  # eq. 6 reading: "array" or "channel" (module docstring)
 
     def __post_init__(self) -> None:
@@ -80,16 +80,12 @@ class NdpParams:
             raise ConfigError(f"NdpParams: contention must be one of {', '.join(CONTENTION)}, got {self.contention!r}")
         if isinstance(self.n_dimms, bool) or not isinstance(self.n_dimms, int) or self.n_dimms < 1:
             raise ConfigError(f"NdpParams: n_dimms must be an int >= 1, got {self.n_dimms!r}")
-        if isinstance(self.links, bool) or not isinstance(self.links, int) or self.links < 0:
-            raise ConfigError(f"NdpParams: links must be an int >= 0, got {self.links!r}")
+        if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
+            raise ConfigError(f"NdpParams: channels must be an int >= 1, got {self.channels!r}")
         for name in ("ndp_flops", "ndp_bw", "link_bw", "host_bw"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"NdpParams: {name} must be a finite number > 0, got {v!r}")
-
-    @property
-    def n_links(self) -> int:
-        return self.links or max(1, self.n_dimms // 2)
 
 
 def ndp_from_dict(d: Mapping[str, Any] | None, where: str = "ndp") -> NdpParams:
@@ -161,7 +157,8 @@ class NdpMachine:
         return self.profile.pcie.latency_s + n / self.profile.pcie.bandwidth if n > 0 else 0.0
 
     def dram_s(self, layout: Layout, nbytes: int | None = None) -> float:
-        return dram_read_s(self.nbytes if nbytes is None else nbytes, layout, self.ndp.host_bw, self.ndp.n_dimms)
+        n = self.nbytes if nbytes is None else nbytes
+        return dram_read_s(n, layout, self.ndp.host_bw, self.ndp.n_dimms, self.ndp.channels)
 
     def busy_s(self, layout: Layout) -> float:
         """Eq. 6: how long a host read of one expert keeps each DIMM it touches busy (module docstring)."""

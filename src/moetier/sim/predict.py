@@ -1,8 +1,11 @@
-"""Expert prediction for prefetching in the simulator.
+"""Expert prediction for prefetching in the simulator: which predictor (`PREDICTORS`) and the oracle's noise.
 
 The engine predicts the next layers' experts by applying their routers to the current hidden
-state (HybriMoE IV-C). The simulator has no hidden states, so it takes the trace's actual future
-routing and degrades it to a configured accuracy per distance: each actually routed expert is
+state (HybriMoE IV-C). The simulator has no hidden states. Its default predictor, "history"
+(policies/route_history.py), learns online from the routing replayed so far (the warm-up window
+first) and is scored per distance. The "oracle" predictor, kept as an explicit option for
+sensitivity studies, takes the trace's actual future routing and degrades it to a configured
+accuracy per distance: each actually routed expert is
 kept with probability `accuracy[d-1]` (d = 1..3 MoE layers ahead), else replaced by an expert that
 was not routed (carrying the same token count). Precision of the prediction is therefore
 `accuracy` in expectation.
@@ -18,6 +21,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from moetier.errors import ConfigError
+
+PREDICTORS = ("history", "oracle")
 
 # Assumed router-reuse accuracy at 1, 2, 3 MoE layers ahead. The HybriMoE paper reports none;
 # this is an assumption in the range other predictors report (TriMoE's load predictor: > 78%).

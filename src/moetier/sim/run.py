@@ -40,7 +40,9 @@ from moetier.errors import ConfigError, TraceError
 from moetier.policies import make_cache_policy
 from moetier.policies.costmodel import CostModel, HardwareProfile
 from moetier.policies.prefetch import PrefetchStats, choose_prefetch
-from moetier.policies.schedule_base import ExpertWork, Scheduler
+from moetier.policies.route_history import RouteHistoryPredictor
+from moetier.policies.schedule_adapmoe import fit_gate_threshold, gated_counts
+from moetier.policies.schedule_base import ExpertWork, Scheduler, lane_ready, moved_timeline
 from moetier.policies.schedulers import make_scheduler
 from moetier.sim.cache_replay import call_scores
 from moetier.sim.config import SimConfig, SimResult
@@ -51,7 +53,7 @@ from moetier.sim.price import Pricer
 from moetier.sim.residency import FastCache
 from moetier.specs import ModelSpec
 from moetier.traces import Call
-from moetier.types import ExpertKey
+from moetier.types import ExpertKey, Lane
 
 
 class _Prepared:
@@ -130,7 +132,7 @@ class _Replay:
         self.m = Machine(self.shape, lambda s, layer: ts[0] <= s < ts[1] and tl[0] <= layer < tl[1])
         self.rng = np.random.default_rng(cfg.seed)
         self.stats = PrefetchStats()
-        self.predicted: dict[int, set[ExpertKey]] = {}  # call index -> latest prediction for it
+        self.predicted: dict[int, dict[int, set[ExpertKey]]] = {}  # call index -> distance -> prediction for it
         self.used_inflight: set[ExpertKey] = set()
         self.pf_pins: dict[int, list[ExpertKey]] = {}  # call index -> prefetched experts pinned until it ran
         self.call_index = -1
@@ -149,6 +151,30 @@ class _Replay:
             (c.layer, n) for c, n in zip(self.calls, self.counts, strict=True)]  # fmt: skip
         self.cache.warm(initial_keys(self.scheduler, spec, slots, seen))
         self.n_prefill = len(spec.moe_layers) if prep.has_prefill else 0  # call indices < this are the prefill
+        # the history predictor learns from the warm-up window first (the routing seen before the replay)
+        self.hist: RouteHistoryPredictor | None = None
+        if cfg.prefetch and cfg.predictor == "history":
+            self.hist = RouteHistoryPredictor(spec.moe_layers, spec.num_experts, spec.top_k, cfg.prefetch_depth)
+            for step in prep.warmup:
+                for layer in spec.moe_layers:
+                    self.hist.feed(layer, step[layer].ids)
+        # adaptive gating (schedulers that declare `gates`): decode calls lose their low-weight experts
+        self.gating: dict[str, float] = {}
+        if self.scheduler.gates:
+            fit_calls = [c for step in prep.warmup for c in step.values()] or self.calls[self.n_prefill:]
+            thr = fit_gate_threshold([c.weights for c in fit_calls], cfg.gate_drop)
+            routed = dropped = 0
+            for i in range(self.n_prefill, len(self.calls)):
+                c = self.calls[i]
+                g = gated_counts(c.ids, c.weights, thr)
+                routed += int(np.asarray(c.ids).size)
+                dropped += int(np.asarray(c.ids).size) - sum(g.values())
+                self.counts[i] = g
+            self.gating = {"threshold": thr, "routed": routed, "dropped": dropped,
+                           "dropped_frac": dropped / routed if routed else 0.0}  # fmt: skip
+        self.prefill_on_gpu = bool(getattr(self.scheduler, "prefill_on_gpu", False))
+        first = profile.cpu.first_expert_s if self.shape.slow == "cpu" else 0.0
+        self.cpu_ready = float(first)  # HybriMoE Fig. 3e: the first CPU expert of a call pays this once
         self.staged: dict[ExpertKey, int] = {}  # prefill prefetches in the staging buffer -> call index
 
     # 1. The forward pass -----------------------------------------------------------------------------------------
@@ -190,9 +216,13 @@ class _Replay:
         counts = self.counts[idx]
         cache.policy.on_route(layer, self.scores[idx])
         keys = [ExpertKey(layer, e) for e in counts]
-        pred = self.predicted.pop(idx, None)
-        if pred is not None:
-            self.stats.record_prediction(pred, keys)
+        preds = self.predicted.pop(idx, None)
+        if preds:
+            for d, pred in preds.items():
+                self.stats.record_distance(d, pred, keys)
+            self.stats.record_prediction(preds[min(preds)], keys)
+        if self.hist is not None:
+            self.hist.feed(layer, call.ids)
         staged = {k for k in keys if self.staged.get(k) == idx}
         self.stats.used += len(staged)
         hitset = {k for k in keys if cache.access(k)} | staged
@@ -206,7 +236,11 @@ class _Replay:
         cache.pin(keys)
         # 2. price and schedule
         work = self.price.work(layer, counts, hitset, shared_tokens=int(call.ids.shape[0]))
-        sched = self.scheduler.schedule(work, {"gpu": 0.0, "cpu": 0.0, "link": m.link_ready()})
+        ready: dict[Lane, float] = {"gpu": 0.0, "cpu": self.cpu_ready, "link": m.link_ready()}
+        if not decode and self.prefill_on_gpu:  # e.g. kTransformers: prefill experts on the GPU, misses streamed
+            sched = moved_timeline(work, lane_ready(ready))
+        else:
+            sched = self.scheduler.schedule(work, ready)
         nbytes = {w.key: w.nbytes for w in work}
         # 3. replay; prefetches are queued right after the demand moves
         took = yield from m.replay(sched, nbytes, then=lambda: self._prefetch(idx, work), inflight=inflight)
@@ -242,14 +276,17 @@ class _Replay:
             if j >= len(self.order) or self.order[j][0] != step:
                 break  # predictions do not cross into the next token
             call = self.calls[j]
-            pred = degrade(
-                self.counts[j],
-                cfg.prefetch_accuracy[d - 1],
-                spec.num_experts,
-                self.rng,
-                self.scores[j] if self.has_scores else None,
-            )
-            self.predicted[j] = {ExpertKey(call.layer, e) for e in pred}
+            if self.hist is not None:
+                pred = self.hist.predict_counts(self.order[idx][1], d)
+            else:
+                pred = degrade(
+                    self.counts[j],
+                    cfg.prefetch_accuracy[d - 1],
+                    spec.num_experts,
+                    self.rng,
+                    self.scores[j] if self.has_scores else None,
+                )
+            self.predicted.setdefault(j, {})[d] = {ExpertKey(call.layer, e) for e in pred}
             layers[call.layer] = self.price.work(call.layer, pred, known, shared_tokens=int(call.ids.shape[0]))
             target[call.layer] = j
         if not any(not w.cached and w.key.expert >= 0 for ws in layers.values() for w in ws):
@@ -312,6 +349,7 @@ class _Replay:
             busy_s=dict(m.busy), link_bytes={self.shape.link: m.link_bytes}, moves=dict(m.moves),
             prefetch=self.stats, cache_slots=self.cache.capacity, evictions=self.cache.evictions,
             machine={"fast": self.shape.fast, "slow": self.shape.slow, "link": self.shape.link},
+            gating=dict(self.gating),
             timeline=tuple(m.ops),
         )  # fmt: skip
 

@@ -16,12 +16,29 @@ the floor(hbm_ratio * E) most loaded experts of its first call (the offline trac
 Per call: (1) price it (sim/ndp.py, eq. 1-4, shared experts on the GPU); (2) the scheduler assigns domains
 (its Plan), makespan (eq. 5-7) = the call's MoE time; (3) score and update the EMA predictor (eq. 8); (4) plan
 background actions (policies/predictor.plan_actions) hidden by the layer's attention/dense time (the window),
-the DIMM-Link priced at its aggregate bandwidth (NdpParams.n_links parallel links); (5) apply them: the
+the DIMM-Link priced per link (one expert over one 25 GB/s link; moves on disjoint DIMM ports run in parallel,
+predictor.link_ports; config.dimm_link "all-links" instead spreads each move over every DIMM's link, cost / D,
+the reading the paper's "~0.63 ms cost of migrating up to four experts" (5.5) implies); (5) apply them: the
 actions the scheduler declares (prefetches, relayouts, rebalancing migrations): prefetches enter HBM
 (evicting the least-predicted non-hot resident when the layer's HBM share is full), relayouts change layout
 and home DIMM, migrations change the home DIMM. A decode step = sum of its calls' MoE time + every decoder
 layer's attention/dense time (batched: non-expert weights read once, KV cache of `context` tokens per
-sequence read from HBM, an ESTIMATE) + the LM head; throughput = batch / step time.
+sequence read from HBM, an ESTIMATE) + the LM head; throughput = batch / step time. Klotski's multi-batch
+pipeline (a scheduler declaring `pipelines = True` gets `schedule(..., window_s=...)`) gets the PCIe time of the
+call's window that the previous call's prefetches left free.
+
+Prefill (config.prefill_tokens > 0, paper 4.1: "During the prefill phase, it [the GPU] performs all inference
+computations"; 2.2: "experts are widely activated, and GPU computation largely hides I/O overhead"): one prompt of
+prefill_tokens per sequence, every layer once; each MoE layer's experts take the layer's mean decode routing times
+prefill_tokens tokens, computed on the GPU from the offline HBM set with the others streamed over PCIe under the
+compute: max(sum f_calc, sum max(T_PCIe, T_DRAM)); the dense work is one batched call of batch x prefill_tokens
+tokens (attention within the prompt not counted: an ESTIMATE). The same phase for every system (the baselines
+also run prefill on the GPU: a simplification for kTransformers, whose prefill may use the CPU).
+End-to-end throughput = batch x output_len / (prefill_s + output_len x step_s) (output_len 0: the steps).
+
+Utilisation: `busy` / `compute` are per MoE time (the study's columns since issue 6); `step_util` is per step
+time, with the attention/dense work counted as GPU compute (it runs on the GPU in every system): the reading of
+the paper's Table 3 "GPU Compute Utilization" as the fraction of wall time a GPU kernel runs.
 
 Invariants (tests/sim/test_tri.py): every routed expert of a call is assigned exactly once; a scheduler only
 uses its domains; HBM residency per layer never exceeds its share; link time per call never exceeds its
@@ -47,6 +64,7 @@ from moetier.sim.ndp import CONTENTION, DEFAULT_PROFILE, NdpMachine, load_ndp, p
 from moetier.specs import ModelSpec
 from moetier.types import Domain, ExpertKey, Layout
 
+DIMM_LINK = ("per-link", "all-links")
 NEVER = 1e30  # a finite action cost that never fits a window (actions a scheduler does not have)
 _G, _C, _N = Domain.ACCEL, Domain.HOST, Domain.NDP
 
@@ -69,12 +87,20 @@ class TriSimConfig:
     profile: str = DEFAULT_PROFILE
     max_iters: int = MAX_ITERS
     drift: float | None = None  # synthetic calls: popularity rank swaps per layer per step (None: the preset's)
+    step_noise: float = 0.0  # synthetic calls: sd of the batch-shared logit offset per step (synthetic.SynthParams)
     contention: str | None = None  # eq. 6 reading, "array" or "channel" (None: the profile's NDP section)
+    dimm_link: str = "per-link"  # DIMM-Link move pricing: "per-link" or "all-links" (module docstring)
+    prefill_tokens: int = 0  # prompt tokens per sequence for the prefill phase (0: no prefill)
+    output_len: int = 0  # decode tokens per sequence for the end-to-end throughput (0: steps)
 
     def __post_init__(self) -> None:
         check_tri_scheduler(self.scheduler)
         if self.drift is not None and not (_number(self.drift) and math.isfinite(self.drift) and self.drift >= 0):
             raise ConfigError(f"TriSimConfig: drift must be a number >= 0, got {self.drift!r}")
+        if not (_number(self.step_noise) and math.isfinite(self.step_noise) and self.step_noise >= 0):
+            raise ConfigError(f"TriSimConfig: step_noise must be a number >= 0, got {self.step_noise!r}")
+        if self.dimm_link not in DIMM_LINK:
+            raise ConfigError(f"TriSimConfig: dimm_link must be one of {', '.join(DIMM_LINK)}, got {self.dimm_link!r}")
         if self.contention is not None and self.contention not in CONTENTION:
             raise ConfigError(f"TriSimConfig: contention must be one of {', '.join(CONTENTION)}, "
                               f"got {self.contention!r}")  # fmt: skip
@@ -82,7 +108,7 @@ class TriSimConfig:
             v = getattr(self, name)
             if not _int(v) or v < 1:
                 raise ConfigError(f"TriSimConfig: {name} must be an int >= 1, got {v!r}")
-        for name in ("context", "max_iters"):
+        for name in ("context", "max_iters", "prefill_tokens", "output_len"):
             v = getattr(self, name)
             if not _int(v) or v < 0:
                 raise ConfigError(f"TriSimConfig: {name} must be an int >= 0, got {v!r}")
@@ -127,6 +153,9 @@ class TriSimResult:
     predictor: Mapping[str, float]
     migration: Mapping[str, float]
     moves: int  # refinement moves
+    step_util: Mapping[str, float] = field(default_factory=dict)  # per step time (module docstring)
+    prefill_s: float = 0.0  # the prefill phase (0 without one)
+    e2e_tok_s: float = 0.0  # batch x output_len / (prefill_s + output_len x step_s)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -160,11 +189,12 @@ def _initial(
 def _states(
     m: NdpMachine, layer: int, pred: np.ndarray, cls: np.ndarray, resident: set[int],
     layouts: Mapping[ExpertKey, Layout], homes: Mapping[ExpertKey, int], actions: tuple[bool, bool, bool],
+    spread: bool = False,
 ) -> list[ExpertState]:  # fmt: skip
     """Planner inputs for the non-resident experts of one layer (resident ones take no action); `actions`:
     (prefetch, relayout, rebalance) allowed. Without DIMM-Link actions only hot experts (prefetch candidates)."""
     prefetch, relayout, rebalance = actions
-    link = m.link_s() / m.ndp.n_links
+    link = m.link_s() / (m.ndp.n_dimms if spread else 1)  # one expert over one link, or over all of them
     pcie = m.pcie_s() if prefetch else NEVER
     relayout_s, migrate_s = (link if relayout else NEVER), (link if rebalance else NEVER)
     dimm_link = relayout or rebalance
@@ -176,6 +206,29 @@ def _states(
         out.append(ExpertState(key, Heat(int(cls[e])), False, lay, homes.get(key, -1) if lay == Layout.LOCALISED
                                else -1, times, pcie, relayout_s, migrate_s))  # fmt: skip
     return out
+
+
+def _prefill_s(
+    m: NdpMachine, cm: CostModel, spec: ModelSpec, cfg: TriSimConfig, batch: int,
+    mean_loads: Mapping[int, np.ndarray], hbm: Mapping[int, set[int]],
+) -> float:  # fmt: skip
+    """The prefill phase (module docstring): every MoE layer's experts on the GPU, weights streamed under compute."""
+    if cfg.prefill_tokens <= 0:
+        return 0.0
+    tokens = batch * cfg.prefill_tokens
+    total = cm.head_s("gpu", batch)
+    for i in range(spec.num_layers):
+        total += cm.dense_s("gpu", tokens, 0, i in spec.moe_layers)
+    for layer, loads in mean_loads.items():
+        n = np.ceil(loads * cfg.prefill_tokens)  # [E] tokens per expert over the prompts
+        routed = n > 0
+        calc = float(m.gpu_calc(n[routed]).sum())
+        if spec.num_shared:
+            calc += spec.num_shared * float(m.gpu_calc(np.asarray([tokens]), shared=True)[0])
+        miss = int(sum(1 for e in np.flatnonzero(routed) if int(e) not in hbm[layer]))
+        stream = miss * max(m.pcie_s(), m.dram_s(Layout.STRIPED))
+        total += max(calc, stream)
+    return total
 
 
 def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> TriSimResult:
@@ -203,6 +256,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     pred = LoadPredictor(sorted(layers), E)
     # 2. State: HBM set per layer, layouts and homes (offline placement at a layer's first call)
     resident: dict[int, set[int]] = {}
+    initial_hbm: dict[int, set[int]] = {}
     layouts: dict[ExpertKey, Layout] = {}
     homes: dict[ExpertKey, int] = {}
     moe = greedy_moe = win_total = 0.0
@@ -212,6 +266,8 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     n_exp = dict.fromkeys(("gpu", "cpu", "ndp"), 0)
     mig: dict[str, float] = {"prefetch": 0, "relayout": 0, "migrate": 0, "pcie_s": 0.0, "dimm_link_s": 0.0}
     routed = moves = 0
+    last_pcie = 0.0  # PCIe time the previous call's prefetches took from the next window
+    layer_loads: dict[int, np.ndarray] = {}
     name = {_G: "gpu", _C: "cpu", _N: "ndp"}
     for c in calls:
         ids = np.asarray(c.ids)
@@ -219,12 +275,18 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         loads = np.bincount(ids.ravel(), minlength=E).astype(np.float64)  # [E]
         if layer not in resident:
             resident[layer] = _initial(m, loads, cap, ndp_layout, layer, layouts, homes)
+            initial_hbm[layer] = set(resident[layer])
+        layer_loads[layer] = layer_loads.get(layer, 0.0) + loads
         res = resident[layer]
         # 3. Price and assign
         counts = {int(e): int(loads[e]) for e in np.flatnonzero(loads)}
         experts = price_call(m, layer, counts, {ExpertKey(layer, e) for e in res}, layouts, homes, shared_tokens=T)
         hot = frozenset(int(e) for e in np.flatnonzero(pred.classes(layer) == Heat.HOT))  # none before a first call
-        out = sched.schedule(experts, cfg.ndp_count, hot, refine)
+        window = _dense_s(cm, spec, T, cfg.context, True)
+        if getattr(sched, "pipelines", False):  # declared by a scheduler that streams under the window (klotski)
+            out = sched.schedule(experts, cfg.ndp_count, hot, refine, window_s=max(0.0, window - last_pcie))  # type: ignore[call-arg]
+        else:
+            out = sched.schedule(experts, cfg.ndp_count, hot, refine)
         doms, tot, gtot, mv = out.plan.domains, out.totals, out.greedy, out.moves
         moe, greedy_moe = moe + tot.makespan, greedy_moe + gtot.makespan
         moves, routed = moves + mv, routed + len(counts)
@@ -239,10 +301,9 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
             n_exp[d] += e.key.expert >= 0
         # 4. Predictor, then background actions hidden by this layer's attention/dense window
         pred.update(layer, loads)
-        window = _dense_s(cm, spec, T, cfg.context, True)
         win_total += window
         p, cls = pred.predict(layer), pred.classes(layer)
-        states = _states(m, layer, p, cls, res, layouts, homes, actions)
+        states = _states(m, layer, p, cls, res, layouts, homes, actions, cfg.dimm_link == "all-links")
         evictable = sorted((e for e in res if cls[e] != Heat.HOT), key=lambda e: (p[e], e))
         plan = plan_actions(states, cfg.ndp_count, window, dimm_base_s=tot.contention_s or None,
                             hbm_free_slots=max(0, cap - len(res)) + len(evictable))  # fmt: skip
@@ -259,6 +320,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
             else:
                 assert a.dst_dimm is not None
                 layouts[a.key], homes[a.key] = Layout.LOCALISED, a.dst_dimm
+        last_pcie = plan.pcie_s
         mig["pcie_s"] += plan.pcie_s
         mig["dimm_link_s"] += plan.dimm_link_s
     # 6. Step time: MoE + every decoder layer's dense work + head, per distinct step
@@ -268,6 +330,17 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     dense_layer = [_dense_s(cm, spec, b, cfg.context, i in layers) for i in range(spec.num_layers)]
     dense = steps * (sum(dense_layer) + cm.head_s("gpu", b))
     step_s = (moe + dense) / steps
+    run = moe + dense
+    step_util = {
+        "busy_gpu": (busy["gpu"] + dense) / run,
+        "compute_gpu": (calc["gpu"] + dense) / run,
+        "busy_cpu": busy["cpu"] / run,
+        "compute_cpu": calc["cpu"] / run,
+        "compute_ndp": calc["ndp"] / run,
+    }
+    prefill = _prefill_s(m, cm, spec, cfg, b, {k: v / (steps or 1) for k, v in layer_loads.items()}, initial_hbm)
+    out_len = cfg.output_len or steps
+    e2e = b * out_len / (prefill + out_len * step_s)
     peak = {"gpu": m.gpu.peak_flops, "cpu": m.cpu.peak_flops * cfg.cpu_tflops_scale,
             "ndp": m.ndp.ndp_flops * cfg.ndp_count}  # fmt: skip
     link_s = mig["pcie_s"] + mig["dimm_link_s"]
@@ -279,7 +352,8 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         busy={k: v / moe for k, v in busy.items()}, flop_util={k: flops[k] / (peak[k] * moe) for k in flops},
         compute={k: v / moe for k, v in calc.items()},
         experts=n_exp, routed=routed, predictor=pred.stats.as_dict(), migration=mig, moves=moves,
+        step_util=step_util, prefill_s=prefill, e2e_tok_s=e2e,
     )  # fmt: skip
 
 
-__all__ = ["TriSimConfig", "TriSimResult", "simulate_tri"]
+__all__ = ["DIMM_LINK", "TriSimConfig", "TriSimResult", "simulate_tri"]

@@ -6,6 +6,14 @@ recorded in `errors` (and passed to `on_error`), the store keeps serving the las
 registered version of that expert, and the thread goes on with the next move.
 `drain()` waits until the queue is empty (for reproducible runs and shutdown).
 
+`SwitchPipeline` is the mover of dynamic precision with several switches in flight (DynaExq 3.3-3.4:
+"SSD prefetch, DRAM buffering, H2D transfers, and demotions proceed concurrently"): one dispatcher
+thread begins each move in submission order (reserving its slot, store/dynamic.py `begin_switch`,
+waiting there for a slot an earlier move frees), then hands the fill and registration to one of
+`workers` threads. Beginning in plan order keeps the plan feasible (each begin waits only on moves
+already begun, which never wait); `workers` bounds the switches in flight. With one worker it is the
+Mover: one switch at a time.
+
 `PrefetchLoads` runs an ExpertStore's background prefetches on one Mover (see its docstring
 and store/store.py for the slot and provenance invariants).
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from moetier.types import ExpertKey, Move, MoveKind, Tier
@@ -22,7 +31,38 @@ from moetier.types import ExpertKey, Move, MoveKind, Tier
 _STOP = object()
 
 
-class Mover:
+class _MoveQueue:
+    """What Mover and SwitchPipeline share: a queue of moves one dispatcher thread takes in order;
+    `pending` counts moves submitted and not yet done (registered or failed)."""
+
+    _queue: queue.Queue[object]
+    _thread: threading.Thread
+    _what = "mover"
+
+    def submit(self, moves: Iterable[Move]) -> int:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the {self._what} is closed")
+        n = 0
+        for move in moves:
+            self._queue.put(move)
+            n += 1
+        return n
+
+    @property
+    def pending(self) -> int:
+        """Moves submitted and not yet registered or failed."""
+        return self._queue.unfinished_tasks
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted move has run (or failed); False on timeout."""
+        if timeout is None:
+            self._queue.join()
+            return True
+        with self._queue.all_tasks_done:
+            return self._queue.all_tasks_done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
+
+
+class Mover(_MoveQueue):
     def __init__(
         self,
         run: Callable[[Move], object],
@@ -35,27 +75,6 @@ class Mover:
         self.done = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
-
-    def submit(self, moves: Iterable[Move]) -> int:
-        if not self._thread.is_alive():
-            raise RuntimeError("the mover is closed")
-        n = 0
-        for move in moves:
-            self._queue.put(move)
-            n += 1
-        return n
-
-    @property
-    def pending(self) -> int:
-        return self._queue.unfinished_tasks
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted move has run (or failed); False on timeout."""
-        if timeout is None:
-            self._queue.join()
-            return True
-        with self._queue.all_tasks_done:
-            return self._queue.all_tasks_done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
 
     def _loop(self) -> None:
         while True:
@@ -79,6 +98,79 @@ class Mover:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(timeout)
+
+
+class SwitchPipeline(_MoveQueue):
+    """Moves begun in order on one thread, finished on up to `workers` threads (see the module docstring).
+
+    `begin(move)` returns a ticket (or None: nothing to do) and may block until an earlier move frees
+    what it needs; `finish(ticket)` does the work and must not wait on later moves. A move whose begin
+    or finish raises is recorded in `errors` and passed to `on_error`; the pipeline goes on."""
+
+    _what = "switch pipeline"
+
+    def __init__(
+        self,
+        begin: Callable[[Move], object | None],
+        finish: Callable[[Any], object],
+        workers: int = 1,
+        on_error: Callable[[Move, BaseException], None] | None = None,
+        name: str = "moetier-switch",
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"a switch pipeline needs at least one worker, got {workers}")
+        self._begin, self._finish, self._on_error = begin, finish, on_error
+        self.workers = workers
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(workers)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self.errors: list[str] = []
+        self.done = 0
+        self._count = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _failed(self, move: Move, exc: BaseException) -> None:
+        with self._count:
+            self.errors.append(f"{move.kind} {tuple(move.key)} to {move.precision}: {type(exc).__name__}: {exc}")
+        if self._on_error is not None:
+            self._on_error(move, exc)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.task_done()
+                return
+            assert isinstance(item, Move)
+            self._slots.acquire()  # at most `workers` in flight
+            try:
+                ticket = self._begin(item)
+            except Exception as exc:  # keep serving: the old version stays registered
+                ticket = None
+                self._failed(item, exc)
+            if ticket is None:
+                self._slots.release()
+                self._queue.task_done()
+                continue
+            self._pool.submit(self._work, item, ticket)
+
+    def _work(self, move: Move, ticket: object) -> None:
+        try:
+            self._finish(ticket)
+            with self._count:
+                self.done += 1
+        except Exception as exc:
+            self._failed(move, exc)
+        finally:
+            self._slots.release()
+            self._queue.task_done()
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+        self._pool.shutdown(wait=True)
 
 
 class PrefetchLoads:

@@ -4,10 +4,14 @@ throughput over klotski), Table 3 (utilisation per domain), Fig. 8 (ablation), F
 CPU TFLOPS sensitivity), 5.5 (robustness at small batches), and two of our own: relayout's gain against
 the trace's popularity drift, and the eq. 6 contention reading. `tables.md` holds every number drawn.
 
-Blocks read (by name): systems, ablation, ablation-base, ablation-drift, ablation-base-drift, ndp, cpu,
-drift, drift-base, contention, contention-base. A figure whose block is absent or has no ok rows is skipped
-(a smaller grid draws what it can). Invariants: matplotlib Agg only;
-every number in tables.md comes from a row; nothing here simulates.
+The headline blocks are the paper's regime (drift 24, predictor ~78%; or, from sweeps/trimoe_stationary.toml,
+drift 0 and step noise 0.9, the titles naming the regime of the rows): systems, ablation, ablation-base; the
+calm presets (predictor ~96%) are the second column: systems-calm, ablation-calm, ablation-base-calm. Blocks read
+(by name): those, ablation-links (+relayout with each DIMM-Link move over every link), ndp, cpu, drift,
+drift-base, contention, contention-base. Fig. 7 is end-to-end throughput with the prefill phase
+(`e2e_tok_s`). Table 3 is given per step time (`step_*`: the dense work counted as GPU compute) and per MoE
+time. A figure whose block is absent or has no ok rows is skipped (a smaller grid draws what it can).
+Invariants: matplotlib Agg only; every number in tables.md comes from a row; nothing here simulates.
 """
 
 from __future__ import annotations
@@ -38,12 +42,22 @@ def _models(rows: Rows, block: str) -> list[str]:
     return list(dict.fromkeys(str(r["model"]) for r in _pick(rows, block)))
 
 
-def _speedups(rows: Rows, model: str, batch: int, col: str, higher: bool) -> dict[str, float]:
+def _regime(rows: Rows, block: str = "systems") -> str:
+    """The headline blocks' trace regime, from their rows: "drift D", or "step noise S, drift D" for the
+    stationary column (sweeps/trimoe_stationary.toml)."""
+    got = _pick(rows, block) or _pick(rows, "ablation")
+    noise = max((float(r.get("step_noise") or 0.0) for r in got), default=0.0)
+    drifts = sorted({float(r["drift"]) for r in got if r.get("drift") is not None})
+    drift = "drift " + "/".join(f"{d:g}" for d in drifts) if drifts else "preset drift"
+    return f"step noise {noise:g}, {drift}" if noise > 0 else drift
+
+
+def _speedups(rows: Rows, model: str, batch: int, col: str, higher: bool, block: str = "systems") -> dict[str, float]:
     """system -> its metric over klotski's (MoE time: klotski / system; throughput: system / klotski)."""
-    base = _one(rows, "systems", model=model, batch_size=batch, scheduler="klotski")
+    base = _one(rows, block, model=model, batch_size=batch, scheduler="klotski")
     out: dict[str, float] = {}
     for s in SYSTEMS:
-        r = _one(rows, "systems", model=model, batch_size=batch, scheduler=s)
+        r = _one(rows, block, model=model, batch_size=batch, scheduler=s)
         if base is not None and r is not None:
             out[s] = r[col] / base[col] if higher else base[col] / r[col]
     return out
@@ -74,7 +88,7 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
     paths = []
     for col, higher, name, label in (
         ("moe_step_s", False, "fig6_moe_speedup", "MoE-layer decode speedup"),
-        ("throughput_tok_s", True, "fig7_e2e_speedup", "end-to-end throughput"),
+        ("e2e_tok_s", True, "fig7_e2e_speedup", "end-to-end throughput"),
     ):
         big = [b for b in batches if b >= 256] or batches[-1:]
         fig, axes = plt.subplots(1, len(big), figsize=(4.2 * len(big), 3.6), squeeze=False)
@@ -108,6 +122,34 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
     paths.append(save_figure(fig, out / "robustness_batch.png"))
     md.append(_table("trimoe against the best baseline (MoE speedups over klotski)",
                      ["model", "batch", "trimoe", "best baseline", "ratio"], body))  # fmt: skip
+    # the paper's regime beside the calm presets: trimoe over the best baseline (MoE time and end to end)
+    both = []
+    for m in models:
+        for b in (x for x in batches if x >= 256):
+            cells = []
+            for block in ("systems", "systems-links", "systems-calm"):
+                for col, higher in (("moe_step_s", False), ("e2e_tok_s", True)):
+                    su = _speedups(rows, m, b, col, higher, block if block != "systems-links" else "systems")
+                    tri = _one(rows, "systems-links", model=m, batch_size=b, scheduler="trimoe")
+                    if block == "systems-links" and tri is not None and "klotski" in su:
+                        k = _one(rows, "systems", model=m, batch_size=b, scheduler="klotski")
+                        assert k is not None
+                        su["trimoe"] = tri[col] / k[col] if higher else k[col] / tri[col]
+                    elif block == "systems-links":
+                        su.pop("trimoe", None)
+                    have = [s for s in BASELINES if s in su]
+                    if "trimoe" in su and have:
+                        lead = max(have, key=lambda s: su[s])
+                        cells.append(f"{su['trimoe'] / su[lead]:.2f} ({lead})")
+                    else:
+                        cells.append("-")
+            both.append([m, str(b), *cells])
+    rg = _regime(rows)
+    md.append(_table(f"trimoe / best baseline: paper's regime ({rg}; DIMM-Link per link, or every link per "
+                     "move) and calm presets",
+                     ["model", "batch", f"MoE, {rg}", f"end to end, {rg}", f"MoE, {rg}, every link",
+                      f"end to end, {rg}, every link", "MoE, calm", "end to end, calm"],
+                     both))  # fmt: skip
     # Table 3: FLOP utilisation and busy time per domain, batch 512 (else the largest), mean over models
     util_body = []
     tb = 512 if 512 in batches else batches[-1]
@@ -115,11 +157,14 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
         rs = _pick(rows, "systems", batch_size=tb, scheduler=s)
         if rs:
             mean = {k: sum(float(r[k]) for r in rs) / len(rs) for k in
-                    ("compute_gpu", "compute_cpu", "compute_ndp", "busy_gpu", "busy_cpu", "busy_ndp", "busy_dimm",
+                    ("step_compute_gpu", "step_busy_gpu", "step_compute_cpu", "step_busy_cpu", "step_compute_ndp",
+                     "compute_gpu", "compute_cpu", "compute_ndp", "busy_gpu", "busy_cpu", "busy_ndp", "busy_dimm",
                      "flop_util_gpu", "flop_util_cpu", "flop_util_ndp")}  # fmt: skip
             util_body.append([s, *(f"{100 * mean[k]:.1f}%" for k in mean)])
-    md.append(_table(f"utilisation at batch {tb}, mean over the models (Table 3)",
-                     ["system", "computing GPU", "computing CPU", "computing NDP", "busy GPU", "busy CPU",
+    md.append(_table(f"utilisation at batch {tb}, mean over the models (Table 3); step_*: per step time, "
+                     "the dense work counted as GPU compute; the rest per MoE time",
+                     ["system", "step computing GPU", "step busy GPU", "step computing CPU", "step busy CPU",
+                      "step computing NDP", "computing GPU", "computing CPU", "computing NDP", "busy GPU", "busy CPU",
                       "busy NDP", "busy DIMM (eq. 6)", "FLOP util GPU", "FLOP util CPU", "FLOP util NDP"],
                      util_body))  # fmt: skip
     mig_body = []
@@ -127,13 +172,14 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
         for b in batches:
             r = _one(rows, "systems", model=m, batch_size=b, scheduler="trimoe")
             if r is not None:
-                mig_body.append([m, str(b), f"{100 * r['predictor_accuracy']:.1f}%",
+                mig_body.append([m, str(b), f"{100 * r['predictor_accuracy']:.1f}%", f"{r['prefill_s']:.2f}",
                                  f"{100 * r['predictor_hot_recall']:.1f}%",
                                  *(str(int(r[f"migration_{k}"])) for k in ("prefetch", "relayout", "migrate")),
                                  f"{r['migration_dimm_link_bytes'] / 1e9:.1f}",
                                  f"{100 * r['migration_link_frac']:.2f}%"])  # fmt: skip
     md.append(_table("trimoe: predictor accuracy and background moves (all steps)",
-                     ["model", "batch", "predictor accuracy", "hot recall", "prefetches", "relayouts", "migrations",
+                     ["model", "batch", "predictor accuracy", "prefill s", "hot recall", "prefetches", "relayouts",
+                      "migrations",
                       "DIMM-Link GB", "link time / run time"], mig_body))  # fmt: skip
     return paths
 
@@ -237,6 +283,24 @@ def _drift(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
     return [path]
 
 
+def _links(rows: Rows, md: list[str]) -> None:
+    """+relayout under the two DIMM-Link pricings (per link; every link per move), drift 24, batch 512."""
+    body = []
+    for m in _models(rows, "ablation-links"):
+        off = _one(rows, "ablation", model=m, scheduler="trimoe", refinement=True, relayout=False)
+        per = _one(rows, "ablation", model=m, scheduler="trimoe", refinement=True, relayout=True)
+        spread = _one(rows, "ablation-links", model=m, scheduler="trimoe", refinement=True, relayout=True)
+        if off is None or per is None or spread is None:
+            continue
+        body.append([m, f"{1e3 * off['moe_step_s']:.1f}",
+                     *(f"{1e3 * r['moe_step_s']:.1f} ({off['moe_step_s'] / r['moe_step_s']:.3f}x, "
+                       f"{int(r['migration_relayout'])} relayouts, {int(r['migration_migrate'])} migrations)"
+                       for r in (per, spread))])  # fmt: skip
+    if body:
+        md.append(_table(f"+relayout by DIMM-Link pricing ({_regime(rows, 'ablation')}, batch 512; MoE ms per step)",
+                         ["model", "relayout off", "per link (default)", "every link per move"], body))  # fmt: skip
+
+
 def _contention(rows: Rows, md: list[str]) -> None:
     """Eq. 6 readings: the ablation's first three points under "array" and "channel" contention."""
     body = []
@@ -260,8 +324,9 @@ def draw(rows: Rows, out: Path) -> list[Path]:
     plt = pyplot()
     md: list[str] = ["# TriMoE study: numbers behind the figures\n"]
     paths = _systems(rows, plt, out, md)
-    paths += _ablation(rows, plt, out, md)
-    paths += _ablation(rows, plt, out, md, "-drift", ", drift 24 (predictor accuracy ~ the paper's 78%)")
+    paths += _ablation(rows, plt, out, md, "", f", {_regime(rows, 'ablation')} (predictor accuracy ~ the paper's 78%)")
+    _links(rows, md)
+    paths += _ablation(rows, plt, out, md, "-calm", ", calm presets (predictor ~96%)")
     paths += _sweep_line(rows, plt, out, md, "ndp", "ndp_count", "NDP DIMMs", "fig9a_ndp_count")
     paths += _sweep_line(rows, plt, out, md, "cpu", "cpu_tflops_scale", "CPU TFLOPS scale", "fig9b_cpu_tflops")
     paths += _drift(rows, plt, out, md)

@@ -50,6 +50,7 @@ COLUMNS = (
     "accesses", "hits", "total_s", "cache_slots", "evictions", "cache_policy_used",
     *(f"util_{lane}" for lane in LANES), *(f"busy_{lane}_s" for lane in LANES), *(f"bytes_{link}" for link in LINKS),
     "moves_demand", "moves_prefetch", "moves_fill", "prefetch_issued", "prefetch_used", "prefetch_accuracy",
+    "prefetch_accuracy_d1", "prefetch_accuracy_d2", "prefetch_accuracy_d3", "gate_dropped_frac",
 )  # fmt: skip
 
 
@@ -90,6 +91,9 @@ def simulate_point(p: dict[str, Any]) -> dict[str, Any]:
     out.update({f"bytes_{link}": d["link_bytes"].get(link, 0) for link in LINKS})
     out.update({f"moves_{kind}": d["moves"].get(kind, 0) for kind in ("demand", "prefetch", "fill")})
     out.update({f"prefetch_{k}": d["prefetch"][k] for k in ("issued", "used", "accuracy")})
+    by_d = d["prefetch"]["accuracy_by_distance"]
+    out.update({f"prefetch_accuracy_d{n}": float(by_d.get(str(n), 0.0)) for n in (1, 2, 3)})
+    out["gate_dropped_frac"] = float(d["gating"].get("dropped_frac", 0.0))
     return out
 
 

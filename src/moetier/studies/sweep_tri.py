@@ -4,8 +4,9 @@ columns; and `synthetic_calls`, the decode calls both of them replay.
 
 Parameters (grid keys may be plural): model (required), then every field of sim.tri.TriSimConfig under its own
 name and default (scheduler, ndp_count, cpu_tflops_scale, hbm_ratio, batch_size, steps, seed, refinement,
-relayout, context, profile, max_iters, drift, contention; their meaning is documented there). The two-domain
-machine's parameters (sim.config.SimConfig's other fields, stats, cpu_tflops) are refused with the reason.
+relayout, context, profile, max_iters, drift, step_noise, contention, dimm_link, prefill_tokens, output_len; their
+meaning is documented there). The two-domain machine's parameters (sim.config.SimConfig's other fields, stats,
+cpu_tflops) are refused with the reason.
 TriSimConfig checks every value (a ConfigError naming the field); this module restates no check.
 
 Invariants: listed in sweep_grid.POINTS as "tri"; a point is a pure function of its parameters (the
@@ -36,11 +37,13 @@ REFUSED = {
 }  # fmt: skip
 DOMAINS = ("gpu", "cpu", "ndp")
 PREDICTOR = ("accuracy", "hot_precision", "hot_recall", "change_accuracy", "rel_error")
+STEP_UTIL = ("busy_gpu", "compute_gpu", "busy_cpu", "compute_cpu", "compute_ndp")
 MIGRATION_COUNTS = ("prefetch", "relayout", "migrate")
 MIGRATION_TIMES = ("pcie_s", "dimm_link_s", "pcie_bytes", "dimm_link_bytes", "window_s", "link_frac")
 COLUMNS = (
     "moe_step_s", "step_s", "throughput_tok_s", "moe_s", "greedy_moe_s", "dense_s", "batch", "calls", "routed",
-    "moves", *(f"busy_{d}" for d in (*DOMAINS, "dimm")), *(f"flop_util_{d}" for d in DOMAINS),
+    "moves", "prefill_s", "e2e_tok_s", *(f"step_{k}" for k in STEP_UTIL),
+    *(f"busy_{d}" for d in (*DOMAINS, "dimm")), *(f"flop_util_{d}" for d in DOMAINS),
     *(f"compute_{d}" for d in DOMAINS),
     *(f"experts_{d}" for d in DOMAINS), *(f"predictor_{k}" for k in PREDICTOR),
     *(f"migration_{k}" for k in (*MIGRATION_COUNTS, *MIGRATION_TIMES)),
@@ -49,10 +52,13 @@ COLUMNS = (
 
 def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Call]:
     """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps,
-    with config.drift rank swaps per layer per step when given."""
+    with config.drift rank swaps per layer per step when given and config.step_noise as the generator's
+    step_noise (stationary popularity, batch-shared noise per step; the preset's shares kept)."""
     p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
     if config.drift is not None:
         p = replace(p, drift=float(config.drift))
+    if config.step_noise:
+        p = replace(p, step_noise=float(config.step_noise))
     return iter_calls(synthetic.generate(p, config.steps, with_scores=False))
 
 
@@ -73,6 +79,8 @@ def tri_point(p: dict[str, Any]) -> dict[str, Any]:
         "moe_s": r.moe_s, "greedy_moe_s": r.greedy_moe_s, "dense_s": r.dense_s, "batch": float(r.batch),
         "calls": r.calls, "routed": r.routed, "moves": r.moves,
     }  # fmt: skip
+    out.update(prefill_s=float(r.prefill_s), e2e_tok_s=float(r.e2e_tok_s))
+    out.update({f"step_{k}": float(r.step_util[k]) for k in STEP_UTIL})
     out.update({f"busy_{d}": float(r.busy[d]) for d in (*DOMAINS, "dimm")})
     out.update({f"flop_util_{d}": float(r.flop_util[d]) for d in DOMAINS})
     out.update({f"compute_{d}": float(r.compute[d]) for d in DOMAINS})

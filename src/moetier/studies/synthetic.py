@@ -10,6 +10,10 @@ tokens in the prefill chunk, then S decode steps). At MoE layer l its router log
   ranks to its experts by its own random permutation `rank[., l, .]`.
 - drift: at each decode step, each layer swaps the ranks of two random experts `drift` times (Poisson);
   the share profile is kept, which expert holds which share wanders.
+- step noise (stationary popularity, noisy calls): each position adds to every sequence's logits one
+  batch-shared offset per layer and expert, N(0, step_noise^2), drawn anew per position (no memory); `base`
+  is then scaled by sqrt(1 + step_noise^2), so a token's logits are a scaled copy of the step_noise = 0
+  model and the long-run shares are kept (step_noise = 0 leaves generation bit-for-bit unchanged).
 - temporal correlation: dev is an AR(1) process over positions with coefficient `temporal` and
   stationary variance 1, independent per sequence.
 - layer correlation: dev[., l, f] = layer_corr * dev[., l-1, pi_l[f]] + sqrt(1 - layer_corr^2) * own[., l, f]
@@ -67,6 +71,7 @@ class SynthParams:
     temporal: float = 0.19  # AR(1) coefficient of a sequence's routing deviation across positions
     layer_corr: float = 0.93  # weight of the previous layer's deviation, through a fixed expert mapping
     drift: float = 0.0  # expected rank swaps per layer per decode step
+    step_noise: float = 0.0  # sd of a batch-shared logit offset per position, layer and expert (shares kept)
     sharpness: float = 1.87  # scores = softmax(sharpness * logits)
     batch_size: int = 1
     seed: int = 0
@@ -104,7 +109,7 @@ def _validate(p: SynthParams) -> None:
         raise ConfigError("SynthParams.temporal and layer_corr must be below 1 (1 would freeze the routing)")
     if p.hot_share + p.warm_share > 1.0 + 1e-9:
         raise ConfigError(f"SynthParams: hot_share + warm_share = {p.hot_share + p.warm_share:.3f} exceeds 1")
-    for name, v in {"spread": p.spread, "drift": p.drift, "sharpness": p.sharpness}.items():
+    for name, v in {"spread": p.spread, "drift": p.drift, "sharpness": p.sharpness, "step_noise": p.step_noise}.items():
         if not v >= 0.0 or math.isinf(v):
             raise ConfigError(f"SynthParams.{name} must be a finite number >= 0, got {v}")
     h, w, c = p.class_counts
@@ -222,8 +227,11 @@ def _route(p: SynthParams, steps: int, prompt_len: int, keep_scores: bool) -> _O
     # 1. shapes, random streams, and fixed structure (popularity ranks per layer, layer maps)
     L, E, k, B, P = p.num_layers, p.num_experts, p.top_k, p.batch_size, prompt_len
     N, R = P + steps, L * B * (P + steps)
-    r_struct, r_dev, r_drift = (np.random.default_rng(s) for s in np.random.SeedSequence(p.seed).spawn(3))
+    # spawn(4): the first three children are those of spawn(3), so step_noise leaves the other streams as they were
+    r_struct, r_dev, r_drift, r_step = (np.random.default_rng(s) for s in np.random.SeedSequence(p.seed).spawn(4))
     base = base_logits(p).astype(np.float32)  # [E]
+    if p.step_noise > 0:
+        base = base * np.float32(math.sqrt(1.0 + p.step_noise * p.step_noise))
     rank = np.stack([r_struct.permutation(E) for _ in range(L)])  # [L, E] popularity rank of each expert
     holder = np.argsort(rank, axis=1)  # [L, E] expert holding each rank
     pi = np.stack([holder[la - 1][rank[la]] for la in range(L)])  # [L, E] partner at l-1: same initial rank
@@ -254,6 +262,8 @@ def _route(p: SynthParams, steps: int, prompt_len: int, keep_scores: bool) -> _O
                         rank[li, [i, j]] = rank[li, [j, i]]
             ranks[c] = rank
         logits = base[ranks][:, None] + dev  # [C, B, L, E]
+        if p.step_noise > 0:  # one offset per position, layer and expert, shared by the batch
+            logits += np.float32(p.step_noise) * r_step.standard_normal((n1 - n0, 1, L, E), dtype=np.float32)
         # 4. top-k in descending order, scores, top-k mass
         top = np.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [C, B, L, k]
         order = np.argsort(-np.take_along_axis(logits, top, -1), axis=-1)
@@ -345,6 +355,50 @@ def _lists(values: np.ndarray, typ: pa.DataType) -> pa.Array:
 def save(trace: Trace, path: str | os.PathLike[str]) -> Path:
     """Write a trace (its metadata included) as Parquet; `moetier.traces.load` reads it back."""
     return write_table(trace.table, trace.metadata, path)
+
+
+def params_dict(p: SynthParams) -> dict[str, Any]:
+    """The knobs as a JSON-able dict (`moe_layers` a list); `params_from_dict` reads it back."""
+    return {**asdict(p), "moe_layers": list(p.moe_layers)}
+
+
+def params_from_dict(d: Any) -> SynthParams:
+    """SynthParams from `params_dict`'s output (e.g. a fitted-parameters JSON file); ConfigError naming an
+    unknown or mistyped knob."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"synthetic parameters must be a JSON object, got {type(d).__name__}")
+    fields = set(SynthParams.__dataclass_fields__)
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ConfigError(f"unknown synthetic parameter(s) {', '.join(unknown)}")
+    try:
+        kw = {**d, **({"moe_layers": tuple(int(x) for x in d["moe_layers"])} if "moe_layers" in d else {})}
+        return SynthParams(**kw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad synthetic parameters: {exc}") from exc
+
+
+def save_params(p: SynthParams, path: str | os.PathLike[str]) -> Path:
+    """Write the knobs as JSON (creating the parent folder)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(params_dict(p), indent=1) + "\n", encoding="utf-8")
+    return out
+
+
+def load_params(path: str | os.PathLike[str]) -> SynthParams:
+    """Knobs written by `save_params`; ConfigError naming the file when it is missing or not valid JSON."""
+    src = Path(path)
+    try:
+        raw = json.loads(src.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{src}: cannot read synthetic parameters ({exc.strerror or exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{src}: not a JSON file of synthetic parameters ({exc})") from exc
+    try:
+        return params_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{src}: {exc}") from exc
 
 
 # -- presets ---------------------------------------------------------------------------------------

@@ -148,7 +148,8 @@ def fit_params(trace: Trace) -> SynthParams:
     sim = _Sim(obs)
     # 2. initial popularity from the observed profile
     target = profile.copy()
-    p = _classes(SynthParams(**shape), project(target))
+    start = SynthParams(**shape, hot_frac=0.0, hot_share=0.0, warm_frac=1.0, warm_share=1.0)  # valid for any E
+    p = _classes(start, project(target))  # (the default classes need a hot expert: none of 8 experts is 5%)
     for _ in range(ROUNDS):
         # 3a. correct the popularity for finite-trace bias
         for _ in range(POP_STEPS):

@@ -4,20 +4,27 @@
 takes the plan of the resident-first scheduler with the sparsity target and tipping point
 (policies.plan), runs every task below the tipping point through one native gather call per
 chunk of experts the compute tier can pin at once (kernels/sparse.py; torch ops where the kernel is
-missing) and the others through the masked dense matmuls, and combines. It counts active
-(token, neuron) pairs per layer: the achieved sparsity. `SPEC.build` gives every block its executor
-with the layer's calibrated threshold and the tipping point (runtime/tipping.py);
-runtime/calibrate.py builds the thresholds, `prepare` reads and checks them before any pool is
-allocated.
+missing) and the others through the dense path: by default the layer's original, unmasked expert
+function (the paper's switch to "the original dense expert execution", 4.1), or with
+SparsityConfig.dense "masked" the dense matmuls with the same mask. A call whose tasks all take the
+original dense path is the dense executor's computation (base.execute_per_expert), bit for bit.
+It counts active (token, neuron) pairs per layer and the shared experts' neurons beside them: the
+achieved sparsity, routed and total (the paper's Table 2 counts shared neurons as active).
+`SPEC.build` gives every block its executor with the layer's calibrated threshold at the routed
+fraction the target asks for (policies.sparsity.routed_target: scope "total" counts the shared
+experts' neurons, which always run) and the tipping point (runtime/tipping.py); runtime/calibrate.py
+builds the thresholds, `prepare` reads and checks them before any pool is allocated.
 
-Invariants: shared experts stay dense (TieredMoE adds them); every acquired expert is released;
-counters count every routed (token, expert) pair once, on the path that computed it.
+Invariants: shared experts stay dense (TieredMoE or the family's own block adds them), as in the
+paper's system; every acquired expert is released; counters count every routed (token, expert) pair
+once, on the path that computed it, and every token's shared neurons once per call.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,23 +34,27 @@ from moetier.errors import ConfigError
 from moetier.formats.qtier import source_fingerprint
 from moetier.kernels import native
 from moetier.kernels.experts import SwiGLU
+from moetier.kernels.qformat import QExpertViews
 from moetier.kernels.sparse import (
     NativeSparse,
     NativeSparseQuant,
     ThresholdTable,
     default_table_path,
+    dense_original,
     dense_weights,
     masked_dense,
     native_kernel,
     sparse_torch,
 )
 from moetier.models.families import Family
+from moetier.policies.costmodel import HardwareProfile, load_profile
+from moetier.policies.sparsity import roofline_profile, routed_target, tipping_point, total_sparsity
 from moetier.runtime.calibrate import model_identity
-from moetier.runtime.executors.base import STATIC_PRECISION, Grouped, ResidentFirst
+from moetier.runtime.executors.base import STATIC_PRECISION, Grouped, ResidentFirst, execute_per_expert, group_by_expert
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
-from moetier.runtime.loader import Skeleton
+from moetier.runtime.loader import LoadedModel, Skeleton
 from moetier.runtime.tipping import load_or_measure_tipping
-from moetier.types import ExpertKey, Plan
+from moetier.types import Domain, ExpertKey, Plan
 
 NEEDS = {
     STATIC_PRECISION: (
@@ -67,12 +78,47 @@ def prepare(cfg: EngineConfig, sk: Skeleton) -> tuple[ThresholdTable, str]:
     return table, path
 
 
+_SHARED_ATTRS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "shared_expert_intermediate_size")
+_SHARED_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?(shared_experts?|shared_mlp)$")
+
+
+def shared_neurons(loaded: LoadedModel) -> int:
+    """Shared-expert neurons per token of the model's MoE layers (0 without shared experts): the SwiGLU
+    intermediate size of each shared-expert module (its matrices' elements / (3 * hidden)), summed within
+    a layer; DeepSeek's n shared experts are one module of n * I. ConfigError when the layers differ or a
+    module is not three [I, H] matrices, naming it (then --sparsity-scope routed still runs)."""
+    hidden, moe = loaded.info.hidden_size, set(loaded.info.moe_layers)
+    per_layer: dict[int, int] = {}
+    for name, module in loaded.model.named_modules():
+        m = _SHARED_NAME.search(name)
+        if m is None or int(m.group(1)) not in moe:
+            continue
+        elems = sum(p.numel() for p in module.parameters() if p.dim() == 2)
+        if elems % (3 * hidden):
+            raise ConfigError(f"cannot count the neurons of shared expert {name} (not three [I, {hidden}] matrices); "
+                              "run with --sparsity-scope routed")  # fmt: skip
+        per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + elems // (3 * hidden)
+    sizes = {per_layer.get(layer, 0) for layer in moe}
+    if len(sizes) > 1:
+        raise ConfigError(f"shared experts differ across MoE layers ({per_layer}); run with --sparsity-scope routed")
+    found = sizes.pop() if sizes else 0
+    declared = [a for a in _SHARED_ATTRS if (getattr(loaded.config, a, 0) or 0) > 0]
+    if not found and declared:  # the config has shared experts this search did not find: never count them as 0
+        raise ConfigError(f"the model's config declares shared experts ({', '.join(declared)}) but no shared-expert "
+                          "module was found to count their neurons; run with --sparsity-scope routed")  # fmt: skip
+    return found
+
+
 @dataclass
 class LayerCounts:
-    """Per-layer counters: active and total (token, neuron) pairs; calls and tokens per path."""
+    """Per-layer counters: active and total routed (token, neuron) pairs, and those of the calls that applied
+    the mask (gather or masked dense); shared-expert pairs (always active); calls and tokens per path."""
 
     active: int = 0
     total: int = 0
+    masked_active: int = 0
+    masked_total: int = 0
+    shared: int = 0
     sparse_calls: int = 0
     dense_calls: int = 0
     sparse_tokens: int = 0
@@ -80,7 +126,13 @@ class LayerCounts:
 
     @property
     def achieved(self) -> float:
+        """Routed sparsity over every call."""
         return 1.0 - self.active / self.total if self.total else 0.0
+
+    @property
+    def achieved_total(self) -> float:
+        """Total activation sparsity over every call (shared neurons counted as active)."""
+        return total_sparsity(self.total - self.active, self.total, self.shared)
 
 
 Groups = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, router weights)
@@ -110,50 +162,92 @@ def add_weighted(out: torch.Tensor, toks: list[int], ws: list[float], y: torch.T
     out.index_add_(0, torch.tensor(toks, device=out.device), (y * w).to(out.dtype))
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One call's grouping: expert -> (token indices, router weights) lists, and the routing itself (for
+    the dense executor's own grouping when the whole call takes the original dense path)."""
+
+    groups: Groups
+    ids: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
+
+
 class SparseExecutor:
-    """Steps 3-5 of one MoE layer call with intra-expert activation sparsity."""
+    """Steps 3-5 of one MoE layer call with intra-expert activation sparsity. `fn` is the layer's own expert
+    function (the original dense expert); `masked` runs the dense path with the mask instead; `shared` is
+    the shared-expert neurons per token, counted (as active) for the total sparsity."""
 
     def __init__(
         self, store: Any, layer: int, threshold: float, block: int, inter: int,
         act: Callable[[torch.Tensor], torch.Tensor], kernel: NativeSparse | NativeSparseQuant | None,
+        fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None, num_experts: int = 0, masked: bool = False,
+        shared: int = 0,
     ) -> None:  # fmt: skip
         self.store, self.layer, self.threshold, self.block = store, layer, threshold, block
         self.inter, self.act, self.kernel = inter, act, kernel
+        self.fn, self.num_experts, self.masked, self.shared = fn, num_experts, masked or fn is None, shared
         self.counts = LayerCounts()
 
     def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
         """ids/weights [T, k] -> expert -> (token indices, router weights), tokens in order."""
         groups = group_tokens(ids, weights)
-        return Grouped({e: len(g[0]) for e, g in groups.items()}, groups)
+        return Grouped({e: len(g[0]) for e, g in groups.items()}, _Call(groups, ids, weights))
 
     def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
-        """x [T, H] -> sum_k w * masked expert(x) as [T, H]. The plan's tasks under the tipping point carry
-        the sparsity target (gather path), the others run the masked dense matmuls."""
+        """x [T, H] -> sum_k w * expert(x) as [T, H]. The plan's tasks under the tipping point carry the
+        sparsity target (gather path); the others run the original dense expert (or, `masked`, the masked
+        dense matmuls)."""
         # 1. split the plan by path
-        groups: Groups = grouped.data
+        call: _Call = grouped.data
+        groups = call.groups
         store, c = self.store, self.counts
         sparse = [t for t in plan.tasks if t.sparsity > 0]
         dense = [t for t in plan.tasks if t.sparsity == 0]
+        c.shared += x.shape[0] * self.shared
+        if not sparse and not self.masked:  # 2a. every task dense: the dense executor's computation, exactly
+            assert self.fn is not None
+            n = sum(task.tokens for task in dense)
+            c.active += n * self.inter
+            c.total += n * self.inter
+            c.dense_calls += len(dense)
+            c.dense_tokens += n
+            return execute_per_expert(store, self._original, x, plan,
+                                      group_by_expert(call.ids, call.weights, self.num_experts))  # fmt: skip
         xc = x.contiguous()
         out = torch.zeros_like(xc)
-        # 2. gather path: one native call per chunk of experts the compute tier can pin at once
+        # 2b. gather path: one native call per chunk of experts the compute tier can pin at once
         if sparse:
             self._sparse(store, xc, out, sparse, groups)
-        # 3. masked dense path for the big calls
+        # 3. dense path for the big calls: the original expert, or the masked matmuls
         for task in dense:
             toks, ws = groups[task.key.expert]
             views = store.acquire(task.key)
             try:
-                w13, w2, _ = dense_weights(views, x.dtype)  # quantized rows: dequantised copies
-                y, active = masked_dense(xc[toks], w13, w2, self.act, self.threshold, self.block)
+                if self.masked:
+                    w13, w2, _ = dense_weights(views, x.dtype)  # quantized rows: dequantised copies
+                    y, active = masked_dense(xc[toks], w13, w2, self.act, self.threshold, self.block)
+                else:
+                    y, active = self._original(xc[toks], views), len(toks) * self.inter
             finally:
                 store.release(task.key)
             add_weighted(out, toks, ws, y)
             c.active += active
             c.total += len(toks) * self.inter
+            if self.masked:
+                c.masked_active += active
+                c.masked_total += len(toks) * self.inter
             c.dense_calls += 1
             c.dense_tokens += len(toks)
         return out
+
+    def _original(self, x: torch.Tensor, views: Any) -> torch.Tensor:
+        """x [N, H] -> the unmasked expert [N, H]: the layer's own expert function on a full-precision slot
+        (the dense executor's math); on quantized rows, the same math on dequantised copies."""
+        if isinstance(views, QExpertViews):
+            w13, w2, _ = dense_weights(views, x.dtype)
+            return dense_original(x, w13, w2, self.act)
+        assert self.fn is not None
+        return self.fn(x, views)
 
     def _native(
         self, x: torch.Tensor, out: torch.Tensor, chunk: Sequence[Any], views: Sequence[Any], groups: Groups,
@@ -207,13 +301,17 @@ class SparseExecutor:
             n_tok = sum(task.tokens for task in chunk)
             c.active += active
             c.total += n_tok * self.inter
+            c.masked_active += active
+            c.masked_total += n_tok * self.inter
             c.sparse_calls += len(chunk)
             c.sparse_tokens += n_tok
 
 
 @dataclass
 class SparsityState:
-    """What the engine keeps about sparsity: per-layer executors, the switch and where it came from."""
+    """What the engine keeps about sparsity: per-layer executors, the switch and where it came from.
+    `target` is in `scope` ("total": shared neurons counted, or "routed"); `routed_target` is the fraction of
+    routed neurons the thresholds skip; `shared` the shared-expert neurons per token beside `routed` ones."""
 
     target: float
     block: int
@@ -224,23 +322,45 @@ class SparsityState:
     profile_cached: bool = False
     layers: dict[int, SparseExecutor] = field(default_factory=dict)
     stats_key: str = "sparsity"
+    scope: str = "total"
+    routed_target: float = 0.0
+    routed: int = 0
+    shared: int = 0
+    dense: str = "original"
+    tipping_source: str = "measured"  # "configured", "measured", or "profile NAME" (a GPU roofline)
 
     def stats(self) -> dict[str, Any]:
+        """`achieved` is the sparsity in the target's scope over every call (calls above the tipping point on
+        the original dense path count as fully active); `achieved_masked` is the same over the calls that
+        applied the mask, which is what the calibrated thresholds aim at; `achieved_routed` and
+        `achieved_total` are both scopes over every call."""
         per_layer = {
             layer: {
-                "threshold": s.threshold, "achieved": round(s.counts.achieved, 4),
+                "threshold": s.threshold, "achieved": round(self._scoped(s.counts), 4),
+                "achieved_routed": round(s.counts.achieved, 4), "achieved_total": round(s.counts.achieved_total, 4),
                 "sparse_calls": s.counts.sparse_calls, "dense_calls": s.counts.dense_calls,
                 "sparse_tokens": s.counts.sparse_tokens, "dense_tokens": s.counts.dense_tokens,
             }
             for layer, s in sorted(self.layers.items())
         }  # fmt: skip
-        active = sum(s.counts.active for s in self.layers.values())
-        total = sum(s.counts.total for s in self.layers.values())
+        every = LayerCounts()
+        for s in self.layers.values():
+            for f in ("active", "total", "masked_active", "masked_total", "shared"):
+                setattr(every, f, getattr(every, f) + getattr(s.counts, f))
+        masked = LayerCounts(active=every.masked_active, total=every.masked_total,
+                             shared=every.shared * every.masked_total // max(every.total, 1))  # fmt: skip
         return {
-            "target": self.target, "achieved": round(1 - active / total, 4) if total else 0.0,
-            "block": self.block, "tipping_tokens": self.tipping, "kernel": self.kernel, "table": self.table_path,
+            "target": self.target, "scope": self.scope, "routed_target": round(self.routed_target, 4),
+            "achieved": round(self._scoped(every), 4), "achieved_masked": round(self._scoped(masked), 4),
+            "achieved_routed": round(every.achieved, 4), "achieved_total": round(every.achieved_total, 4),
+            "routed_neurons_per_token": self.routed, "shared_neurons_per_token": self.shared,
+            "block": self.block, "tipping_tokens": self.tipping, "tipping_source": self.tipping_source,
+            "dense_path": self.dense, "kernel": self.kernel, "table": self.table_path,
             "profile_cached": self.profile_cached, "layers": per_layer,
         }  # fmt: skip
+
+    def _scoped(self, c: LayerCounts) -> float:
+        return c.achieved_total if self.scope == "total" else c.achieved
 
     def close(self) -> None:
         return None
@@ -278,26 +398,51 @@ def build(ctx: BuildContext) -> Built:
         "native" if kernel is not None else
         f"torch ({failed or ('CUDA, unverified' if device.type == 'cuda' else f'activation {act_name}')})"
     )  # fmt: skip
-    # 3. the tipping point: configured, assumed (CUDA), or measured here (cached)
+    # 3. the routed fraction the target asks for: scope "total" counts the shared experts' neurons (active)
+    routed, shared = info.top_k * inter, shared_neurons(loaded)
+    r = routed_target(cfg.target, cfg.scope, routed, shared, max_routed=table.targets[-1])
+    # 4. the tipping point: configured, from the named profile's GPU roofline (CUDA), or measured here (cached)
     profile: dict[int, tuple[float, float]] = {}
     cached = False
+    name = ctx.config.scheduler.profile
     if cfg.tipping is not None:
-        tipping = cfg.tipping
-    elif device.type == "cuda":  # unverified here: no GPU to measure on; dense beyond 8 tokens per expert
-        tipping = 8
-    else:
+        tipping, source = cfg.tipping, "configured"
+    elif device.type == "cuda" and name is not None:  # unverified: no GPU was lent to this work
+        tipping, profile = roofline_tipping(load_profile(name), hidden, inter, dtype.itemsize, r)
+        source = f"profile {name}"
+    else:  # on CUDA unverified: timed on the device as on the CPU (the paper profiles it at engine start)
         tipping, profile, cached = load_or_measure_tipping(
-            hidden, inter, dtype, fn.act, cfg, kernel, quant=quant, kernel_cache=rt.kernel_cache
-        )
-    # 4. one executor per layer with its threshold, one scheduler carrying the target
-    state = SparsityState(cfg.target, cfg.block, tipping, table_path, why, profile, cached)
-    scheduler = ResidentFirst(store, sparsity=cfg.target, tipping=tipping)
+            hidden, inter, dtype, fn.act, replace(cfg, target=r), kernel, quant=quant, kernel_cache=rt.kernel_cache,
+            device=device, masked=cfg.dense == "masked",
+        )  # fmt: skip
+        source = "measured"
+    # 5. one executor per layer with its threshold, one scheduler carrying the routed target
+    state = SparsityState(cfg.target, cfg.block, tipping, table_path, why, profile, cached, scope=cfg.scope,
+                          routed_target=r, routed=routed, shared=shared, dense=cfg.dense,
+                          tipping_source=source)  # fmt: skip
+    scheduler = ResidentFirst(store, Domain.ACCEL if device.type == "cuda" else Domain.HOST, sparsity=r,
+                              tipping=tipping)  # fmt: skip
     layers: dict[int, tuple[ResidentFirst, SparseExecutor]] = {}
     for block in blocks:
-        thr = table.threshold(block.layer, cfg.target, cfg.block)
-        state.layers[block.layer] = ex = SparseExecutor(store, block.layer, thr, cfg.block, inter, fn.act, kernel)
+        thr = table.threshold(block.layer, r, cfg.block)
+        state.layers[block.layer] = ex = SparseExecutor(
+            store, block.layer, thr, cfg.block, inter, fn.act, kernel, fn=block.expert_fn,
+            num_experts=block.num_experts, masked=cfg.dense == "masked", shared=shared,
+        )  # fmt: skip
         layers[block.layer] = (scheduler, ex)
     return Built(layers, state)
+
+
+def roofline_tipping(
+    hw: HardwareProfile, hidden: int, inter: int, weight_bytes: int, routed: float
+) -> tuple[int, dict[int, tuple[float, float]]]:
+    """(tipping point, priced profile) on `hw`'s GPU roofline (policies.sparsity.roofline_profile); a profile
+    without a GPU section is a ConfigError naming it."""
+    if hw.gpu is None:
+        raise ConfigError(f"profile {hw.name!r} has no GPU section to derive the sparsity tipping point from; "
+                          "name a GPU profile with --profile or set --sparsity-tipping")  # fmt: skip
+    profile = roofline_profile(hw.gpu, hidden, inter, weight_bytes, routed)
+    return tipping_point(profile), profile
 
 
 SPEC = ExecutorSpec(name="sparse", build=build, needs=NEEDS, check=check, prepare=prepare)

@@ -85,7 +85,7 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
 
 def test_two_domain_flags_are_not_flags_of_simulate_tri(tmp_path: Path) -> None:
     for args in (["--cache-ratio", "0.25"], ["--precision", "int4"], ["--timeline", str(tmp_path / "t.png")],
-                 ["--prefetch"], ["--warmup-steps", "2"], ["--prompt-len", "8"], ["--stats", "hybrimoe"]):  # fmt: skip
+                 ["--prefetch"], ["--prompt-len", "8"], ["--stats", "hybrimoe"]):  # fmt: skip
         res = runner.invoke(app, [*BASE, *args])
         assert res.exit_code == 2 and "No such option" in res.output and args[0] in res.output, (args, res.output)
 
@@ -97,12 +97,30 @@ def test_trace_replays_its_decode_steps(tmp_path: Path) -> None:
     spec = load_spec("deepseek-v2-lite")
     path = tmp_path / "t.parquet"
     synthetic.save(synthetic.generate(synthetic.preset(spec, batch_size=8, seed=1), 3, prompt_len=4), path)
-    d = _json(["simulate-tri", "--scheduler", "trimoe", "--trace", str(path), "--steps", "2"])
-    assert d["steps"] == 2 and d["batch"] == 8  # the prefill chunk (step 0) is not replayed
-    res = runner.invoke(app, ["simulate-tri", "--scheduler", "trimoe", "--trace", str(path), "--batch-size", "4"])
+    tri = ["simulate-tri", "--scheduler", "trimoe", "--trace", str(path)]
+    d = _json([*tri, "--steps", "2", "--warmup-steps", "0"])
+    assert d["steps"] == 2 and d["batch"] == 8 and d["calls"] == 2 * 26  # the prefill chunk (step 0) is not replayed
+    w = _json([*tri, "--steps", "2", "--warmup-steps", "1"])  # decode step 1 the window, steps 2-3 replayed
+    assert w["steps"] == 2 and w["warmup_steps"] == 1 and w["moe_s"] != d["moe_s"]
+    assert _json([*tri, "--warmup-steps", "2"])["steps"] == 1  # without --steps: every step after the window
+    res = runner.invoke(app, [*tri, "--batch-size", "4"])
     assert res.exit_code == 2 and "--batch-size applies to --synthetic only" in res.stderr
-    res = runner.invoke(app, ["simulate-tri", "--scheduler", "trimoe", "--trace", str(path), "--steps", "9"])
+    res = runner.invoke(app, [*tri, "--steps", "9", "--warmup-steps", "0"])
     assert res.exit_code == 2 and "holds 3 decode steps" in res.stderr
+    for args, msg in (([], "--warmup-steps 16 leaves none of its 3 decode steps to replay"),  # the default window
+                      (["--steps", "2", "--warmup-steps", "2"], "--warmup-steps 2 + --steps 2 but the trace holds 3")):
+        res = runner.invoke(app, [*tri, *args])
+        err = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(err) == 1 and msg in err[0], res.stderr
+
+
+def test_warmup_steps_flag() -> None:
+    d = _json([*BASE, "--steps", "2"])
+    assert d["warmup_steps"] == 16 and d["steps"] == 2  # the default window, never timed
+    off = _json([*BASE, "--steps", "2", "--warmup-steps", "0"])
+    assert off["warmup_steps"] == 0 and off["steps"] == 2 and off["moe_s"] != d["moe_s"]
+    bad = runner.invoke(app, [*BASE, "--warmup-steps", "-1"])
+    assert bad.exit_code == 2 and "--warmup-steps" in bad.output
 
 
 def test_drift_and_contention_flags() -> None:

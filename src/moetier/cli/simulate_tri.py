@@ -32,7 +32,7 @@ from moetier.report.record import SimRunDirOpt, write_simulation
 from moetier.sim.ndp import load_ndp
 from moetier.sim.tri import TriSimConfig, simulate_tri
 from moetier.specs import ModelSpec
-from moetier.studies.sweep_tri import synthetic_calls
+from moetier.studies.sweep_tri import WARMUP_STEPS, synthetic_calls
 
 _TRI = "Three-domain machine"
 _BASE = TriSimConfig()
@@ -71,11 +71,16 @@ PrefillOpt = Annotated[int, typer.Option("--prefill-tokens", min=0, rich_help_pa
 OutputLenOpt = Annotated[int, typer.Option("--output-len", min=0, rich_help_panel=_TRI,
                          help="Decode tokens per sequence for the end-to-end throughput (0: the simulated "
                               "steps).")]  # fmt: skip
+WarmupOpt = Annotated[int, typer.Option("--warmup-steps", min=0, rich_help_panel=_TRI,
+                      help="Profiling window: decode steps before the replayed ones (a trace's first ones), never "
+                           "timed; the offline layout, every system's HBM set and the predictor start from their "
+                           "mean loads (0: from each layer's first replayed call).")]  # fmt: skip
 
 
 def _decode_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cfg: TriSimConfig,
                   steps: int | None, batch: int | None) -> tuple[ModelSpec, list[traces.Call], str]:  # fmt: skip
-    """(spec, decode calls, source): synthetic (sweep_tri.synthetic_calls) or a trace's first `steps` decode steps."""
+    """(spec, decode calls, source): synthetic (sweep_tri.synthetic_calls) or a trace's first
+    cfg.warmup_steps + `steps` decode steps (the first warmup_steps are the profiling window)."""
     spec = source_spec(spec_name, trace, synthetic)
     if spec is not None:
         return spec, synthetic_calls(spec, cfg), f"synthetic {spec.name} preset (trimoe statistics), seed {cfg.seed}"
@@ -84,11 +89,16 @@ def _decode_calls(spec_name: str | None, trace: Path | None, synthetic: bool, cf
         raise ConfigError("--batch-size applies to --synthetic only (a trace's calls keep their own tokens)")
     spec, calls, source = trace_calls(spec_name, trace)
     decode = [c for c in calls if c.step > 0]  # step 0 is the prefill chunk
-    kept = sorted({c.step for c in decode})[: steps or None]
+    w = cfg.warmup_steps
+    held = sorted({c.step for c in decode})
+    kept = held[: (w + steps) if steps else None]
     if not kept:
         raise ConfigError(f"{trace}: no decode steps (step > 0) to replay")
-    if steps is not None and len(kept) < steps:
-        raise ConfigError(f"{trace}: --steps {steps} but the trace holds {len(kept)} decode steps")
+    if steps is not None and len(kept) < w + steps:
+        raise ConfigError(f"{trace}: --warmup-steps {w} + --steps {steps} but the trace holds {len(held)} decode "
+                          "steps")  # fmt: skip
+    if len(kept) <= w:
+        raise ConfigError(f"{trace}: --warmup-steps {w} leaves none of its {len(held)} decode steps to replay")
     last = kept[-1]
     return spec, [c for c in decode if c.step <= last], source
 
@@ -98,8 +108,10 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
     title = (f"{d['model']} on {d['profile']}: {d['scheduler']}, {d['ndp_count']} NDP DIMMs, CPU x"
              f"{d['cpu_tflops_scale']:g}, HBM {d['hbm_ratio']:g}")  # fmt: skip
     pred, mig = d["predictor"], d["migration"]
+    w = d["warmup_steps"]
+    moe = f"{d['moe_step_s'] * 1e3:.3f} ms ({d['steps']} steps, {d['calls']} calls; {w} untimed warm-up)"
     rows = [
-        ("MoE time per step", f"{d['moe_step_s'] * 1e3:.3f} ms ({d['steps']} steps, {d['calls']} calls)"),
+        ("MoE time per step", moe),
         ("step time", f"{d['step_s'] * 1e3:.3f} ms (batch {d['batch']:g})"),
         ("throughput", f"{d['throughput_tok_s']:.1f} tok/s"),
         ("prefill / end to end", f"{d['prefill_s'] * 1e3:.3f} ms / {d['e2e_tok_s']:.1f} tok/s"),
@@ -135,6 +147,7 @@ def simulate_tri_cmd(
     dimm_link: DimmLinkOpt = _BASE.dimm_link,
     prefill_tokens: PrefillOpt = _BASE.prefill_tokens,
     output_len: OutputLenOpt = _BASE.output_len,
+    warmup_steps: WarmupOpt = WARMUP_STEPS,
     run_dir: SimRunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -148,7 +161,7 @@ def simulate_tri_cmd(
             batch_size=batch_size or _BASE.batch_size, steps=steps or _BASE.steps, seed=seed,
             refinement=not no_refinement, relayout=not no_relayout, profile=profile, drift=drift,
             step_noise=step_noise, contention=contention, dimm_link=dimm_link, prefill_tokens=prefill_tokens,
-            output_len=output_len,
+            output_len=output_len, warmup_steps=warmup_steps,
         )  # fmt: skip
         if drift is not None and not synthetic:
             raise ConfigError("--drift applies to --synthetic traces only")
@@ -162,7 +175,8 @@ def simulate_tri_cmd(
         payload.update(moe_step_s=result.moe_s / result.steps, profile=cfg.profile, ndp_count=cfg.ndp_count,
                        cpu_tflops_scale=cfg.cpu_tflops_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
                        relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift, step_noise=cfg.step_noise,
-                       contention=cfg.contention or "array", dimm_link=cfg.dimm_link)  # fmt: skip
+                       contention=cfg.contention or "array", dimm_link=cfg.dimm_link,
+                       warmup_steps=cfg.warmup_steps)  # fmt: skip
         report.print(tri_table(payload, source))
         write_simulation(run_dir, payload, source, trace)
         if json_out:

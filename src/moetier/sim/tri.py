@@ -8,10 +8,15 @@ one file each in policies/). The simulator reads what a scheduler may do from it
 - `refines`: it gets config.max_iters refinement moves when config.refinement is on, else 0;
 - `prefetches`: hot experts prefetched into HBM over PCIe in the background;
 - `relayouts` / `rebalances`: relayouts / cold migrations over the DIMM-Link, when config.relayout is on.
-Schedulers with NDP start from an offline layout ("localising cold experts onto single DIMMs", 4.3): the
-experts cold in the first call of each layer are localised, spread over DIMMs by longest-processing-time first;
-the others are striped. Schedulers without NDP keep every expert striped. All start with the same HBM set: per layer
-the floor(hbm_ratio * E) most loaded experts of its first call (the offline trace analysis stand-in).
+Schedulers with NDP start from an offline layout ("we set an optimized initial layout via offline trace analysis
+(e.g., localizing cold experts onto single DIMMs)", 4.3): the experts cold in each layer's profile loads are
+localised, spread over DIMMs by longest-processing-time first; the others are striped. Schedulers without NDP keep
+every expert striped. All start with the same HBM set: per layer the floor(hbm_ratio * E) most loaded experts of
+its profile loads. The profile loads (the offline trace analysis stand-in) come from a profiling window:
+config.warmup_steps = W > 0 takes the first W distinct decode steps of `calls` (sorted by step) as the window, never
+replayed or timed; a layer's profile loads are its mean loads over the window's calls, and the EMA predictor starts
+from them (eq. 8's first value, not scored). W = 0 (the behaviour before the window): each layer's profile loads are
+its first replayed call's, and the predictor starts empty. Every system gets the same window (baselines' HBM too).
 
 Per call: (1) price it (sim/ndp.py, eq. 1-4, shared experts on the GPU); (2) the scheduler assigns domains
 (its Plan), makespan (eq. 5-7) = the call's MoE time; (3) score and update the EMA predictor (eq. 8); (4) plan
@@ -42,7 +47,8 @@ the paper's Table 3 "GPU Compute Utilization" as the fraction of wall time a GPU
 
 Invariants (tests/sim/test_tri.py): every routed expert of a call is assigned exactly once; a scheduler only
 uses its domains; HBM residency per layer never exceeds its share; link time per call never exceeds its
-window; the run is a pure function of (spec, calls, config).
+window; the run is a pure function of (spec, calls, config); the profiling window's calls are never timed and act
+only through their mean loads (tests/sim/test_tri_window.py).
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class TriSimConfig:
     dimm_link: str = "per-link"  # DIMM-Link move pricing: "per-link" or "all-links" (module docstring)
     prefill_tokens: int = 0  # prompt tokens per sequence for the prefill phase (0: no prefill)
     output_len: int = 0  # decode tokens per sequence for the end-to-end throughput (0: steps)
+    warmup_steps: int = 0  # profiling window: decode steps before the replayed ones, never timed (0: first call)
 
     def __post_init__(self) -> None:
         check_tri_scheduler(self.scheduler)
@@ -108,7 +115,7 @@ class TriSimConfig:
             v = getattr(self, name)
             if not _int(v) or v < 1:
                 raise ConfigError(f"TriSimConfig: {name} must be an int >= 1, got {v!r}")
-        for name in ("context", "max_iters", "prefill_tokens", "output_len"):
+        for name in ("context", "max_iters", "prefill_tokens", "output_len", "warmup_steps"):
             v = getattr(self, name)
             if not _int(v) or v < 0:
                 raise ConfigError(f"TriSimConfig: {name} must be an int >= 0, got {v!r}")
@@ -171,7 +178,8 @@ def _initial(
     m: NdpMachine, loads: np.ndarray, cap: int, ndp_layout: bool, layer: int,
     layouts: dict[ExpertKey, Layout], homes: dict[ExpertKey, int],
 ) -> set[int]:  # fmt: skip
-    """Offline placement of one layer from its first call's loads [E]; returns its HBM set (expert ids)."""
+    """Offline placement of one layer from its profile loads [E] (the window's mean or the first call's); returns
+    its HBM set (expert ids)."""
     order = np.lexsort((np.arange(loads.shape[0]), -loads))  # by load desc, ties to the lower id
     resident = {int(e) for e in order[:cap]}
     if ndp_layout:
@@ -231,15 +239,72 @@ def _prefill_s(
     return total
 
 
-def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> TriSimResult:
-    """Replay `calls` (traces.Call: step, layer, ids [T, k]) through config.scheduler; see the module docstring."""
-    # 1. Machine, cost model, scheduler, checks
-    cfg, sched = config, make_tri_scheduler(config.scheduler)
+def _split_window(calls: Sequence[Any], w: int) -> tuple[list[Any], list[Any]]:
+    """(window calls, replayed calls): the calls of the first `w` distinct steps (sorted) and the rest."""
+    if w == 0:
+        return [], list(calls)
+    order = sorted({int(c.step) for c in calls})
+    if w >= len(order):
+        raise ConfigError(f"simulate_tri: warmup_steps {w} leaves no step to replay (the calls hold {len(order)} "
+                          "distinct steps)")  # fmt: skip
+    window = set(order[:w])
+    return [c for c in calls if int(c.step) in window], [c for c in calls if int(c.step) not in window]
+
+
+def profile_loads(calls: Sequence[Any], warmup_steps: int, num_experts: int) -> tuple[dict[int, np.ndarray], list[Any]]:
+    """(profile loads per layer [E], replayed calls): with warmup_steps W > 0 each layer's mean load per expert over
+    the calls of the first W distinct steps (the profiling window, dropped from the replayed calls); with W = 0 each
+    layer's first call's loads, every call replayed. A layer absent from the window has no profile loads (it is
+    placed at its first replayed call)."""
+    window, replayed = _split_window(calls, warmup_steps)
+    tot: dict[int, np.ndarray] = {}
+    n: dict[int, int] = {}
+    for c in window or replayed:
+        layer = int(c.layer)
+        if not window and layer in tot:
+            continue  # W = 0: the first call only
+        tot[layer] = tot.get(layer, 0.0) + np.bincount(np.asarray(c.ids).ravel(), minlength=num_experts)
+        n[layer] = n.get(layer, 0) + 1
+    return {layer: np.asarray(v, dtype=np.float64) / n[layer] for layer, v in tot.items()}, replayed
+
+
+@dataclass(frozen=True)
+class OfflineLayout:
+    """The starting state of a run (simulate_tri's, before its first replayed call)."""
+
+    profile: dict[int, np.ndarray]  # layer -> profile loads [E]
+    hbm: dict[int, frozenset[int]]  # layer -> HBM-resident expert ids
+    localised: dict[ExpertKey, int]  # localised expert -> home DIMM (the others striped)
+
+
+def _machine(spec: ModelSpec, cfg: TriSimConfig) -> tuple[NdpMachine, CostModel]:
     profile = load_profile(cfg.profile)
     ndp = replace(load_ndp(cfg.profile), n_dimms=cfg.ndp_count)
     m = NdpMachine(spec, profile, ndp if cfg.contention is None else replace(ndp, contention=cfg.contention),
                    cfg.cpu_tflops_scale)  # fmt: skip
-    cm = CostModel(profile, spec)
+    return m, CostModel(profile, spec)
+
+
+def offline_layout(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> OfflineLayout:
+    """The offline placement simulate_tri starts config.scheduler from (module docstring): per layer the HBM set
+    and, for a scheduler with NDP, the localised cold experts and their DIMMs, from `profile_loads`."""
+    m, _ = _machine(spec, config)
+    ndp_layout = Domain.NDP in make_tri_scheduler(config.scheduler).domains
+    cap = int(config.hbm_ratio * spec.num_experts)
+    prof, _ = profile_loads(calls, config.warmup_steps, spec.num_experts)
+    layouts: dict[ExpertKey, Layout] = {}
+    homes: dict[ExpertKey, int] = {}
+    hbm = {layer: frozenset(_initial(m, v, cap, ndp_layout, layer, layouts, homes))
+           for layer, v in sorted(prof.items())}  # fmt: skip
+    return OfflineLayout(prof, hbm, homes)
+
+
+def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> TriSimResult:
+    """Replay `calls` (traces.Call: step, layer, ids [T, k]) through config.scheduler, the first
+    config.warmup_steps distinct steps being the untimed profiling window; see the module docstring."""
+    # 1. Machine, cost model, scheduler, checks
+    cfg, sched = config, make_tri_scheduler(config.scheduler)
+    m, cm = _machine(spec, cfg)
     if not calls:
         raise ConfigError("simulate_tri: no layer calls to replay")
     E, layers = spec.num_experts, set(spec.moe_layers)
@@ -254,11 +319,18 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     ndp_layout = Domain.NDP in sched.domains
     cap = int(cfg.hbm_ratio * E)
     pred = LoadPredictor(sorted(layers), E)
-    # 2. State: HBM set per layer, layouts and homes (offline placement at a layer's first call)
+    # 2. State: HBM set per layer, layouts and homes (offline placement from the profiling window's mean loads,
+    # or, without a window, at a layer's first call); the predictor starts from the window's mean loads
+    prof, calls = profile_loads(calls, cfg.warmup_steps, E)
     resident: dict[int, set[int]] = {}
     initial_hbm: dict[int, set[int]] = {}
     layouts: dict[ExpertKey, Layout] = {}
     homes: dict[ExpertKey, int] = {}
+    for layer, v in sorted(prof.items()):
+        resident[layer] = _initial(m, v, cap, ndp_layout, layer, layouts, homes)
+        initial_hbm[layer] = set(resident[layer])
+        if cfg.warmup_steps:
+            pred.update(layer, v)  # eq. 8's first value (no prediction stands yet, so nothing is scored)
     moe = greedy_moe = win_total = 0.0
     busy = dict.fromkeys(("gpu", "cpu", "ndp", "dimm"), 0.0)
     flops = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)
@@ -281,7 +353,7 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         # 3. Price and assign
         counts = {int(e): int(loads[e]) for e in np.flatnonzero(loads)}
         experts = price_call(m, layer, counts, {ExpertKey(layer, e) for e in res}, layouts, homes, shared_tokens=T)
-        hot = frozenset(int(e) for e in np.flatnonzero(pred.classes(layer) == Heat.HOT))  # none before a first call
+        hot = frozenset(int(e) for e in np.flatnonzero(pred.classes(layer) == Heat.HOT))  # none before a call or window
         window = _dense_s(cm, spec, T, cfg.context, True)
         if getattr(sched, "pipelines", False):  # declared by a scheduler that streams under the window (klotski)
             out = sched.schedule(experts, cfg.ndp_count, hot, refine, window_s=max(0.0, window - last_pcie))  # type: ignore[call-arg]
@@ -356,4 +428,5 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     )  # fmt: skip
 
 
-__all__ = ["DIMM_LINK", "TriSimConfig", "TriSimResult", "simulate_tri"]
+__all__ = ["DIMM_LINK", "OfflineLayout", "TriSimConfig", "TriSimResult", "offline_layout", "profile_loads",
+           "simulate_tri"]  # fmt: skip

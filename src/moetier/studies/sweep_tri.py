@@ -4,9 +4,12 @@ columns; and `synthetic_calls`, the decode calls both of them replay.
 
 Parameters (grid keys may be plural): model (required), then every field of sim.tri.TriSimConfig under its own
 name and default (scheduler, ndp_count, cpu_tflops_scale, hbm_ratio, batch_size, steps, seed, refinement,
-relayout, context, profile, max_iters, drift, step_noise, contention, dimm_link, prefill_tokens, output_len; their
-meaning is documented there). The two-domain machine's parameters (sim.config.SimConfig's other fields, stats,
-cpu_tflops) are refused with the reason.
+relayout, context, profile, max_iters, drift, step_noise, contention, dimm_link, prefill_tokens, output_len,
+warmup_steps; their meaning is documented there). warmup_steps = W generates W more decode steps before the
+`steps` replayed ones: the untimed profiling window the offline layout, every system's HBM set and the predictor
+start from (the study's sweep files use W = WARMUP_STEPS; the default 0 is the first-call placement). The
+two-domain machine's parameters (sim.config.SimConfig's other fields, stats, cpu_tflops) are refused with the
+reason.
 TriSimConfig checks every value (a ConfigError naming the field); this module restates no check.
 
 Invariants: listed in sweep_grid.POINTS as "tri"; a point is a pure function of its parameters (the
@@ -50,8 +53,12 @@ COLUMNS = (
 )  # fmt: skip
 
 
+WARMUP_STEPS = 16  # the profiling window the study and `moetier simulate-tri` use (docs/trimoe.md)
+
+
 def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Call]:
-    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for config.steps,
+    """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for
+    config.warmup_steps + config.steps steps (the first warmup_steps are simulate_tri's profiling window),
     with config.drift rank swaps per layer per step when given and config.step_noise as the generator's
     step_noise (stationary popularity, batch-shared noise per step; the preset's shares kept)."""
     p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
@@ -59,7 +66,7 @@ def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Call]:
         p = replace(p, drift=float(config.drift))
     if config.step_noise:
         p = replace(p, step_noise=float(config.step_noise))
-    return iter_calls(synthetic.generate(p, config.steps, with_scores=False))
+    return iter_calls(synthetic.generate(p, config.warmup_steps + config.steps, with_scores=False))
 
 
 def check_tri(p: dict[str, Any]) -> None:
@@ -93,4 +100,5 @@ def tri_point(p: dict[str, Any]) -> dict[str, Any]:
 
 POINT = Point(tri_point, DEFAULTS, REFUSED, check_tri, COLUMNS)
 
-__all__ = ["COLUMNS", "CONFIG", "DEFAULTS", "POINT", "REFUSED", "check_tri", "synthetic_calls", "tri_point"]
+__all__ = ["COLUMNS", "CONFIG", "DEFAULTS", "POINT", "REFUSED", "WARMUP_STEPS", "check_tri", "synthetic_calls",
+           "tri_point"]  # fmt: skip

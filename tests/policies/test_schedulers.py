@@ -94,10 +94,10 @@ def test_registry_names_placements_and_cache_policies() -> None:
     ]  # fmt: skip
     # declared capabilities the simulator reads: kTransformers computes on the CPU at decode only (HybriMoE
     # Table I), AdapMoE gates its decode calls
-    assert [getattr(make_scheduler(n), "prefill_on_gpu", False) for n in SCHEDULERS] == [
+    assert [make_scheduler(n).prefill_on_gpu for n in SCHEDULERS] == [
         n == "ktransformers" for n in SCHEDULERS
     ]
-    assert [getattr(make_scheduler(n), "gates", False) for n in SCHEDULERS] == [n == "adapmoe" for n in SCHEDULERS]
+    assert [make_scheduler(n).gates for n in SCHEDULERS] == [n == "adapmoe" for n in SCHEDULERS]
     with pytest.raises(ConfigError, match=r"unknown scheduler 'hybrid'; known: hybrimoe, ktransformers"):
         make_scheduler("hybrid")
     for name in ("trimoe", "klotski"):  # a three-domain name, wherever a two-domain one is checked

@@ -80,7 +80,10 @@ class Scheduler(Protocol):
       names none; it only decides anything when `admits` (or when prefetches are admitted);
     - `gates`: True when the scheduler drops low-weight routed experts at decode (AdapMoE's adaptive
       gating), which its user applies to the routing before scheduling; the engine refuses it (it would
-      change the model's output).
+      change the model's output);
+    - `prefill_on_gpu`: True when every prefill expert computes on the GPU, misses streamed over the
+      link and never admitted (kTransformers' layer-wise prefill); its user plans prefill calls with
+      `moved_timeline` instead of `schedule`.
     """
 
     name: str
@@ -88,6 +91,7 @@ class Scheduler(Protocol):
     placement: str
     cache_policy: str
     gates: bool
+    prefill_on_gpu: bool
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         """`ready`: when each lane is free (e.g. the link is busy with a prefetch), default 0."""
@@ -183,6 +187,7 @@ class LayerScheduler:
     domain fall back to `moved_timeline`; otherwise `plan` (the variant's own decision) decides."""
 
     gates = False  # AdapMoE's variant overrides it
+    prefill_on_gpu = False  # kTransformers' variant overrides it
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         t0 = lane_ready(ready)

@@ -167,12 +167,12 @@ class _Replay:
             for i in range(self.n_prefill, len(self.calls)):
                 c = self.calls[i]
                 g = gated_counts(c.ids, c.weights, thr)
-                routed += int(np.asarray(c.ids).size)
-                dropped += int(np.asarray(c.ids).size) - sum(g.values())
+                n = int(np.asarray(c.ids).size)
+                routed += n
+                dropped += n - sum(g.values())
                 self.counts[i] = g
             self.gating = {"threshold": thr, "routed": routed, "dropped": dropped,
                            "dropped_frac": dropped / routed if routed else 0.0}  # fmt: skip
-        self.prefill_on_gpu = bool(getattr(self.scheduler, "prefill_on_gpu", False))
         first = profile.cpu.first_expert_s if self.shape.slow == "cpu" else 0.0
         self.cpu_ready = float(first)  # HybriMoE Fig. 3e: the first CPU expert of a call pays this once
         self.staged: dict[ExpertKey, int] = {}  # prefill prefetches in the staging buffer -> call index
@@ -237,7 +237,7 @@ class _Replay:
         # 2. price and schedule
         work = self.price.work(layer, counts, hitset, shared_tokens=int(call.ids.shape[0]))
         ready: dict[Lane, float] = {"gpu": 0.0, "cpu": self.cpu_ready, "link": m.link_ready()}
-        if not decode and self.prefill_on_gpu:  # e.g. kTransformers: prefill experts on the GPU, misses streamed
+        if not decode and self.scheduler.prefill_on_gpu:  # kTransformers: prefill experts on the GPU, misses streamed
             sched = moved_timeline(work, lane_ready(ready))
         else:
             sched = self.scheduler.schedule(work, ready)

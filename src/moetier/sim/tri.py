@@ -277,6 +277,16 @@ class OfflineLayout:
     localised: dict[ExpertKey, int]  # localised expert -> home DIMM (the others striped)
 
 
+def _place(
+    m: NdpMachine, prof: Mapping[int, np.ndarray], cap: int, ndp_layout: bool
+) -> tuple[dict[int, set[int]], dict[ExpertKey, Layout], dict[ExpertKey, int]]:
+    """`_initial` over every layer with profile loads: (HBM set per layer, layouts, homes)."""
+    layouts: dict[ExpertKey, Layout] = {}
+    homes: dict[ExpertKey, int] = {}
+    resident = {layer: _initial(m, v, cap, ndp_layout, layer, layouts, homes) for layer, v in sorted(prof.items())}
+    return resident, layouts, homes
+
+
 def _machine(spec: ModelSpec, cfg: TriSimConfig) -> tuple[NdpMachine, CostModel]:
     profile = load_profile(cfg.profile)
     ndp = replace(load_ndp(cfg.profile), n_dimms=cfg.ndp_count)
@@ -292,11 +302,8 @@ def offline_layout(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) 
     ndp_layout = Domain.NDP in make_tri_scheduler(config.scheduler).domains
     cap = int(config.hbm_ratio * spec.num_experts)
     prof, _ = profile_loads(calls, config.warmup_steps, spec.num_experts)
-    layouts: dict[ExpertKey, Layout] = {}
-    homes: dict[ExpertKey, int] = {}
-    hbm = {layer: frozenset(_initial(m, v, cap, ndp_layout, layer, layouts, homes))
-           for layer, v in sorted(prof.items())}  # fmt: skip
-    return OfflineLayout(prof, hbm, homes)
+    resident, _, homes = _place(m, prof, cap, ndp_layout)
+    return OfflineLayout(prof, {layer: frozenset(r) for layer, r in resident.items()}, homes)
 
 
 def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) -> TriSimResult:
@@ -322,14 +329,10 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     # 2. State: HBM set per layer, layouts and homes (offline placement from the profiling window's mean loads,
     # or, without a window, at a layer's first call); the predictor starts from the window's mean loads
     prof, calls = profile_loads(calls, cfg.warmup_steps, E)
-    resident: dict[int, set[int]] = {}
-    initial_hbm: dict[int, set[int]] = {}
-    layouts: dict[ExpertKey, Layout] = {}
-    homes: dict[ExpertKey, int] = {}
-    for layer, v in sorted(prof.items()):
-        resident[layer] = _initial(m, v, cap, ndp_layout, layer, layouts, homes)
-        initial_hbm[layer] = set(resident[layer])
-        if cfg.warmup_steps:
+    resident, layouts, homes = _place(m, prof, cap, ndp_layout)
+    initial_hbm = {layer: set(r) for layer, r in resident.items()}
+    if cfg.warmup_steps:
+        for layer, v in sorted(prof.items()):
             pred.update(layer, v)  # eq. 8's first value (no prediction stands yet, so nothing is scored)
     moe = greedy_moe = win_total = 0.0
     busy = dict.fromkeys(("gpu", "cpu", "ndp", "dimm"), 0.0)

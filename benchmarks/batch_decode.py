@@ -4,7 +4,7 @@ On the bundled model (models/tiny-shakespeare-moe), 8 prompts of `--prompt-len` 
 held-out Shakespeare text each get `--tokens` new tokens (greedy, no early stop):
 
 - serial: Engine.generate for each prompt in turn (the single-sequence path);
-- batched: one BatchRunner(max_batch=8) with all 8 added at once (decode attention `loop`);
+- batched: one BatchRunner(BatchConfig(max_batch=8)) with all 8 added at once (decode attention `loop`);
 - batched_padded: the same with the padded-SDPA attention variant.
 
 Tokens/s is all generated tokens over the whole wall time (prefills included). Repeats are
@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 import moetier
-from moetier.runtime.batch import BatchRunner, SeqRequest
+from moetier.runtime.batch import BatchConfig, BatchRunner, SeqRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "tiny-shakespeare-moe"
@@ -55,7 +55,7 @@ def serial(engine: moetier.Engine, prompts: list[list[int]], n: int) -> tuple[fl
 
 
 def batched(engine: moetier.Engine, prompts: list[list[int]], n: int, attention: str) -> tuple[float, list[list[int]]]:
-    runner = BatchRunner(engine, max_batch=N_SEQ, attention=attention)  # type: ignore[arg-type]
+    runner = BatchRunner(engine, BatchConfig(max_batch=N_SEQ, attention=attention))  # type: ignore[arg-type]
     t0 = time.perf_counter()
     ids = [runner.add(SeqRequest(p, n, stop_ids=frozenset())) for p in prompts]
     got: dict[int, list[int]] = {i: [] for i in ids}

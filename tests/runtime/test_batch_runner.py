@@ -10,7 +10,7 @@ import torch
 import moetier
 from moetier import Budgets, EngineConfig, RuntimeConfig, SamplingConfig
 from moetier.errors import ConfigError
-from moetier.runtime.batch import BatchRunner, SeqRequest, SlotDecoder, StepEvent
+from moetier.runtime.batch import BatchConfig, BatchRunner, SeqRequest, SlotDecoder, StepEvent
 from moetier.runtime.lean import LeanDecoder
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
@@ -60,7 +60,7 @@ def bundled() -> moetier.Engine:
 def test_bundled_batch_equals_generate_alone(bundled: moetier.Engine) -> None:
     prompts = [bundled.encode(t) for t in ("ROMEO:", "JULIET: O Romeo, Romeo", "KING HENRY:\nWhat", "Ay")]
     ref = [bundled.generate(p, 12, stop_at_eos=False).token_ids for p in prompts]
-    runner = BatchRunner(bundled, max_batch=8)
+    runner = BatchRunner(bundled, BatchConfig(max_batch=8))
     ids = [runner.add(SeqRequest(p, 12, stop_ids=NEVER)) for p in prompts]
     events, steps = _drain(runner)
     assert [_tokens(events[i]) for i in ids] == ref
@@ -98,7 +98,7 @@ def test_other_families_batch_equals_generate(tiny_ckpt, family: str) -> None:
     engine = _engine(tiny_ckpt(family), budget_slots=3)  # evictions inside the batched MoE calls
     prompts = _prompts(5, 96)
     ref = [engine.generate(p, 8, stop_at_eos=False).token_ids for p in prompts]
-    runner = BatchRunner(engine, max_batch=5)
+    runner = BatchRunner(engine, BatchConfig(max_batch=5))
     ids = [runner.add(SeqRequest(p, 8, stop_ids=NEVER)) for p in prompts]
     events, _ = _drain(runner)
     assert [_tokens(events[i]) for i in ids] == ref
@@ -111,7 +111,7 @@ def test_join_mid_batch_and_max_batch(tiny_ckpt) -> None:
     prompts = _prompts(6, 96, seed=5)
     lens = [3, 9, 5, 7, 2, 6]
     ref = [engine.generate(p, n, stop_at_eos=False).token_ids for p, n in zip(prompts, lens, strict=True)]
-    runner = BatchRunner(engine, max_batch=3)
+    runner = BatchRunner(engine, BatchConfig(max_batch=3))
     ids = [runner.add(SeqRequest(p, n, stop_ids=NEVER)) for p, n in zip(prompts[:4], lens[:4], strict=True)]
     assert (runner.running, runner.pending) == (0, 4)
     events: dict[int, list[StepEvent]] = {}
@@ -132,7 +132,7 @@ def test_join_mid_batch_and_max_batch(tiny_ckpt) -> None:
 
 def test_cancel_frees_the_slot(tiny_ckpt) -> None:
     engine = _engine(tiny_ckpt("qwen3_moe"))
-    runner = BatchRunner(engine, max_batch=1)
+    runner = BatchRunner(engine, BatchConfig(max_batch=1))
     a = runner.add(SeqRequest([5, 6, 7], 20, stop_ids=NEVER))
     b = runner.add(SeqRequest([8, 9], 2, stop_ids=NEVER))
     c = runner.add(SeqRequest([10], 2, stop_ids=NEVER))
@@ -170,7 +170,7 @@ def test_stop_ids_and_eos(tiny_ckpt) -> None:
 
 def test_length_limit_and_bad_requests(tiny_ckpt) -> None:
     engine = _engine(tiny_ckpt("qwen3_moe"), RuntimeConfig(device="cpu", dtype="fp32", max_seq_len=16))
-    runner = BatchRunner(engine, max_batch=2)
+    runner = BatchRunner(engine, BatchConfig(max_batch=2))
     one = runner.add(SeqRequest([5] * 16, 1, stop_ids=NEVER))  # exactly fills the cache
     events, _ = _drain(runner)
     assert len(events[one]) == 1 and events[one][0].finish_reason == "length"
@@ -183,7 +183,13 @@ def test_length_limit_and_bad_requests(tiny_ckpt) -> None:
     with pytest.raises(ConfigError, match="outside the vocabulary of 96"):
         runner.add(SeqRequest([5, 96], 2))
     with pytest.raises(ConfigError, match="max_batch"):
-        BatchRunner(engine, max_batch=0)
+        BatchRunner(engine, BatchConfig(max_batch=0))
+    with pytest.raises(ConfigError, match="attention must be"):
+        BatchConfig(attention="flash")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kv_budget_bytes must be positive"):
+        BatchConfig(kv_budget_bytes=0)
+    with pytest.raises(ConfigError, match="takes a BatchConfig"):
+        BatchRunner(engine, 3)  # type: ignore[arg-type]
     assert runner.idle() and runner.pending == 0
     engine.close()
 
@@ -195,7 +201,7 @@ def test_serial_fallback(tiny_ckpt, family: str, lean: bool) -> None:
     assert not isinstance(engine.decoder, LeanDecoder)
     prompts = _prompts(3, 96, seed=8)
     ref = [engine.generate(p, 5, stop_at_eos=False).token_ids for p in prompts]
-    runner = BatchRunner(engine, max_batch=4)
+    runner = BatchRunner(engine, BatchConfig(max_batch=4))
     ids = [runner.add(SeqRequest(p, 5, stop_ids=NEVER)) for p in prompts]
     events, steps = _drain(runner, check=1)
     assert [_tokens(events[i]) for i in ids] == ref
@@ -211,7 +217,7 @@ def test_seeded_sampling_independent_of_batch(tiny_ckpt) -> None:
     alone = engine.generate(prompt, 12, sampling, stop_at_eos=False).token_ids
     runs = []
     for others in (0, 3):
-        runner = BatchRunner(engine, max_batch=4)
+        runner = BatchRunner(engine, BatchConfig(max_batch=4))
         for p in _prompts(others, 96, seed=others):
             runner.add(SeqRequest(p, 12, SamplingConfig(temperature=1.0, seed=others), stop_ids=NEVER))
         me = runner.add(SeqRequest(prompt, 12, sampling, stop_ids=NEVER))

@@ -11,7 +11,7 @@ import torch
 import moetier
 from moetier import EngineConfig, RuntimeConfig
 from moetier.errors import ConfigError
-from moetier.runtime.batch import KV_CHUNK, BatchRunner, SeqRequest, SlotDecoder
+from moetier.runtime.batch import KV_CHUNK, BatchConfig, BatchRunner, SeqRequest, SlotDecoder
 from moetier.runtime.lean import LeanDecoder
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
@@ -77,7 +77,7 @@ def test_padded_equals_loop_over_caches_of_different_sizes(lean: LeanDecoder) ->
 def test_runner_reserves_prompt_plus_max_new_tokens_minus_one(lean: LeanDecoder) -> None:
     engine = moetier.load(MODEL, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
     try:
-        runner = BatchRunner(engine, max_batch=4)
+        runner = BatchRunner(engine, BatchConfig(max_batch=4))
         for n in (3, 5):
             runner.add(SeqRequest([5, 6, 7], n, stop_ids=frozenset()))
         runner.add(SeqRequest([5] * 10, KV_CHUNK, stop_ids=frozenset()))  # 10 + 255 cached: two chunks

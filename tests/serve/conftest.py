@@ -23,19 +23,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import uvicorn
 
 from moetier.config import EngineConfig, RuntimeConfig
-from moetier.runtime.batch import BatchRunner, SeqRequest, StepEvent
+from moetier.runtime.batch import BatchConfig, BatchRunner, SeqRequest, StepEvent
 from moetier.runtime.engine import Engine
 from moetier.runtime.wire import load
-from moetier.serve import create_app
+from moetier.serve import ServeConfig, create_app
+from moetier.serve.worker import WorkerLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "tiny-shakespeare-moe"
 NAME = "tiny-shakespeare-moe"
 
 
+def config(max_batch: int = 8, max_queue: int = 64, **fields: object) -> ServeConfig:
+    """A ServeConfig serving NAME; `fields` are ServeConfig's own (api_key=, max_body_bytes=, ...) or
+    WorkerLimits' (queue_timeout_s=, request_timeout_s=)."""
+    limit_keys = {"queue_timeout_s", "request_timeout_s"}
+    limits = WorkerLimits(max_queue=max_queue, **{k: v for k, v in fields.items() if k in limit_keys})  # type: ignore[arg-type]
+    own = {k: v for k, v in fields.items() if k not in limit_keys}
+    return ServeConfig(model_name=NAME, batch=BatchConfig(max_batch=max_batch), limits=limits, **own)  # type: ignore[arg-type]
+
+
 class SlowRunner(BatchRunner):
     def __init__(self, engine: Engine, max_batch: int = 8, delay: float = 0.0) -> None:
-        super().__init__(engine, max_batch=max_batch)
+        super().__init__(engine, BatchConfig(max_batch=max_batch))
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
@@ -82,11 +92,13 @@ def serve(app: object) -> Iterator[str]:
 
 @pytest.fixture
 def make_server(engine: Engine) -> Iterator[Callable[..., tuple[str, object]]]:
-    """make_server(max_batch=8, max_queue=64, runner=None) -> (base URL, app); stopped after the test."""
+    """make_server(max_batch=8, max_queue=64, runner=None, **config fields) -> (base URL, app); stopped after
+    the test (the fields as `config` takes them)."""
     stack: list[object] = []
 
-    def start(max_batch: int = 8, max_queue: int = 64, runner: BatchRunner | None = None) -> tuple[str, object]:
-        app = create_app(engine, model_name=NAME, max_batch=max_batch, max_queue=max_queue, runner=runner)
+    def start(max_batch: int = 8, max_queue: int = 64, runner: BatchRunner | None = None,
+              **fields: object) -> tuple[str, object]:  # fmt: skip
+        app = create_app(engine, config(max_batch, max_queue, **fields), runner=runner)
         ctx = serve(app)
         url = ctx.__enter__()
         stack.append(ctx)

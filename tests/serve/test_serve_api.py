@@ -164,11 +164,11 @@ def test_concurrent_requests_share_batches(engine: Engine, make_server: Callable
 @pytest.mark.parametrize("family", ["qwen3_moe"])
 def test_model_without_tokenizer_takes_token_ids(tiny_ckpt: Callable[..., Any], family: str) -> None:
     from moetier.runtime.wire import load
-    from moetier.serve import create_app
+    from moetier.serve import ServeConfig, create_app
     from serve.conftest import serve
 
     with load(tiny_ckpt(family)) as eng:
-        app = create_app(eng, model_name="tiny")
+        app = create_app(eng, ServeConfig(model_name="tiny"))
         with serve(app) as url:
             c = client(url)
             out = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0)

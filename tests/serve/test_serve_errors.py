@@ -45,13 +45,19 @@ BAD_BODIES: list[tuple[str, dict[str, Any], int, str | None, str]] = [
     ("prompt too long", OK | {"prompt": [5] * 1030}, 400, "prompt", "longer than the context"),
     ("token id out of vocab", OK | {"prompt": [1, 99999]}, 400, "prompt", "vocabulary"),
     ("empty prompt", OK | {"prompt": ""}, 400, "prompt", "empty"),
-    ("two prompts", OK | {"prompt": ["a", "b"]}, 400, "prompt", "one per request"),
+    ("an empty prompt of two", OK | {"prompt": ["a", ""]}, 400, "prompt.1", "empty"),
+    ("zero max_tokens without echo", OK | {"max_tokens": 0, "echo": False}, 400, "max_tokens", "only with echo"),
+    ("token list prompts, one too long", OK | {"prompt": [[5], [5] * 1030]}, 400, "prompt", "longer than the context"),
     ("temperature too high", OK | {"temperature": 3}, 400, "temperature", ""),
     ("top_p zero", OK | {"top_p": 0}, 400, "top_p", ""),
-    ("n > 1", OK | {"n": 2}, 400, "n", "n=1"),
+    ("n zero", OK | {"n": 0}, 400, "n", "between 1 and 128"),
+    ("n too large", OK | {"n": 129}, 400, "n", "between 1 and 128"),
+    ("n past the server's capacity", OK | {"n": 100}, 400, "n", "in flight"),
     ("best_of", OK | {"best_of": 3}, 400, "best_of", ""),
-    ("logprobs", OK | {"logprobs": 2}, 400, "logprobs", ""),
-    ("echo", OK | {"echo": True}, 400, "echo", ""),
+    ("logprobs too many", OK | {"logprobs": 21}, 400, "logprobs", "between 0 and 20"),
+    ("logprobs negative", OK | {"logprobs": -1}, 400, "logprobs", "between 0 and 20"),
+    ("logprobs as bool", OK | {"logprobs": True}, 400, "logprobs", ""),
+    ("echo as string", OK | {"echo": "yes"}, 400, "echo", ""),
     ("presence penalty", OK | {"presence_penalty": 0.5}, 400, "presence_penalty", ""),
     ("frequency penalty", OK | {"frequency_penalty": -1}, 400, "frequency_penalty", ""),
     ("logit bias", OK | {"logit_bias": {"5": 10}}, 400, "logit_bias", ""),
@@ -66,7 +72,10 @@ BAD_CHATS: list[tuple[str, dict[str, Any], int, str | None, str]] = [
     ("bad role", CHAT_OK | {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", ""),
     ("content as int", CHAT_OK | {"messages": [{"role": "user", "content": 5}]}, 400, None, ""),
     ("tools", CHAT_OK | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool"),
-    ("logprobs", CHAT_OK | {"logprobs": True}, 400, "logprobs", ""),
+    ("logprobs as int", CHAT_OK | {"logprobs": 3}, 400, "logprobs", ""),
+    ("top_logprobs without logprobs", CHAT_OK | {"top_logprobs": 2}, 400, "top_logprobs", "needs 'logprobs'"),
+    ("top_logprobs too many", CHAT_OK | {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "between"),
+    ("n zero", CHAT_OK | {"n": 0}, 400, "n", ""),
     ("json mode", CHAT_OK | {"response_format": {"type": "json_object"}}, 400, "response_format", ""),
     ("huge max_completion_tokens", CHAT_OK | {"max_completion_tokens": 5000}, 400, "max_completion_tokens", ""),
     ("image part", CHAT_OK | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -77,9 +86,9 @@ BAD_CHATS: list[tuple[str, dict[str, Any], int, str | None, str]] = [
 @pytest.fixture(scope="module")
 def url(engine: Engine) -> Any:
     from moetier.serve import create_app
-    from serve.conftest import serve
+    from serve.conftest import config, serve
 
-    with serve(create_app(engine, model_name=NAME)) as base:
+    with serve(create_app(engine, config())) as base:
         yield base
 
 
@@ -106,7 +115,7 @@ def test_malformed_bodies_routes_and_the_openai_client(url: str) -> None:
     _assert_error(httpx2.get(f"{url}/v1/models/other"), 404, "model")
     c = _client(url)
     with pytest.raises(openai.BadRequestError) as bad:
-        c.completions.create(model=NAME, prompt="x", max_tokens=2, n=2)
+        c.completions.create(model=NAME, prompt="x", max_tokens=2, n=0)
     assert bad.value.status_code == 400 and bad.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as bad:
         c.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"repetition_penalty": 1.2})

@@ -59,7 +59,7 @@ COMMANDS: dict[str, Entry] = {  # the order of `moetier --help`
                        "routed-expert sparsity 0-0.99 -> threshold on |act(gate x)| of routed experts (shared "
                        "experts stay dense; the engine turns a total target into a routed one)."),
     "info": Entry("moetier.cli.info", "Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and "
-                  "non-expert bytes."),
+                  "non-expert bytes; its quantized tiers and sparsity table."),
     "profile": Entry("moetier.cli.profile", "Measure this machine (expert compute vs tokens per precision, memory "
                      "and disk bandwidth, host->GPU copies where CUDA exists) and write a hardware profile for the "
                      "cost model and the simulator."),

@@ -3,12 +3,16 @@ report and stderr consoles, progress bars, the --json line, streaming generated 
 registering a command module's command on the app (each command module's `register`).
 
 Invariants (see cli/app.py): every MoetierError and any OSError on a file named by a flag becomes
-`error: <message>` on stderr with exit 2; with --json, stdout holds exactly one JSON line.
+`error: <message>` on stderr with exit 2 (a NumericalError, NaN / Inf produced by the model, included: no
+figure is printed then); with --json, stdout holds exactly one JSON line, and it is strict JSON: a figure that
+is not finite (an overflowed perplexity, say) is written as null and its key listed in `non_finite`, never as
+a bare NaN or Infinity.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,8 +83,25 @@ def progress_bar(err: Console, transient: bool = False) -> Progress:
 
 
 def emit_json(payload: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(payload, default=str) + "\n")
+    """The --json line: strict JSON (non-finite floats become null, their dotted keys listed in `non_finite`)."""
+    bad: list[str] = []
+    clean = _finite(payload, "", bad)
+    if bad:
+        clean["non_finite"] = bad
+    sys.stdout.write(json.dumps(clean, default=str, allow_nan=False) + "\n")
     sys.stdout.flush()
+
+
+def _finite(obj: Any, where: str, bad: list[str]) -> Any:
+    """`obj` with every NaN / Inf float (in dicts, lists, tuples) replaced by None; their paths appended to `bad`."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        bad.append(where or "value")
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v, f"{where}.{k}" if where else str(k), bad) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v, f"{where}[{i}]", bad) for i, v in enumerate(obj)]
+    return obj
 
 
 class TokenStream:

@@ -13,7 +13,9 @@ log-probabilities and closes it before loading the candidate, so the two models 
 
 Invariants (cli/app.py's): errors (a missing or non-UTF-8 text, a reference file of another model, text or
 window included) are one line `error: ...` with exit 2; progress bars go to stderr; with --json stdout holds
-exactly one JSON line.
+exactly one JSON line. A model that produces NaN / Inf (a damaged weight: the engine's NumericalError, or a
+perplexity that comes out NaN) is such an error: no figure is printed and --json prints no line. A figure that
+merely overflows (a finite NLL too large to exponentiate) is null in the JSON line, listed in `non_finite`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from moetier.cli.model_arg import open_model
 from moetier.cli.options import JsonOut, Model
 from moetier.cli.tables import eval_report
 from moetier.config import EngineConfig
-from moetier.errors import ConfigError
+from moetier.errors import ConfigError, NumericalError
 from moetier.report.record import RunDirOpt, RunRecorder, run_trace
 from moetier.runtime.engine import Engine
 from moetier.runtime.quality import (
@@ -46,6 +48,7 @@ from moetier.runtime.quality import (
     eval_window,
     model_fingerprint,
     reference_config,
+    safe_exp,
 )
 
 Window = Annotated[
@@ -115,7 +118,8 @@ def eval_(
 ) -> None:
     """Perplexity of a text file over non-overlapping windows.
 
-    With --kl-ref, also KL divergence and top-1 agreement against a reference model over the same tokens."""
+    With --kl-ref, also KL divergence and top-1 agreement against a reference model over the same tokens.
+    NaN / Inf from the model is `error: ...` with exit 2 and no figure (with --json, no JSON line)."""
     report, err = consoles(json_out)
     with user_errors():
         config = flags.config()
@@ -154,11 +158,16 @@ def eval_(
                     saved = collect(engine, ids, win, _record_meta(path, text, config), on_window)
                     saved.save(save_logits)
                     nll, tokens = saved.nll_sum / saved.tokens, saved.tokens
-                    ppl = math.exp(nll)
+                    ppl = safe_exp(nll)
                 else:
                     result = engine.perplexity(ids, window=win, on_window=on_window)
                     ppl, nll, tokens = result.ppl, result.nll, result.tokens
             elapsed = time.perf_counter() - t0
+            if not math.isfinite(nll):  # the engine checks its logits; this is the last line of defence
+                raise NumericalError(
+                    f"{path}: the model's log-probabilities over {text} are not finite (NLL {nll}): NaN / Inf in its "
+                    "weights or activations; check the checkpoint"
+                )
             stats = engine.stats()
         payload = {
             "model": arg.label, "text_file": str(text), "ppl": ppl, "nll": nll,

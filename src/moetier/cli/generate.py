@@ -4,7 +4,8 @@ Registered on the main app by cli/app.py (`register(app)`). Thin: the engine fla
 map onto the EngineConfig, the sampling flags onto SamplingConfig; `--run-dir` records the run (report.record).
 
 Invariants (cli/app.py's): errors are one line `error: ...` with exit 2; tokens go to stdout as they come, or to
-stderr with --json, whose stdout is exactly one JSON line.
+stderr with --json, whose stdout is exactly one JSON line. NaN / Inf from the model (the engine's NumericalError,
+greedy or sampling) is such an error, after the tokens streamed so far; --json then prints no line.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def generate(
     run_dir: RunDirOpt = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Generate text from a prompt, streaming tokens, then print timing and memory statistics."""
+    """Generate text from a prompt, streaming tokens, then print timing and memory statistics.
+
+    NaN / Inf from the model is `error: ...` with exit 2 (with --json, no JSON line)."""
     report, err = consoles(json_out)
     with user_errors():
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)

@@ -9,24 +9,37 @@ in the file, in `expert_tensor_specs` order, so reading an expert is one `os.pre
 Invariants:
 - `QuantTier.open` refuses (CheckpointError naming the file, tensor or source change,
   and the command that fixes it) a tier that is missing, incomplete, written for another
-  source (fingerprint), layout, expert count or layer list, or whose files differ from
+  source (the source record), layout, expert count or layer list, or whose files differ from
   the manifest (size, sha256 with `verify=True`, header dtypes and shapes);
 - `read_into` writes only into the caller's tensors, never allocates on the weight path
   (biases of another float dtype go through one staging buffer), and is thread-safe.
 
-The source fingerprint is cheap by design: config.json bytes, and per safetensors file its
-size, header bytes and a sample of its data (all of it when under 1 MiB, else 16 evenly
-spaced 64 KiB blocks), never a full-data hash.
+The source record (`source_record`, written by `moetier quantize`) holds config.json's sha256 and, per
+checkpoint file, its size, mtime_ns, header sha256 and a blake2b of its whole content, hashed once at
+quantize time. `check_source` accepts a file without reading it when its size and mtime_ns are the
+recorded ones and the record is not racy (the file's mtime was at least `RACY_NS` older than the moment
+hashing began, so a write in the same timestamp tick cannot hide); otherwise it re-hashes the whole
+file: a different hash is a stale tier, the same hash (a copy, a touch) is accepted silently and the
+manifest's record is refreshed (`QuantTier.open`, best effort) so the next open is cheap again. A tier
+whose manifest holds the older sampled print (no `version` 2 source record) is refused as stale with
+the command that rewrites it: a sample cannot prove the tier matches the weights.
+
+`source_fingerprint` is the older cheap print (config.json bytes, per file its size, header bytes and a
+sample of its data: all of it when under 1 MiB, else 16 evenly spaced 64 KiB blocks). It still
+identifies a checkpoint for sparsity tables and reference logits, which only need to tell models
+apart; it is no longer what a quantized tier trusts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -40,6 +53,8 @@ from moetier.formats.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs,
 from moetier.formats.safetensors import ExpertReader, byte_view, pread_exact
 from moetier.types import ExpertKey, Precision
 
+log = logging.getLogger(__name__)
+
 FORMAT = "moetier-quant"
 FORMAT_VERSION = 1
 TIER_ROOT = "moetier-quant"
@@ -50,6 +65,12 @@ _SAMPLE_FULL = 1 << 20  # data regions up to this size are hashed whole
 _SAMPLE_BLOCK, _SAMPLE_COUNT = 64 << 10, 16
 _GGUF_HEAD = 1 << 20  # bytes of a GGUF file's head hashed as its header
 _BIASES = ("b13", "b2")
+SOURCE_VERSION = 2  # the source record's version; older manifests hold the sampled print
+RACY_NS = 2_000_000_000  # a file modified this close to its hashing is re-hashed at the next check
+LEGACY_SOURCE = (
+    "the tier was written by an older moetier whose source fingerprint sampled about 3% of the checkpoint, "
+    "which cannot show the tier still matches it"
+)
 
 TensorSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -141,8 +162,11 @@ def source_fingerprint(index: CheckpointIndex) -> dict[str, Any]:
     return out
 
 
-def source_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """What changed in the source since `recorded` was taken, in words; None if nothing."""
+def source_mismatch(recorded: dict[str, Any], current: dict[str, Any], folder: Path | None = None) -> str | None:
+    """What changed in the source since `recorded` was taken, in words; None if nothing. Both records come from
+    `source_record` (a `recorded` print of an older moetier is reported as such); `folder` prefixes file names."""
+    if recorded.get("version") != SOURCE_VERSION:
+        return LEGACY_SOURCE
     if recorded.get("fingerprint") == current["fingerprint"]:
         return None
     if recorded.get("config_sha256") != current["config_sha256"]:
@@ -150,12 +174,103 @@ def source_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> str | 
     old, new = recorded.get("files") or {}, current["files"]
     if set(old) != set(new):
         gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
-        return f"the safetensors files changed (gone: {gone or 'none'}, new: {added or 'none'})"
+        return f"the checkpoint files changed (gone: {gone or 'none'}, new: {added or 'none'})"
     for name, now in new.items():
-        for field, what in (("size", "size"), ("header_sha256", "tensor header"), ("sample_sha256", "data")):
+        for field, what in (("size", "size"), ("header_sha256", "tensor header"), ("blake2b", "data")):
             if old[name].get(field) != now[field]:
-                return f"{name} changed ({what} differs)"
+                return f"{folder / name if folder is not None else name} changed ({what} differs)"
     return "the source fingerprint differs"
+
+
+def _content_hash(path: Path) -> str:
+    """blake2b (32-byte digest) of the whole file, streamed in 4 MiB reads."""
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's JSON header (a GGUF file: its first MiB, metadata and tensor infos)."""
+    with open(path, "rb") as f:
+        if path.suffix == ".gguf":
+            return hashlib.sha256(f.read(_GGUF_HEAD)).hexdigest()
+        (hlen,) = struct.unpack("<Q", f.read(8))  # the header was validated by CheckpointIndex
+        return hashlib.sha256(f.read(hlen)).hexdigest()
+
+
+def _source_files(index: CheckpointIndex) -> list[Path]:
+    """Every file a tensor of the index (or a stored part of an encoded one) lives in."""
+    return sorted({part.file for loc in index.tensors.values() for part in (loc, *loc.parts)})
+
+
+def source_record(index: CheckpointIndex, known: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{version, fingerprint, config_sha256, files: {name: {size, mtime_ns, hashed_ns, header_sha256, blake2b}}}
+    of a checkpoint (see the module docstring). `known`: an earlier record whose hashes are reused, unread, for
+    files whose size and mtime_ns are unchanged and which were not modified within RACY_NS of being hashed;
+    every other file is read whole. `fingerprint` depends on the contents only (not on mtimes)."""
+    # 1. config.json (small: always hashed; a GGUF model has none, its metadata is in the file's header)
+    folder = index.folder
+    config = folder / "config.json"
+    config_sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None
+    # 2. per file: reuse the known entry when the cheap test passes, else stat, then hash the whole file
+    old = (known or {}).get("files") if (known or {}).get("version") == SOURCE_VERSION else None
+    files: dict[str, dict[str, Any]] = {}
+    for path in _source_files(index):
+        name = str(path.relative_to(folder))
+        st = path.stat()
+        prev = (old or {}).get(name)
+        if isinstance(prev, dict) and _unchanged(prev, st.st_size, st.st_mtime_ns):
+            files[name] = dict(prev)
+            continue
+        if prev is not None:
+            log.info("%s: size or mtime moved since it was hashed (or too recently to trust); re-hashing it", path)
+        begun = time.time_ns()  # before the read: a later write gets an mtime at or after this
+        files[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "hashed_ns": begun,
+                       "header_sha256": _header_sha256(path), "blake2b": _content_hash(path)}  # fmt: skip
+    # 3. the fingerprint: contents only
+    contents = {"config_sha256": config_sha, "files": {n: [f["size"], f["blake2b"]] for n, f in files.items()}}
+    fingerprint = hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()
+    return {"version": SOURCE_VERSION, "fingerprint": fingerprint, "config_sha256": config_sha, "files": files}
+
+
+def _unchanged(prev: dict[str, Any], size: int, mtime_ns: int) -> bool:
+    """The cheap test: same size and mtime, and the mtime safely older than the hash (not racy)."""
+    try:
+        return (prev["size"] == size and prev["mtime_ns"] == mtime_ns and isinstance(prev["blake2b"], str)
+                and isinstance(prev["header_sha256"], str) and mtime_ns < int(prev["hashed_ns"]) - RACY_NS)  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def check_source(recorded: dict[str, Any], index: CheckpointIndex) -> tuple[str | None, dict[str, Any]]:
+    """(what changed, in words, or None; the current record) of the checkpoint against a tier's recorded source.
+    Reads only files whose size or mtime moved (or whose record is racy); a print of an older moetier is stale
+    at once (the current record is then empty)."""
+    if recorded.get("version") != SOURCE_VERSION:
+        return LEGACY_SOURCE, {}
+    current = source_record(index, known=recorded)
+    return source_mismatch(recorded, current, index.folder), current
+
+
+def save_manifest(path: Path, manifest: dict[str, Any], tmp_name: str = MANIFEST + ".tmp") -> None:
+    """Write `path`/manifest.json atomically: `tmp_name` in the same directory, fsynced, renamed, directory fsynced."""
+    tmp = path / tmp_name
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
+    fsync_dir(path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_manifest(path: Path) -> dict[str, Any]:
@@ -237,17 +352,37 @@ class QuantTier:
         fix = quantize_command(model_dir, spec, root, rows)
         if not (path / MANIFEST).exists():
             raise CheckpointError(f"{path}: no {spec.precision.value} quantized tier for {model_dir}; run `{fix}`")
+        # 1. the manifest; 2. the source (cheap unless a file's size or mtime moved)
+        raw = (path / MANIFEST).read_bytes()
         manifest = load_manifest(path / MANIFEST)
         source, index = SourceShape.of(reader), reader.index
-        changed = source_mismatch(manifest["source"], source_fingerprint(index))
+        changed, current = check_source(manifest["source"], index)
+        if changed == LEGACY_SOURCE:
+            raise CheckpointError(f"{path}: {changed}; rewrite it with `{fix} --force`")
         if changed:
             raise CheckpointError(
                 f"{path}: the tier was written from another version of {model_dir}: {changed}; "
                 f"rewrite it with `{fix} --force`"
             )
+        # 3. the tier against the model and its own manifest; 4. a moved mtime whose content matched is recorded
         tier = cls(path, manifest, spec, source)
         tier._validate(fix, verify)
+        if current != manifest["source"]:
+            tier._refresh_source(raw, current)
         return tier
+
+    def _refresh_source(self, raw: bytes, current: dict[str, Any]) -> None:
+        """Record the re-hashed source (same content, new mtimes) so the next open is cheap; best effort: skipped
+        when the manifest changed since it was read or cannot be written (a read-only tier)."""
+        manifest = {**self.manifest, "source": current}
+        try:
+            if (self.path / MANIFEST).read_bytes() != raw:
+                return
+            save_manifest(self.path, manifest, f"{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp")
+        except OSError as exc:
+            log.debug("%s: could not record the re-hashed source (%s)", self.path / MANIFEST, exc)
+            return
+        self.manifest = manifest
 
     def _validate(self, fix: str, verify: bool) -> None:
         m, lay = self.manifest, self.layout
@@ -272,12 +407,7 @@ class QuantTier:
 
     def _validate_layer(self, layer: int, rec: dict[str, Any], fix: str, verify: bool) -> None:
         file = self.path / layer_file(layer)
-        if not file.exists():
-            raise CheckpointError(f"{file}: missing from the quantized tier; rewrite it with `{fix}`")
-        if file.stat().st_size != rec["bytes"] or (verify and _sha256_file(file) != rec["sha256"]):
-            raise CheckpointError(
-                f"{file}: differs from the manifest (size or sha256): damaged or modified; rewrite it with `{fix}`"
-            )
+        check_layer_file(file, rec, fix, verify)
         header = read_header(file)
         names = {f"{e}.{n}" for e in range(self.num_experts) for n in self.tensor_specs}
         extra = sorted(set(header) - names)
@@ -333,7 +463,13 @@ class QuantTier:
             file, base = self._offsets[key.layer]
             offset = base + key.expert * self.expert_bytes
             eof = f"{file}: unexpected end of file reading expert {key.expert}"
-            done = pread_exact(self._fd(key.layer), views, offset, eof)
+            try:
+                done = pread_exact(self._fd(key.layer), views, offset, eof)
+            except (OSError, CheckpointError):
+                fd = self._fds.pop(key.layer, None)  # the next read reopens the path (a file restored by rename)
+                if fd is not None:
+                    os.close(fd)
+                raise
             for out, src in casts:
                 out.copy_(src.view(out.shape))
             self.bytes_read += done
@@ -346,27 +482,81 @@ class QuantTier:
             self._fds.clear()
 
 
+def check_layer_file(file: Path, rec: dict[str, Any], fix: str, verify: bool) -> None:
+    """CheckpointError unless a recorded layer file exists with the recorded size (and sha256 with `verify`)."""
+    if not file.exists():
+        raise CheckpointError(f"{file}: missing from the quantized tier; rewrite it with `{fix}`")
+    size = file.stat().st_size
+    if size != rec["bytes"]:
+        raise CheckpointError(
+            f"{file}: {size} bytes, the manifest records {rec['bytes']}: truncated or modified; rewrite it with `{fix}`"
+        )
+    if verify and _sha256_file(file) != rec["sha256"]:
+        raise CheckpointError(
+            f"{file}: differs from the manifest (sha256): damaged or modified; rewrite it with `{fix}`"
+        )
+
+
+def spec_of(manifest: dict[str, Any]) -> QuantSpec:
+    """The QuantSpec a manifest was written for (its precision and group label; the default group as None)."""
+    precision = Precision(manifest["precision"])
+    group = None if manifest["group"] == "K" else int(manifest["group"])
+    return QuantSpec(precision, None if group == DEFAULT_GROUP.get(precision) else group)
+
+
 def list_tiers(
-    model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None, index: CheckpointIndex | None = None
-) -> list[dict[str, Any]]:
+    model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None,
+    index: CheckpointIndex | None = None, shape: SourceShape | None = None, verify: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Every tier directory under the model (or `root`), for `moetier info`: `tier_summary` plus a status:
-    ok | incomplete | stale (the source changed since) | unreadable. `index`: the model's tensor index (models/open.py
-    `open_index`, which also reads GGUF files and quantized checkpoints); default the safetensors folder's."""
+    ok | incomplete | stale (the source changed since) | damaged (a layer file missing, truncated, modified, or
+    not what the model needs) | unreadable (the manifest), and `reason`: why it is not ok, in the words loading it
+    would use (None when ok; `stale_reason` repeats it for a stale tier). `index`: the model's tensor index
+    (models/open.py `open_index`, which also reads GGUF files and quantized checkpoints); default the safetensors
+    folder's. `shape`: the model's (SourceShape.of its reader): each complete tier then gets every check
+    `QuantTier.open` makes (headers, dtypes, shapes, offsets; sha256 with `verify`), the same code and messages;
+    without it, layer files are checked for presence and size (and sha256 with `verify`). Nothing is written."""
     base = Path(root) if root is not None else default_root(model_dir)
-    current: dict[str, Any] | None = None
+    checked: dict[str, str | None] = {}  # recorded source (as JSON) -> what changed: tiers of one run share it
     out: list[dict[str, Any]] = []
     for path in sorted(p for p in base.glob("*") if (p / MANIFEST).exists()):
+        # 1. the manifest
         try:
             m = load_manifest(path / MANIFEST)
             summary = tier_summary(path, m)
+            spec = spec_of(m)
         except (CheckpointError, KeyError, TypeError, ValueError) as exc:
-            out.append({"path": str(path), "status": "unreadable", "error": str(exc)})
+            out.append({"path": str(path), "precision": path.name.split("-")[0], "status": "unreadable",
+                        "reason": str(exc)})  # fmt: skip
             continue
-        if current is None:
-            current = source_fingerprint(index if index is not None else CheckpointIndex(model_dir))
-        stale = source_mismatch(m.get("source", {}), current)
-        summary["status"] = "stale" if stale else "ok" if m.get("complete") else "incomplete"
-        summary["stale_reason"] = stale
+        # 2. the source (the same cheap-unless-moved test QuantTier.open makes; nothing is refreshed here)
+        index = index if index is not None else CheckpointIndex(model_dir)
+        key = json.dumps(m["source"], sort_keys=True)
+        if key not in checked:
+            checked[key] = check_source(m["source"], index)[0]
+        stale = summary["stale_reason"] = summary["reason"] = checked[key]
+        rows = bool((m.get("layout") or {}).get("down_rows"))
+        fix = quantize_command(model_dir, spec, root, rows)
+        if stale:
+            summary["status"] = "stale"
+        elif not m.get("complete"):
+            summary["status"] = "incomplete"
+            summary["reason"] = (
+                f"{summary['layers_done']} of {summary['layers_total']} layers written; finish it with `{fix}`"
+            )
+        else:
+            # 3. the tier's files, as QuantTier.open checks them
+            summary["status"] = "ok"
+            try:
+                if shape is not None:
+                    layout = replace(shape.layout, down_rows=rows)
+                    tier = QuantTier(path, m, spec, SourceShape(layout, shape.num_experts, shape.moe_layers))
+                    tier._validate(fix, verify)
+                else:
+                    for rec in m["layers"]:
+                        check_layer_file(path / str(rec["file"]), rec, fix, verify)
+            except CheckpointError as exc:
+                summary["status"], summary["reason"] = "damaged", str(exc)
         out.append(summary)
     return out
 

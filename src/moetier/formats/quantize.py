@@ -16,7 +16,10 @@ Invariants:
 - a restart skips layers recorded with a matching size and sha256, redoes any other,
   and removes stray `.tmp` files; the result is byte-identical to an uninterrupted run;
 - a directory holding a tier of another source, precision, group, method or dtype is
-  refused unless `force=True`, which deletes that tier's files first;
+  refused unless `force=True`, which deletes that tier's files first; so is a tier whose manifest
+  holds the older sampled source print (formats/qtier.py), which cannot prove what it was made from;
+- the manifest's source record (formats/qtier.source_record) hashes every checkpoint file whole,
+  once: a resumed run reuses the recorded hashes of files whose size and mtime did not move;
 - a non-finite source expert weight stops the run with a CheckpointError naming the
   checkpoint tensor, layer and expert; its layer is never recorded;
 - the bytes written for an expert are those of `quantize_expert` on that expert alone
@@ -46,16 +49,19 @@ from moetier.formats.qtier import (
     DTYPE_NAMES,
     FORMAT,
     FORMAT_VERSION,
+    LEGACY_SOURCE,
     MANIFEST,
     ST_DTYPES,
     TensorSpecs,
     _sha256_file,
+    fsync_dir,
     group_label,
     layer_file,
     load_manifest,
     resolved_groups,
-    source_fingerprint,
+    save_manifest,
     source_mismatch,
+    source_record,
     tier_dir,
 )
 from moetier.formats.quant import DEFAULT_METHOD, MATRICES, METHODS, QuantSpec, expert_tensor_specs, quantize_stack
@@ -137,6 +143,8 @@ class _TierWriter:
             except CheckpointError as exc:
                 raise CheckpointError(f"{exc}; pass --force (force=True) to delete the tier and start over") from None
             changed = source_mismatch(old.get("source") or {}, self.manifest["source"])
+            if changed == LEGACY_SOURCE:
+                raise CheckpointError(f"{mfile}: {changed}; pass --force (force=True) to delete it and start over")
             if changed:
                 raise CheckpointError(
                     f"{mfile}: holds a tier of another version of the model ({changed}); "
@@ -220,7 +228,7 @@ class _TierWriter:
         f.close()
         final = self.path / layer_file(layer)
         os.replace(final.with_name(final.name + ".tmp"), final)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         err = {m: (self._sq["sq_err"][m] / r) ** 0.5 if (r := self._sq["sq_ref"][m]) > 0 else 0.0
                for m in ("w13", "w2")}  # fmt: skip
         self.done[layer] = {"layer": layer, "file": final.name, "bytes": final.stat().st_size,
@@ -238,13 +246,7 @@ class _TierWriter:
     def _write_manifest(self) -> None:
         self.manifest["layers"] = sorted(self.done.values(), key=lambda r: int(r["layer"]))
         self.manifest["complete"] = set(self.done) == set(self.manifest["moe_layers"])
-        tmp = self.path / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / MANIFEST)
-        _fsync_dir(self.path)
+        save_manifest(self.path, self.manifest)
 
 
 def quantize_model(
@@ -268,16 +270,17 @@ def quantize_model(
             )
         dtype = resolve_dtype("auto", o.config, cpu, expert_dtype(o.index))  # biases are kept in this dtype
         layout, layers = o.reader.layout, [s.layer for s in o.sites]
-        source = source_fingerprint(o.index)
+        paths = [tier_dir(model_dir, spec, out, down_rows) for spec in specs]
+        source = source_record(o.index, known=_known_source([p for p in paths if (p / MANIFEST).exists()]))
         writers = []
-        for spec in specs:
+        for spec, path in zip(specs, paths, strict=True):
             identity = {
                 "precision": spec.precision.value, "bits": spec.bits, "group": group_label(spec),
                 "group_sizes": resolved_groups(layout, spec), "method": method, "dtype": DTYPE_NAMES[dtype],
                 "layout": layout.as_dict(),
                 "num_experts": o.num_experts, "moe_layers": layers, "family": o.family.name,
             }  # fmt: skip
-            writers.append(_TierWriter(tier_dir(model_dir, spec, out, down_rows), spec, identity, source))
+            writers.append(_TierWriter(path, spec, identity, source))
         for w in writers:  # every refusal before the first write
             w.check(force)
         _check_space(writers, layers)
@@ -409,9 +412,12 @@ def _dtype(identity: dict[str, Any]) -> torch.dtype:
     return {v: k for k, v in DTYPE_NAMES.items()}[identity["dtype"]]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _known_source(paths: list[Path]) -> dict[str, Any] | None:
+    """The source record of an existing tier among `paths` (its hashes are reused for unmoved files), if any."""
+    for path in paths:
+        try:
+            source: dict[str, Any] = load_manifest(path / MANIFEST)["source"]
+            return source
+        except CheckpointError:
+            continue
+    return None

@@ -15,11 +15,22 @@ raw parts plus DECODE_WORKSPACE float32 copies of the decoded slice (the codec's
 its temporaries), so budgets include the decode's transient memory.
 
 `read_tensor(loc)` reads one whole tensor (decoded for an encoded one) for the non-expert
-weights, with pread as well.
+weights, with pread as well: every weight the engine holds is its own memory, so a checkpoint
+truncated or replaced under a running engine can never fault the process (SIGBUS) through a map.
+
+Faults at run time (a file truncated, replaced or failing with EIO under a running engine): a failed
+expert read raises `ExpertReadError(message, key, path)` naming the file, the expert and the tensor
+(rows are filled in by the MoE block that needed it); the file's descriptor is dropped, so the next
+read reopens the path: a file restored in place or by rename is read again. A reopened file whose
+header (safetensors or GGUF: the bytes before its first tensor) differs from the one first opened was
+replaced by another checkpoint and is refused (ExpertReadError) rather than read at stale offsets. A
+file replaced by rename while no read fails keeps being read through the descriptor already open (the
+old file's bytes, consistent with the index).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -28,7 +39,7 @@ from math import prod
 
 import torch
 
-from moetier.errors import CheckpointError
+from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
 from moetier.formats.codecs import CODECS
 from moetier.formats.layout import ExpertLayout, ExpertSource
@@ -40,6 +51,7 @@ STORED_DTYPES = TORCH_DTYPES | {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 DECODE_WORKSPACE = 4  # float32 copies of a decoded slice a codec may hold at once (output + temporaries)
+HEADER_DIGEST_BYTES = 16 * 1024 * 1024  # a file's header bytes hashed to notice it was replaced (see ExpertReader)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -68,6 +80,22 @@ def _after(views: list[memoryview], n: int) -> list[memoryview]:
         out.append(v[n:])
         n = 0
     return out
+
+
+class _ReadFailed(Exception):
+    """One pread of an expert failed (EIO, end of file, a missing or replaced file); ExpertReader.read_into and
+    read_stored turn it into ExpertReadError naming the expert."""
+
+    def __init__(self, loc: TensorLocation, reason: str) -> None:
+        super().__init__(reason)
+        self.loc, self.reason = loc, reason
+
+
+def _reason(exc: BaseException) -> str:
+    """A failed read's cause in a few words (the errno's text for an OSError)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc) or type(exc).__name__
+    return str(exc)
 
 
 @dataclass(frozen=True)
@@ -177,6 +205,8 @@ class ExpertReader:
         self.staging_bytes = max((r.staging for r in staged), default=0)  # buffer + decode workspace
         self._staging = torch.empty(max((r.nbytes for r in staged), default=0), dtype=torch.uint8)
         self._fds: dict[str, int] = {}
+        self._header_end = _data_starts(index)  # file -> where its first tensor's bytes start
+        self._headers: dict[str, bytes] = {}  # file -> digest of its header (bytes before any tensor's), first open
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -236,15 +266,56 @@ class ExpertReader:
         )  # fmt: skip
 
     def _fd(self, loc: TensorLocation) -> int:
+        """Lock held: the open descriptor of loc's file (opened, and its header checked, when there is none)."""
         key = str(loc.file)
         fd = self._fds.get(key)
         if fd is None:
-            fd = self._fds[key] = os.open(key, os.O_RDONLY)
+            fd = os.open(key, os.O_RDONLY)
+            try:
+                self._check_header(key, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[key] = fd
         return fd
 
+    def _check_header(self, file: str, fd: int) -> None:
+        """The first open of `file` records a digest of its header (the bytes before any tensor's: the safetensors
+        or GGUF header, at most HEADER_DIGEST_BYTES); a reopen (after a failed read) must find the same, else the
+        file was replaced by another checkpoint whose offsets the index does not know."""
+        n = min(self._header_end.get(file, 8), HEADER_DIGEST_BYTES)
+        digest = hashlib.sha256(_pread_all(fd, n, 0, file)).digest()
+        first = self._headers.setdefault(file, digest)
+        if first != digest:
+            raise CheckpointError(
+                "replaced by a different file since the engine opened it (its header changed); "
+                "restore the original or restart the engine on the new checkpoint"
+            )
+
+    def _drop_fd(self, loc: TensorLocation) -> None:
+        """Lock held: forget loc's file descriptor after a failed read, so the next read reopens the path."""
+        fd = self._fds.pop(str(loc.file), None)
+        if fd is not None:
+            os.close(fd)
+
     def _pread(self, loc: TensorLocation, offset: int, dest: torch.Tensor) -> None:
-        what = f"{loc.file}: unexpected end of file reading tensor {loc.name!r}"
-        self.bytes_read += pread_exact(self._fd(loc), [byte_view(dest)], offset, what)
+        """Lock held: fill `dest` from loc's file at `offset`; _ReadFailed (descriptor dropped) on any failure."""
+        try:
+            self.bytes_read += pread_exact(self._fd(loc), [byte_view(dest)], offset, "unexpected end of file")
+        except (OSError, CheckpointError) as exc:
+            self._drop_fd(loc)
+            reason = _reason(exc)
+            if reason == "unexpected end of file":
+                reason += " (the file is shorter than its header says: truncated?)"
+            raise _ReadFailed(loc, reason) from exc
+
+    def _failed(self, key: ExpertKey, err: _ReadFailed) -> ExpertReadError:
+        """The ExpertReadError of a failed read of expert `key` (its rows are the MoE block's to fill)."""
+        return ExpertReadError(
+            f"{err.loc.file}: cannot read expert {key.expert} of layer {key.layer} (tensor {err.loc.name!r}): "
+            f"{err.reason}",
+            key=key, path=str(err.loc.file),
+        )  # fmt: skip
 
     def read_into(self, key: ExpertKey, pieces: dict[str, torch.Tensor]) -> int:
         """Fill a slot's pieces with expert `key`; returns bytes read from disk."""
@@ -253,8 +324,11 @@ class ExpertReader:
             raise KeyError(f"no expert {key} in this checkpoint")
         before = self.bytes_read
         with self._lock:
-            for r in plan:
-                self._fill(r, pieces)
+            try:
+                for r in plan:
+                    self._fill(r, pieces)
+            except _ReadFailed as err:
+                raise self._failed(key, err) from err.__cause__
         return self.bytes_read - before
 
     def _fill(self, r: _Read, pieces: Mapping[str, torch.Tensor]) -> None:
@@ -304,13 +378,16 @@ class ExpertReader:
             raise KeyError(f"no expert {key} in this checkpoint")
         before = self.bytes_read
         with self._lock:
-            for r, dest in zip(plan, dests, strict=True):
-                if dest is not None:
-                    spans = [(p.loc, p.offset) for p in r.parts] if r.parts else [(r.loc, r.offset)]
-                    for (loc, offset), view in zip(spans, dest, strict=True):
-                        self._pread(loc, offset, view)
-                    continue
-                self._fill(r, pieces)
+            try:
+                for r, dest in zip(plan, dests, strict=True):
+                    if dest is not None:
+                        spans = [(p.loc, p.offset) for p in r.parts] if r.parts else [(r.loc, r.offset)]
+                        for (loc, offset), view in zip(spans, dest, strict=True):
+                            self._pread(loc, offset, view)
+                        continue
+                    self._fill(r, pieces)
+            except _ReadFailed as err:
+                raise self._failed(key, err) from err.__cause__
         return self.bytes_read - before
 
     def _decode(self, r: _Read) -> torch.Tensor:
@@ -323,10 +400,35 @@ class ExpertReader:
             at += p.nbytes
         return CODECS[r.loc.dtype].decode(views, r.src_shape)
 
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        """Where expert `key` (its `piece`, else its first tensor) is stored: "file: tensor 'name'"."""
+        plan = self.plans[key]
+        r = next((r for r in plan if piece in dict(r.pieces)), plan[0])
+        return f"{r.loc.file}: tensor {r.loc.name!r}"
+
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _data_starts(index: CheckpointIndex) -> dict[str, int]:
+    """file -> the smallest byte offset of any tensor (or stored part) in it: where its header ends."""
+    starts: dict[str, int] = {}
+    for name in index.names():
+        loc = index[name]
+        for piece in loc.parts or (loc,):
+            file = str(piece.file)
+            starts[file] = min(starts.get(file, piece.offset), piece.offset)
+    return starts
+
+
+def _pread_all(fd: int, n: int, offset: int, file: str) -> bytes:
+    """n bytes of fd at offset (CheckpointError when the file is shorter)."""
+    out = bytearray(n)
+    pread_exact(fd, [memoryview(out)], offset, f"{file}: unexpected end of file reading its header")
+    return bytes(out)
 
 
 def read_tensor(loc: TensorLocation) -> torch.Tensor:

@@ -7,6 +7,11 @@
 3. every remaining parameter and persistent buffer is read from the checkpoint,
    cast to the compute dtype, and assigned. A missing tensor, a mis-shaped one, or
    a checkpoint tensor nobody consumed raises CheckpointError naming it.
+
+Invariant: every weight assigned here is the process's own memory, read with pread
+(formats/safetensors.py read_tensor), also when the compute dtype is the checkpoint's
+own (no cast): nothing stays memory-mapped from the checkpoint, so a file truncated or
+replaced under a running engine can never fault it with SIGBUS (tests/models/test_base_mmap.py).
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ def load_non_experts(
         by_file.setdefault(str(loc.file), []).append((name, ckpt, current))
     for file, items in by_file.items():
         for name, ckpt, current in items:
-            tensor = read_tensor(index[ckpt])  # pread; a quantised tensor is dequantised here, once
+            tensor = read_tensor(index[ckpt])  # pread into owned memory, never a map; decoded here, once
             if tensor.is_floating_point() != current.is_floating_point():
                 raise CheckpointError(
                     f"{file}: tensor {ckpt!r} is stored as {tensor.dtype}, but the model expects "

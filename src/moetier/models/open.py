@@ -27,15 +27,21 @@ from moetier.formats.gguf import is_gguf
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.qtier import QuantTier
 from moetier.formats.quantized import check_method
-from moetier.formats.safetensors import TORCH_DTYPES, ExpertReader
+from moetier.formats.safetensors import STORED_DTYPES, TORCH_DTYPES, ExpertReader
 from moetier.kernels.experts import ExpertFn, GptOssGLU, SwiGLU
 from moetier.models import seam as seam_mod
-from moetier.models.base import MoESite, build_skeleton, find_moe_sites
+from moetier.models.base import (
+    MoESite,
+    build_skeleton,
+    check_all_consumed,
+    checkpoint_name,
+    find_moe_sites,
+    ignored_unexpected,
+)
 from moetier.models.families import Family, find_row
 from moetier.models.gguf_config import open_gguf
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
 
 
 @dataclass(frozen=True)
@@ -115,9 +121,13 @@ def resolve_dtype(
         stored = TORCH_DTYPES[stored_experts]
     elif stored is None and stored_experts is not None and (stored_experts in CODECS or "fp8" in stored_experts):
         stored = torch.bfloat16  # quantized experts (FP8, MXFP4, GPTQ, GGUF blocks): compute in bf16
-    dtype = stored if isinstance(stored, torch.dtype) else DTYPES.get(str(stored).replace("bfloat16", "bf16")
-                                                                      .replace("float32", "fp32")
-                                                                      .replace("float16", "fp16"), torch.float32)
+    dtype = (
+        stored
+        if isinstance(stored, torch.dtype)
+        else DTYPES.get(
+            str(stored).replace("bfloat16", "bf16").replace("float32", "fp32").replace("float16", "fp16"), torch.float32
+        )
+    )
     if dtype == torch.float16 and device.type == "cpu":
         dtype = torch.bfloat16  # fp16 matmul is very slow on CPUs; bf16 keeps the range
     return dtype
@@ -197,7 +207,67 @@ def open_checkpoint(
     prefixes = {s.layer: s.ckpt_prefix for s in sites}
     layout = ExpertLayout(hidden, inter, has_bias="down_bias" in family.sources, down_rows=down_rows)
     reader = ExpertReader(index, family.sources, layout, prefixes, num_experts, dtype)
-    return Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader, fn, top_k)
+    opened = Opened(config, family, index, dtype, model, sites, num_experts, hidden, inter, reader, fn, top_k)
+    # 4. every other tensor, from the headers: what loading them would refuse is refused now, by every caller
+    #    (the engine, `moetier info`, `moetier quantize`) with the same message
+    try:
+        check_non_experts(opened)
+    except BaseException:
+        reader.close()
+        raise
+    return opened
+
+
+def _kept_by_block(name: str, sites: list[MoESite], family: Family) -> bool:
+    """Whether state-dict `name` survives the swap of the MoE blocks (runtime/loader.py): a row family's TieredMoE
+    keeps the block's router and shared experts; the seam's TieredExperts replaces the experts module whole."""
+    for site in sites:
+        if name.startswith(site.path + "."):
+            if family.seam:
+                return False
+            head = name[len(site.path) + 1 :].split(".", 1)[0]
+            return head in {a for a in (family.router_attr, family.shared_attr, family.shared_gate_attr) if a}
+    return True
+
+
+def check_non_experts(o: Opened) -> None:
+    """Refuse, from the safetensors headers alone (no weight read), every non-expert tensor loading would refuse:
+    one missing (a tied lm_head excepted), one whose shape is not the model's, one stored as an integer where the
+    model wants a float (or the reverse) or in a dtype moetier cannot read, and any checkpoint tensor that neither
+    the experts nor the model consume. The messages are those of models/base.load_non_experts and
+    check_all_consumed, which run the same checks again while loading (runtime/loader.py)."""
+    # 1. the names the loaded model keeps (its MoE blocks swapped) and the tensors transformers converts
+    model, index, family = o.model, o.index, o.family
+    tied = bool(getattr(o.config, "tie_word_embeddings", False))
+    converted = seam_mod.converted_names(family.conversions)
+    wanted = [(n, t) for n, t in model.state_dict(keep_vars=True).items()
+              if n not in converted and _kept_by_block(n, o.sites, family)]  # fmt: skip
+    # 2. each: present, the model's shape, the model's kind of dtype
+    consumed: set[str] = set()
+    for name, current in wanted:
+        ckpt = checkpoint_name(name, o.sites, family)
+        if ckpt not in index:
+            if tied and name == "lm_head.weight":
+                continue
+            raise CheckpointError(f"{index.folder}: tensor {ckpt!r} (for {name}) is missing from the checkpoint")
+        loc = index[ckpt]
+        if tuple(loc.shape) != tuple(current.shape):
+            raise CheckpointError(
+                f"{loc.file}: tensor {ckpt!r} has shape {list(loc.shape)}, expected {list(current.shape)} "
+                "from config.json"
+            )
+        stored = torch.float32 if loc.encoded else STORED_DTYPES.get(loc.dtype)  # an encoded tensor decodes to fp32
+        if stored is None:
+            raise CheckpointError(f"{loc.file}: tensor {loc.name!r} has dtype {loc.dtype}, which moetier cannot read")
+        if stored.is_floating_point != current.is_floating_point():
+            raise CheckpointError(
+                f"{loc.file}: tensor {ckpt!r} is stored as {stored}, but the model expects "
+                f"{'a floating-point' if current.is_floating_point() else 'an integer'} tensor"
+            )
+        consumed.add(ckpt)
+    # 3. nothing left over
+    consumed |= {k for c in family.conversions.values() for keys in c.keys.values() for k in keys}
+    check_all_consumed(index, consumed | o.reader.consumed, ignored_unexpected(model))
 
 
 def _open_seam(
@@ -230,7 +300,6 @@ def describe(path: str | os.PathLike[str]) -> ModelInfo:
         o.reader.close()
 
 
-
 def model_info(path: str | os.PathLike[str], o: Opened) -> ModelInfo:
     """What `moetier info` and `Engine.info` show of an opened checkpoint (no weight read)."""
     reader, index, config = o.reader, o.index, o.config
@@ -245,8 +314,6 @@ def model_info(path: str | os.PathLike[str], o: Opened) -> ModelInfo:
         expert_intermediate=o.inter, checkpoint_dtype=first, expert_bytes=expert_bytes,
         total_expert_bytes=total_expert, non_expert_bytes=all_bytes - total_expert,
     )  # fmt: skip
-
-
 
 
 def open_quant_tier(

@@ -10,6 +10,20 @@ the batch runner (runtime/batch.py) goes through it, so precision switching's `a
 every forward alike; generate, perplexity and the batch runner also give it the trace's step index
 (warmup, logits() and calibration keep the previous one, as before).
 
+Faults: `Engine.step` lets an ExpertReadError (store/store.py: a failed expert read, its `rows` set
+by the MoE block) propagate unchanged; the engine stays usable (the decoder's position and the
+precision controller's routing are untouched by a failed step, and KV writes are positional, so a
+retry of the same step, with or without the failed rows, is idempotent). Every step's logits are
+checked for NaN / Inf with one reduction (`_all_finite`); non-finite logits raise NumericalError
+naming, where it can find one, the damaged expert (the blocks' `find_nonfinite`, experts routed in
+that step) or non-expert weight, with `rows`: the rows of the step's logits that are not finite, and
+`logits`: the step's whole output. Unlike a read error, that forward ran to its end (the decoders'
+positions moved on), so a batching caller uses the finite rows of `logits` rather than retrying.
+Experts are not checked when read from disk: that would cost a pass over every expert read on the
+miss path (tens of percent of a read), while a damaged expert is caught the first time it computes.
+`health()` reports "degraded" while a read or numerical error happened in the last HEALTH_WINDOW_S
+seconds.
+
 Invariants: one user at a time (not thread-safe); `close` stops the background threads (precision
 switching's mover, the hybrid worker), writes the trace and closes the store, also after a failure.
 """
@@ -30,7 +44,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from moetier.config import EngineConfig, SamplingConfig
-from moetier.errors import CheckpointError, ConfigError
+from moetier.errors import CheckpointError, ConfigError, NumericalError
 from moetier.formats.gguf import is_gguf
 from moetier.kernels import decode, native
 from moetier.models.gguf_config import open_gguf
@@ -42,7 +56,10 @@ from moetier.runtime.loader import LoadedModel
 from moetier.runtime.observers import ObserverList, TraceObserver
 from moetier.runtime.precision import Switching
 from moetier.runtime.prefetch import Prefetcher
+from moetier.store.source import FaultLog
 from moetier.traces import TraceRecorder
+
+HEALTH_WINDOW_S = 60.0  # health() is "degraded" while a read or numerical error is this recent
 
 
 class Decoder(Protocol):
@@ -96,6 +113,9 @@ class Engine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.recorder: TraceRecorder | None = None
         self._trace_path: Path | None = None
+        self.numerical_faults = FaultLog()  # NumericalErrors raised by step (health)
+        self._dense_scanned = False  # the non-expert weights scanned for NaN / Inf (once, after non-finite logits)
+        self._dense_damage: str | None = None  # what that scan found
 
     # -- tokenizer -------------------------------------------------------------
     @property
@@ -150,15 +170,55 @@ class Engine:
         (runtime/batch.py: a slot's prefill or a batch's decode step on its own KV caches).
         1. the trace's step index (when `index` is given);
         2. the forward (kernels.matmul picks each product's kernel for its row count, per call);
-        3. precision switching: this forward's routing to the controller (`force_switch`: decide now)."""
+        3. the logits checked for NaN / Inf (NumericalError naming the damage, with `rows` and `logits`);
+        4. precision switching: this forward's routing to the controller (`force_switch`: decide now).
+        A failed forward (ExpertReadError, NumericalError) propagates unchanged and leaves no routing behind."""
         if (ids is None) == (run is None):
             raise ValueError("Engine.step takes ids or run, exactly one of them")
         if index is not None and self.recorder is not None:
             self.recorder.step = index
-        out = run() if run is not None else self.decoder.forward(cast(torch.Tensor, ids), all_logits)
+        try:
+            out = run() if run is not None else self.decoder.forward(cast(torch.Tensor, ids), all_logits)
+            if not _all_finite(out):
+                raise self._numerical_error(out)
+        except BaseException:
+            if self.switching is not None:
+                self.switching.discard_forward()
+            raise
         if self.switching is not None:
             self.switching.after_forward(force=force_switch)
         return out
+
+    def _numerical_error(self, logits: torch.Tensor) -> NumericalError:
+        """NumericalError for non-finite `logits` ([V] or [R, V]): the rows at fault and the damage found (off the
+        hot path: the routed experts of each block, then the non-expert weights once); counted for health()."""
+        bad = ~torch.isfinite(logits.reshape(-1, logits.shape[-1])).all(-1)  # [R]
+        rows = tuple(int(r) for r in bad.nonzero().flatten().tolist())
+        culprit = next((m for m in (b.find_nonfinite() for b in self.loaded.blocks) if m is not None), None)
+        culprit = culprit or self._dense_scan()
+        if culprit is None:
+            culprit = (
+                f"no weight of the model nor of the experts routed in this step is NaN or Inf: the activations "
+                f"overflowed in {str(self.dtype).removeprefix('torch.')} (try --dtype fp32)"
+            )
+        exc = NumericalError(f"non-finite logits (NaN or Inf) in row(s) {list(rows)} of this step: {culprit}", rows,
+                             logits)  # fmt: skip
+        self.numerical_faults.record(exc)
+        return exc
+
+    def _dense_scan(self) -> str | None:
+        """The first non-expert weight (parameter or buffer) holding NaN / Inf, as a message; scanned once (the
+        weights do not change at run time)."""
+        if not self._dense_scanned:
+            self._dense_scanned = True
+            named = [*self.loaded.model.named_parameters(), *self.loaded.model.named_buffers()]
+            for name, t in named:
+                if t.is_floating_point() and t.device.type != "meta":
+                    n = int((~torch.isfinite(t)).sum().item())
+                    if n:
+                        self._dense_damage = f"{self.info.path}: non-expert weight {name} has {n} non-finite value(s)"
+                        break
+        return self._dense_damage
 
     @property
     def sparsity(self) -> SparsityState | None:
@@ -324,6 +384,26 @@ class Engine:
             return f"torch ({native.load_error(rt.native_kernels, rt.kernel_cache)})"
         return f"native ({decode.isa(lib)})" if self.dtype == torch.bfloat16 else f"torch ({self.dtype} model)"
 
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "degraded", "read_errors", "numerical_errors", "last_error", "last_error_time"}:
+        degraded while a failed expert read (demand or background) or a NumericalError happened in the last
+        HEALTH_WINDOW_S seconds; last_error_time is time.time() of the last one (None: never)."""
+        reads, read_msg, read_t, read_mono = self.store.faults.snapshot()
+        nums, num_msg, num_t, num_mono = self.numerical_faults.snapshot()
+        last = max(
+            ((mono, msg, t) for mono, msg, t in ((read_mono, read_msg, read_t), (num_mono, num_msg, num_t))
+             if mono is not None),
+            default=None, key=lambda x: x[0],
+        )  # fmt: skip
+        degraded = last is not None and time.monotonic() - last[0] < HEALTH_WINDOW_S
+        return {
+            "status": "degraded" if degraded else "ok",
+            "read_errors": reads,
+            "numerical_errors": nums,
+            "last_error": last[1] if last is not None else None,
+            "last_error_time": last[2] if last is not None else None,
+        }
+
     def stats(self) -> dict[str, Any]:
         s = self.store.stats()
         compute = s.get("accel", s["host"])
@@ -338,6 +418,8 @@ class Engine:
             "hybrid": self.executor == "hybrid",
             "disk_bytes": s["disk_bytes"],
             "h2d_bytes": s["h2d_bytes"],
+            "read_errors": s["read_errors"],
+            "numerical_errors": self.numerical_faults.count,
             "peak_host_expert_bytes": s["host"]["peak_resident_bytes"],
             "peak_accel_expert_bytes": s["accel"]["peak_resident_bytes"] if "accel" in s else 0,
             "staging_bytes": s["staging_bytes"],
@@ -372,6 +454,15 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _all_finite(logits: torch.Tensor) -> bool:
+    """Whether logits hold no NaN / Inf: one float32 sum, no mask (a NaN or Inf anywhere makes the sum
+    non-finite; finite logits cannot overflow it). A non-finite sum is confirmed element-wise (huge finite
+    logits could overflow the sum)."""
+    if bool(torch.isfinite(logits.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(logits).all())
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:

@@ -145,10 +145,13 @@ class LeanDecoder:
         return out
 
     def run(
-        self, ids: torch.Tensor, p0: int, k_cache: torch.Tensor, v_cache: torch.Tensor, all_logits: bool = False
-    ) -> torch.Tensor:
+        self, ids: torch.Tensor, p0: int, k_cache: torch.Tensor, v_cache: torch.Tensor, all_logits: bool = False,
+        hidden: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """ids [1, T] written at position p0 of the given cache ([L, nkv, max_len, hd] each; the decoder's
-        own or a batch slot's, runtime/batch.py) -> logits [T, V] (all) or [1, V] (last)."""
+        own or a batch slot's, runtime/batch.py) -> logits [T, V] (all) or [1, V] (last); `hidden`: the last
+        layer's output x [T, H] instead (`head` turns rows of it into logits: the batch runner's echo scores
+        every prompt position a chunk of rows at a time rather than holding [T, V])."""
         T = ids.shape[1]
         if p0 + T > self.max_len:
             raise ConfigError(f"sequence of {p0 + T} tokens exceeds the KV cache of {self.max_len} (raise max_seq_len)")
@@ -172,6 +175,8 @@ class LeanDecoder:
                 enable_gqa=nh != self.nkv,
             )  # [1, nh, T, hd]
             x = self.finish_layer(L, x, att[0].transpose(0, 1).reshape(T, nh * hd))
+        if hidden:
+            return x  # [T, H]
         return self.head(x if all_logits else x[-1:])
 
     def qkv(

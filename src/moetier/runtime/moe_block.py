@@ -14,6 +14,14 @@ One call runs the pipeline once, and this file says all of it:
 
 The scheduler, the executor and the observers are one `Pipeline`, given once by the wiring
 (runtime/wire.py) with `attach`; nothing else decides what a call runs.
+
+Faults: an expert whose read fails (store: ExpertReadError naming file and expert) fails the call with
+that same exception, its `rows` set to the flattened rows of the call's input routed to that expert
+(row r of [B, T, H] is b * T + t), so a batching caller can fail only the sequences that needed it;
+nothing of the call is kept (the store registered nothing half-written). After non-finite logits the
+engine asks each block `find_nonfinite()`: it checks the experts its last call routed to, off the hot
+path (a block keeps a reference to its last call's ids [T, k], nothing more).
+
 Invariants: the output does not depend on the plan's order, the residency or the domains (the
 executors combine in expert order), so with full-precision experts and sparsity off it equals
 the reference block's.
@@ -22,15 +30,25 @@ the reference block's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from moetier.errors import MoetierError
+from moetier.errors import ExpertReadError, MoetierError
 from moetier.kernels.experts import ExpertFn
+from moetier.kernels.qformat import QExpertViews, StoredExpertViews
 from moetier.models.families import Family
 from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler
 from moetier.runtime.observers import ObserverList, Route
+from moetier.store.pool import SlotViews
+from moetier.types import ExpertKey
+
+
+class BlockStore(ExpertStoreLike, Protocol):
+    """What a block needs of its store beyond an executor's: where an expert is read from (error messages)."""
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -45,11 +63,12 @@ class Pipeline:
 class _Tiered(nn.Module):
     """What both block kinds share: the layer, its store and expert function, the pipeline, steps 3-4."""
 
-    def __init__(self, layer: int, num_experts: int, store: ExpertStoreLike, expert_fn: ExpertFn) -> None:
+    def __init__(self, layer: int, num_experts: int, store: BlockStore, expert_fn: ExpertFn) -> None:
         super().__init__()
         self.layer, self.num_experts = layer, num_experts
         self.store, self.expert_fn = store, expert_fn  # what the wiring builds this layer's executor on
         self.pipeline: Pipeline | None = None  # set once by the wiring (runtime/wire.py)
+        self.last_ids: torch.Tensor | None = None  # [T, k] of the last call (find_nonfinite reads it)
 
     def attach(self, pipeline: Pipeline) -> Pipeline | None:
         """Give this block its pipeline; returns the previous one (calibration swaps it for a while)."""
@@ -61,9 +80,37 @@ class _Tiered(nn.Module):
         3. the executor groups the tokens by expert and the scheduler plans the counts;
         4. the executor moves, computes and combines the plan's experts."""
         p = self._pipeline()
+        self.last_ids = ids
         grouped = p.executor.group(ids, weights)
         plan = p.scheduler.plan(self.layer, grouped.counts)
-        return p.executor.execute(x, plan, grouped)
+        try:
+            return p.executor.execute(x, plan, grouped)
+        except ExpertReadError as exc:  # the same exception, told which rows needed the expert
+            if not exc.rows and isinstance(exc.key, ExpertKey) and exc.key.layer == self.layer:
+                exc.rows = routed_rows(ids, exc.key.expert)
+            raise
+
+    def find_nonfinite(self) -> str | None:
+        """The first expert the last call routed to (ascending id) whose weights hold NaN or Inf, as a message
+        naming its file, tensor and piece; None when all are finite (or none could be read). Off the hot path:
+        the engine calls it only after a step's logits were not finite."""
+        if self.last_ids is None:
+            return None
+        for e in sorted(set(self.last_ids.reshape(-1).tolist())):
+            key = ExpertKey(self.layer, int(e))
+            try:
+                views = self.store.acquire(key)
+            except MoetierError:  # unreadable now: no verdict on it
+                continue
+            try:
+                bad = nonfinite_piece(views)
+            finally:
+                self.store.release(key)
+            if bad is not None:
+                piece, count = bad
+                where = self.store.locate(key, _PIECE_OF.get(piece, piece))
+                return f"{where}: expert {e} of layer {self.layer} has {count} non-finite value(s) in its {piece}"
+        return None
 
     def _pipeline(self) -> Pipeline:
         if self.pipeline is None:
@@ -71,11 +118,42 @@ class _Tiered(nn.Module):
         return self.pipeline
 
 
+def routed_rows(ids: torch.Tensor, expert: int) -> tuple[int, ...]:
+    """ids [T, k] -> the rows (ascending) that routed to `expert`."""
+    return tuple(int(r) for r in (ids == expert).any(-1).nonzero().flatten().tolist())
+
+
+_PIECE_OF = {"w13": "gate", "w2": "down", "b13": "gate_bias", "b2": "down_bias"}  # matrix -> a piece it holds
+
+
+def nonfinite_piece(views: Any) -> tuple[str, int] | None:
+    """(piece, count of NaN / Inf values) of the first non-finite part of one expert's slot, or None: the float
+    pieces of a full-precision slot, the scales and biases of a quantised one, the decoded matrices and biases
+    of a stored-form one."""
+    parts: list[tuple[str, torch.Tensor | None]]
+    if isinstance(views, SlotViews):
+        parts = list(views.pieces.items())
+    elif isinstance(views, QExpertViews):
+        parts = [("w13", views.w13.scale), ("w2", views.w2.scale), ("b13", views.b13), ("b2", views.b2)]
+        parts += [(n, w.zero) for n, w in (("w13", views.w13), ("w2", views.w2)) if w.zero is not None]
+    elif isinstance(views, StoredExpertViews):
+        parts = [("w13", views.w13.decode(torch.float32)), ("w2", views.w2.decode(torch.float32))]
+        parts += [("b13", views.b13), ("b2", views.b2)]
+    else:
+        return None
+    for name, t in parts:
+        if t is not None and t.is_floating_point():
+            n = int((~torch.isfinite(t)).sum().item())
+            if n:
+                return name, n
+    return None
+
+
 class TieredMoE(_Tiered):
     """A family row's MoE block: its router and shared experts kept, the experts ours."""
 
     def __init__(
-        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: ExpertStoreLike,
+        self, family: Family, block: nn.Module, layer: int, num_experts: int, store: BlockStore,
         expert_fn: ExpertFn,
     ) -> None:  # fmt: skip
         super().__init__(layer, num_experts, store, expert_fn)

@@ -167,6 +167,11 @@ class Switching:
         """Keep the call's routing for `after_forward`."""
         self._seen.append((route.layer, route.ids, route.weights))
 
+    def discard_forward(self) -> None:
+        """A forward that failed (a read error, non-finite logits): forget its routing, so that a retry of the
+        same step is not counted twice."""
+        self._seen = []
+
     def after_forward(self, force: bool = False) -> None:
         """Feed this forward's routing to the controller and enqueue what it decides."""
         while not self._failures.empty():

@@ -15,6 +15,9 @@ the 16-bit ones. So the reference's argmax, its top mass and its perplexity (its
 are exact, and only tail probabilities carry a rounding of at most half a step in log space. `--kl-ref full`
 keeps the same record in memory, so a saved file and `full` give the same numbers.
 
+Non-finite logits (NaN / Inf from a damaged weight) never become a figure: `collect` and `compare` raise
+NumericalError naming the window; a perplexity that overflows a float is inf (`safe_exp`), not an exception.
+
 Invariants: reference and candidate are scored over the same tokens and the same windows (`starts` and `targets`
 are compared, so a record of another text, another --max-tokens or another --window is refused with an error
 naming the difference); a record of another model (other vocabulary or checkpoint fingerprint) is refused;
@@ -36,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from moetier.config import EngineConfig, RuntimeConfig
-from moetier.errors import ConfigError
+from moetier.errors import ConfigError, NumericalError
 from moetier.formats.qtier import source_fingerprint
 from moetier.models.open import open_index
 
@@ -56,6 +59,24 @@ class WindowScorer(Protocol):
 
 
 # -- per-token math ---------------------------------------------------------------------
+def safe_exp(x: float) -> float:
+    """exp(x), inf where it overflows a float (a perplexity from a huge NLL), nan for nan."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def check_finite(logits: torch.Tensor, what: str) -> None:
+    """NumericalError naming `what` unless every logit ([T, V], any float dtype) is finite."""
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).any(dim=-1).sum())
+        raise NumericalError(
+            f"{what}: {bad} of {logits.shape[0]} positions have NaN / Inf logits: a damaged weight (NaN / Inf in the "
+            "checkpoint) or an overflow; no figure is computed from them"
+        )
+
+
 def kl_per_token(ref_logits: torch.Tensor, cand_logits: torch.Tensor) -> torch.Tensor:
     """KL(P_ref || Q_cand) in nats per token: ref_logits [T, V], cand_logits [T, V] (logits or log-probs, any
     float dtype; each row is renormalised) -> [T] float64, >= 0 up to rounding."""
@@ -109,7 +130,7 @@ def summarize(kl: torch.Tensor, agree: torch.Tensor, nll_sum: float, ref_nll_sum
     q = torch.quantile(kl, torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
     return QualitySummary(
         tokens=n, kl_mean=kl.mean().item(), kl_stderr=stderr, kl_median=q[0], kl_p99=q[1], kl_max=kl.max().item(),
-        top1_pct=100.0 * agree.double().mean().item(), ppl=math.exp(nll_sum / n), ref_ppl=math.exp(ref_nll_sum / n),
+        top1_pct=100.0 * agree.double().mean().item(), ppl=safe_exp(nll_sum / n), ref_ppl=safe_exp(ref_nll_sum / n),
     )  # fmt: skip
 
 
@@ -148,6 +169,7 @@ class RefLogprobs:
         """windows: (start, logits [T, V], targets [T]) per window, consumed one at a time -> the compact record."""
         starts, targets, lo, step, codes, top_ids, top_lp, nll = [], [], [], [], [], [], [], 0.0
         for start, logits, tgt in windows:
+            check_finite(logits, f"the reference's window at token {start}")
             lp = torch.log_softmax(logits.float(), dim=-1).clamp_min(LOGPROB_FLOOR).cpu()  # [T, V]
             low = lp.min(dim=-1).values  # [T]
             stp = (-low).clamp_min(1e-30) / 65535  # [T]; log-probs lie in [low, 0]
@@ -259,6 +281,7 @@ def compare(engine: WindowScorer, ids: list[int], window: int, ref: RefLogprobs,
                               f"this run's window {i} at {start}): use the same --window and --max-tokens")  # fmt: skip
         if not torch.equal(ref.targets[done : done + t], tgt.cpu().long()):
             raise ConfigError(f"{source} was saved for another text: its tokens differ in window {i}")
+        check_finite(logits, f"window {i} (at token {start})")
         cand = logits.double()  # [T, V]
         if cand.shape[1] != ref.vocab:
             raise ConfigError(f"{source} holds a vocabulary of {ref.vocab} tokens, this model's logits {cand.shape[1]}")
@@ -323,7 +346,7 @@ def declared_window(model: Path) -> int | None:
 
 
 __all__ = [
-    "FORMAT", "TOP_K", "TRAIN_WINDOW_FILE", "Comparison", "QualitySummary", "RefLogprobs", "collect", "compare",
-    "declared_window", "eval_window", "kl_per_token", "model_fingerprint", "reference_config", "summarize",
-    "tokens_digest", "top1_agreement",
+    "FORMAT", "TOP_K", "TRAIN_WINDOW_FILE", "Comparison", "QualitySummary", "RefLogprobs", "check_finite", "collect",
+    "compare", "declared_window", "eval_window", "kl_per_token", "model_fingerprint", "reference_config", "safe_exp",
+    "summarize", "tokens_digest", "top1_agreement",
 ]  # fmt: skip

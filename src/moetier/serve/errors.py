@@ -1,9 +1,12 @@
 """OpenAI-style errors of the server: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
 
 Invariants: every failure a client can cause (malformed JSON, a missing or wrongly typed field, an
-unsupported parameter, an unknown model or route, a full queue) reaches the client as this JSON with
-the right status and a message naming the problem; nothing a client sends makes a handler raise
-past these handlers. Validation errors name the offending field in `param` (dotted path).
+unsupported parameter, an unknown model or route, a full queue, a missing API key, a body too large
+or too slow) reaches the client as this JSON with the right status and a message naming the problem;
+nothing a client sends makes a handler raise past these handlers. Validation errors name the
+offending field in `param` (dotted path). Retryable refusals (429, 503) carry `Retry-After: 1`; an
+error may add its own headers (401: `WWW-Authenticate`; 408, and 413 found while reading a body:
+`Connection: close`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ _TYPES = {404: "not_found_error", 429: "rate_limit_error"}  # others: invalid_re
 class APIError(Exception):
     """An error answered to the client as OpenAI error JSON with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
@@ -40,7 +47,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    headers = ({"Retry-After": "1"} if exc.status in (429, 503) else {}) | exc.headers
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

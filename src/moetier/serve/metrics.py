@@ -1,8 +1,11 @@
 """`GET /metrics`: Prometheus text exposition (format 0.0.4), written by hand.
 
 Server counters (`ServerMetrics`, thread-safe) count requests per route and status, prompt and
-completion tokens, rejections (429), finishes per reason (stop, length, cancelled); the generation
-rate is completion tokens over the last `RATE_WINDOW_S` seconds. Engine and runner figures come
+completion tokens, rejections (429), finishes per reason (stop, length, cancelled, timeout, error),
+refused requests per reason (auth: 401, body_too_large: 413, read_timeout: 408); the generation
+rate is completion tokens over the last `RATE_WINDOW_S` seconds. Limits (worker.WorkerLimits,
+BatchConfig's KV budget): queue timeouts, request timeouts, sequences failed alone, KV bytes
+reserved and the budget, requests waiting for KV. Engine and runner figures come
 from a snapshot the worker takes between steps (worker.Worker.snapshot): expert hits and misses
 per tier, bytes moved per link (disk->host, host->accel), resident experts and bytes per precision,
 achieved sparsity, promotions and demotions, and the runner's steps and mean batch.
@@ -69,6 +72,20 @@ def _line(out: list[str], name: str, kind: str, help_: str, samples: list[tuple[
         out.append(f"moetier_{name}{{{lab}}} {value:g}" if lab else f"moetier_{name} {value:g}")
 
 
+REFUSALS = ("auth", "body_too_large", "read_timeout")  # ServerMetrics events "refused_<reason>"
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+
+
+def _stat(snap: dict[str, Any], events: dict[str, int], name: str) -> float:
+    """A worker or runner figure by name: the snapshot's worker section, its top level, its runner section,
+    else the server counter of that name (the worker may count through ServerMetrics); 0 when none has it."""
+    for section in (snap.get("worker", {}), snap, snap.get("runner", {})):
+        value = section.get(name) if isinstance(section, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return float(events.get(name, 0))
+
+
 def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) -> str:
     """The exposition text of the server counters and a worker snapshot."""
     eng, run = snap.get("engine", {}), snap.get("runner", {})
@@ -83,7 +100,16 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
     _line(out, "requests_rejected_total", "counter", "Requests refused with 429 (queue full).",
           [({}, events.get("rejected", 0))])  # fmt: skip
     _line(out, "requests_finished_total", "counter", "Generations ended, by finish reason.",
-          [({"reason": r}, events.get(f"finished_{r}", 0)) for r in ("stop", "length", "cancelled")])  # fmt: skip
+          [({"reason": r}, events.get(f"finished_{r}", 0)) for r in FINISH_REASONS])  # fmt: skip
+    _line(out, "requests_refused_total", "counter", "Requests refused before they ran: a missing or wrong API key "
+          "(401), a body over the limit (413), a body that did not arrive in time (408).",
+          [({"reason": r}, events.get(f"refused_{r}", 0)) for r in REFUSALS])  # fmt: skip
+    _line(out, "queue_timeouts_total", "counter", "Requests that waited longer than --queue-timeout for a slot (503).",
+          [({}, _stat(snap, events, "queue_timeouts"))])  # fmt: skip
+    _line(out, "request_timeouts_total", "counter", "Requests that ran longer than --request-timeout (504).",
+          [({}, _stat(snap, events, "request_timeouts"))])  # fmt: skip
+    _line(out, "sequence_errors_total", "counter", "Sequences that failed alone (a failed expert read, non-finite "
+          "values); the rest of their batch went on.", [({}, _stat(snap, events, "sequence_errors"))])  # fmt: skip
     _line(out, "prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", [({}, prompt)])
     _line(out, "completion_tokens_total", "counter", "Tokens generated.", [({}, completion)])
     _line(out, "generation_tokens_per_second", "gauge", f"Tokens generated per second over the last "
@@ -97,6 +123,12 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
     _line(out, "prefill_tokens_total", "counter", "Prompt tokens prefilled.", [({}, run.get("prefill_tokens", 0))])
     _line(out, "kv_cache_bytes", "gauge", "Bytes held by the batch slots' KV caches (each sized to its requests).",
           [({}, run.get("kv_cache_bytes", 0))])  # fmt: skip
+    _line(out, "kv_reserved_bytes", "gauge", "KV cache bytes reserved by the running requests.",
+          [({}, _stat(snap, events, "kv_reserved_bytes"))])  # fmt: skip
+    _line(out, "kv_budget_bytes", "gauge", "KV cache budget of all slots (--kv-budget; 0: unbounded).",
+          [({}, _stat(snap, events, "kv_budget_bytes"))])  # fmt: skip
+    _line(out, "kv_waiting", "gauge", "Requests waiting because the KV budget cannot take them yet.",
+          [({}, _stat(snap, events, "kv_waiting"))])  # fmt: skip
     # 3. engine: experts per tier, bytes per link, precision mix, sparsity
     tiers = eng.get("tiers", {})
     _line(out, "expert_hits_total", "counter", "Expert accesses served by a tier's resident copy.",
@@ -125,4 +157,4 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
     return "\n".join(out) + "\n"
 
 
-__all__ = ["RATE_WINDOW_S", "ServerMetrics", "render"]
+__all__ = ["FINISH_REASONS", "RATE_WINDOW_S", "REFUSALS", "ServerMetrics", "render"]

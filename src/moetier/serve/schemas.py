@@ -6,9 +6,14 @@ rejected with 400 naming it. Unknown fields are rejected too (extra="forbid"): a
 `extra_body` such as `top_k` or `repetition_penalty` would change the output, and silently ignoring
 it is worse than an error. Types are strict (no "16" for 16, no 1.5 for an int); floats accept ints.
 Supported and output-changing: `max_tokens` (`max_completion_tokens` for chat, which wins),
-`temperature` (0-2), `top_p` (0-1], `seed`, `stop` (a string or up to 4), `stream`.
-Rejected unless neutral: n and best_of other than 1, logprobs, top_logprobs, echo, suffix, non-zero
-presence/frequency penalties, a non-empty logit_bias, tools/functions, response_format other than text.
+`temperature` (0-2), `top_p` (0-1], `seed`, `stop` (a string or up to 4), `stream`, `n` (1 to
+MAX_N samples of each prompt), and for the evaluation tools: completions `logprobs` (0 to 20 top
+tokens; OpenAI allows 5) and `echo` (the prompt and, with logprobs, its tokens' logprobs first;
+`max_tokens: 0` with echo scores the prompt alone), chat `logprobs: true` with `top_logprobs` (0-20;
+it needs logprobs), and a completions `prompt` as a string, a list of strings, token ids or a list of
+token id lists (one choice per prompt and sample).
+Rejected unless neutral: best_of other than 1, suffix, non-zero presence/frequency penalties, a
+non-empty logit_bias, tools/functions, response_format other than text.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moetier.serve.errors import APIError
+from moetier.serve.logprobs import MAX_LOGPROBS
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128  # OpenAI's limit on n
 
 
 class _Strict(BaseModel):
@@ -96,8 +103,8 @@ def _reject(param: str, why: str) -> APIError:
 def check_supported(req: CompletionRequest | ChatRequest) -> None:
     """APIError(400) naming the first parameter the server cannot honour exactly."""
     # 1. parameters of both routes
-    if req.n not in (None, 1):
-        raise _reject("n", f"only n=1 is supported, got {req.n}")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"'n' must be between 1 and {MAX_N}, got {req.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value not in (None, 0, 0.0):
@@ -113,17 +120,17 @@ def check_supported(req: CompletionRequest | ChatRequest) -> None:
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise _reject("best_of", f"only best_of=1 is supported, got {req.best_of}")
-        if req.logprobs is not None:
-            raise _reject("logprobs", "log probabilities are not returned")
-        if req.echo:
-            raise _reject("echo", "echoing the prompt is not supported")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
         if req.suffix is not None:
             raise _reject("suffix", "insertion (suffix) is not supported")
         return
-    if req.logprobs:
-        raise _reject("logprobs", "log probabilities are not returned")
     if req.top_logprobs is not None:
-        raise _reject("top_logprobs", "log probabilities are not returned")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                           "top_logprobs")  # fmt: skip
+        if not req.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if req.tools or req.functions:
         raise _reject("tools" if req.tools else "functions", "tool calling is not supported")
     if req.tool_choice not in (None, "none"):
@@ -138,4 +145,12 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-__all__ = ["ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions", "check_supported", "stop_list"]
+def logprobs_k(req: CompletionRequest | ChatRequest) -> int | None:
+    """The runner's `logprobs` for a checked request: None (none asked), else how many top tokens."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+__all__ = ["MAX_N", "MAX_STOP", "ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions", "check_supported",
+           "logprobs_k", "stop_list"]  # fmt: skip

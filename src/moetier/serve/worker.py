@@ -8,12 +8,27 @@ ask for a stats `snapshot` (answered by the worker between steps, so engine.stat
 a forward pass). The worker loops: take new jobs and cancellations, runner.step(), deliver
 events; it sleeps on a condition while there is nothing to do.
 
+Limits (`WorkerLimits`), checked by the worker between steps (so to within one step's time):
+- `max_queue`: at most `max_batch + max_queue` jobs are in flight (submitted, not finished); past
+  that `submit` raises APIError(429, code "queue_full") at once;
+- `queue_timeout_s`: a job that has not started (no event yet: waiting for a slot or for KV budget)
+  this long after its submission ends with APIError(503, code "queue_timeout"), retryable;
+- `request_timeout_s`: a job not finished this long after its submission (queue wait included) is
+  cancelled in the runner and ends with a terminal StepEvent(finish_reason="timeout") (the API turns
+  it into a 504 when nothing was sent yet, else ends the stream with an error event).
+A sequence the runner fails alone (StepEvent finish_reason "error", runtime/batch.py) ends its job with
+APIError 503 (code "expert_read_error": a disk read of an expert failed; the message names the file
+and the expert) or 500 (code "numerical_error", or "sequence_error" for anything else); the other jobs
+go on. `health()` is "ok", "degraded" (the engine reports recent read errors: still serving) or
+"unavailable" (the worker is not running).
+
 Invariants:
-- bounded: at most `max_batch + max_queue` jobs are in flight (submitted, not finished); past
-  that `submit` raises APIError(429) at once; nothing else refuses work;
+- bounded: in-flight jobs never exceed `max_batch + max_queue`; nothing but the limits above and a
+  request the runner refuses (APIError 400) refuses work;
 - every job ends with exactly one terminal item on its queue: a finished StepEvent ("stop",
-  "length", "cancelled") or an exception (the runner failed, the server stopped);
-- a cancelled job frees its place (slot or queue entry) before the worker's next step.
+  "length", "cancelled", "timeout") or an exception (an APIError: the sequence failed, a queue
+  timeout, the runner failed, the server stopped);
+- a cancelled or timed-out job frees its place (slot or queue entry) before the worker's next step.
 - counters first: the metrics and the running / in-flight counts a step changes are updated before
   its events are delivered, so whoever an event wakes never reads the counts from before it.
 """
@@ -29,7 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetier.errors import ConfigError, MoetierError
+from moetier.errors import ConfigError, ExpertReadError, MoetierError, NumericalError
 from moetier.runtime.batch import BatchRunner, SeqRequest, StepEvent
 from moetier.serve.errors import APIError
 from moetier.serve.metrics import ServerMetrics
@@ -37,6 +52,21 @@ from moetier.serve.metrics import ServerMetrics
 log = logging.getLogger("moetier.serve")
 
 Item = StepEvent | BaseException
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    max_queue: int = 64  # jobs that may wait for a slot beyond the runner's max_batch; more get 429
+    queue_timeout_s: float | None = None  # longest wait for a slot (then 503 "queue_timeout"); None: no limit
+    request_timeout_s: float | None = None  # longest time from submission to the end (then "timeout"); None: no limit
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        for name in ("queue_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive (or None: no limit), got {value}")
 
 
 @dataclass(eq=False)
@@ -48,6 +78,8 @@ class Job:
     events: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     seq_id: int | None = None
     finished: bool = False  # the terminal item was delivered (worker side)
+    submitted: float = field(default_factory=time.monotonic)  # monotonic time of submit
+    started: bool = False  # an event arrived (it holds a slot or has finished; worker side)
 
     def deliver(self, item: Item) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
@@ -55,11 +87,13 @@ class Job:
 
 
 class Worker:
-    def __init__(self, runner: BatchRunner, max_queue: int, metrics: ServerMetrics) -> None:
-        if max_queue < 0:
-            raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
-        self.runner, self.engine, self.max_queue, self.metrics = runner, runner.engine, max_queue, metrics
-        self.capacity = runner.max_batch + max_queue
+    def __init__(self, runner: BatchRunner, limits: WorkerLimits, metrics: ServerMetrics) -> None:
+        if not isinstance(limits, WorkerLimits):
+            raise ConfigError(f"Worker takes WorkerLimits, got {type(limits).__name__}")
+        self.runner, self.engine, self.limits, self.metrics = runner, runner.engine, limits, metrics
+        self.max_queue = limits.max_queue
+        self.capacity = runner.max_batch + limits.max_queue
+        self._n = {"queue_timeouts": 0, "request_timeouts": 0, "sequence_errors": 0}  # worker thread only
         self._cond = threading.Condition()
         self._inbox: list[Job] = []
         self._cancels: list[Job] = []
@@ -130,8 +164,16 @@ class Worker:
             self._cancels.append(job)
             self._cond.notify()
 
+    def health(self) -> dict[str, Any]:
+        """status "ok" | "degraded" (the engine's health says so: a recent read error) | "unavailable" (the worker
+        is not running), the engine's health, and the running / queued counts. Cheap; any thread."""
+        engine = self.engine.health()
+        status = "unavailable" if not self.alive else "degraded" if engine.get("status") != "ok" else "ok"
+        return {"status": status, "engine": engine, "running": self.running, "queued": self.queued}
+
     def snapshot(self) -> Future[dict[str, Any]]:
-        """engine.stats() and runner.stats(), taken by the worker between steps."""
+        """engine.stats(), runner.stats() and the worker's counters ("worker": queue_timeouts, request_timeouts,
+        sequence_errors, kv_waiting, kv_reserved_bytes, kv_budget_bytes), taken by the worker between steps."""
         fut: Future[dict[str, Any]] = Future()
         with self._cond:
             if not self.alive:
@@ -153,7 +195,9 @@ class Worker:
         job.deliver(item)
 
     def _stats(self) -> dict[str, Any]:
-        return {"engine": self.engine.stats(), "runner": self.runner.stats(), "time": time.time()}
+        runner = self.runner.stats()
+        kv = {k: runner.get(k, 0) for k in ("kv_waiting", "kv_reserved_bytes", "kv_budget_bytes")}
+        return {"engine": self.engine.stats(), "runner": runner, "worker": dict(self._n) | kv, "time": time.time()}
 
     def _run(self) -> None:
         runner = self.runner
@@ -183,6 +227,7 @@ class Worker:
             for job in cancels:
                 if job.seq_id is not None and job.seq_id in self._jobs:
                     runner.cancel(job.seq_id)
+            self._expire()
             if runner.idle():
                 continue
             # 3. one step; deliver its events
@@ -195,19 +240,51 @@ class Worker:
             self._deliver(events)
         self._fail_all(APIError(503, "the server is shutting down"))
 
+    def _expire(self) -> None:
+        """End the jobs past their limits: a queue timeout (not started) -> APIError 503, a request timeout ->
+        StepEvent "timeout"; each is cancelled in the runner (its cancellation event then finds no job)."""
+        qt, rt = self.limits.queue_timeout_s, self.limits.request_timeout_s
+        if qt is None and rt is None:
+            return
+        now = time.monotonic()
+        for seq_id, job in list(self._jobs.items()):
+            waited = now - job.submitted
+            item: Item
+            if qt is not None and not job.started and waited > qt:
+                self._n["queue_timeouts"] += 1
+                self.metrics.count("queue_timeouts")
+                item = APIError(503, f"no slot became free within the queue time limit of {qt:g} s "
+                                f"({self.runner.running} running, {self.runner.pending} waiting); retry later",
+                                None, "queue_timeout")  # fmt: skip
+            elif rt is not None and waited > rt:
+                self._n["request_timeouts"] += 1
+                item = StepEvent(seq_id, None, True, "timeout")  # counted as finished_timeout by _end
+            else:
+                continue
+            self.runner.cancel(seq_id)
+            del self._jobs[seq_id]
+            with self._cond:
+                self._end(job, item)
+                self._running = self.runner.running
+
     def _deliver(self, events: list[StepEvent]) -> None:
         tokens = sum(ev.token is not None for ev in events)
         if tokens:  # counts first: a handler (or client) woken by an event below must already see them
             self.metrics.add_tokens(tokens)
+        failed = sum(ev.finish_reason == "error" for ev in events)
+        if failed:
+            self._n["sequence_errors"] += failed
+            self.metrics.count("sequence_errors", failed)
         with self._cond:
             self._running = self.runner.running
             for ev in events:
                 job = self._jobs.get(ev.seq_id)
                 if job is None:
                     continue
+                job.started = True
                 if ev.finished:
                     del self._jobs[ev.seq_id]
-                    self._end(job, ev)
+                    self._end(job, _sequence_error(ev) if ev.finish_reason == "error" else ev)
                 else:
                     job.deliver(ev)
 
@@ -227,4 +304,16 @@ class Worker:
             self._running = self.runner.running
 
 
-__all__ = ["Job", "Worker"]
+def _sequence_error(ev: StepEvent) -> APIError:
+    """The terminal APIError of a sequence the runner failed alone: 503 for a failed expert read (the file and
+    the expert named), 500 for non-finite values or anything else."""
+    exc = ev.error
+    if isinstance(exc, ExpertReadError):
+        where = f" (expert {exc.key} in {exc.path})" if exc.path and str(exc.path) not in str(exc) else ""
+        return APIError(503, f"reading an expert's weights failed: {exc}{where}", None, "expert_read_error")
+    if isinstance(exc, NumericalError):
+        return APIError(500, f"the model produced non-finite values: {exc}", None, "numerical_error")
+    return APIError(500, f"the generation failed: {exc}", None, "sequence_error")
+
+
+__all__ = ["Job", "Worker", "WorkerLimits"]

@@ -22,6 +22,11 @@ on worker threads; `switch` does both at once):
 3. then registers it under the lock: the index now points at the new version, and the old
    one is reclaimed at once, or when the last forward holding it releases it.
 
+A failed read (EIO, a file truncated or replaced under the engine) raises ExpertReadError naming the
+file and the expert out of `acquire` on a first touch (the slot goes back to the free list); a
+switch's or a stage's failure goes to the mover's record (the slot is freed, the old version stays
+registered); `faults` (store/source.py FaultLog) counts every one.
+
 Invariants (tested, also with several switches in flight):
 - every slot is in exactly one state: free, registered, in flight, or retired-but-pinned;
 - a forward reads only registered versions (acquire pins the version it returns);
@@ -43,6 +48,7 @@ import torch
 from moetier.config import format_size
 from moetier.errors import BudgetError
 from moetier.store.dram import DramCache
+from moetier.store.source import FaultLog, as_read_error
 from moetier.types import ExpertKey, Precision
 
 if TYPE_CHECKING:
@@ -149,6 +155,7 @@ class DynamicStore:
         self.promotions = self.demotions = self.hits = self.misses = 0
         self.disk_bytes = self.h2d_bytes = 0
         self.prefetch_issued = 0  # high-precision experts staged disk -> DRAM ahead of a predicted promotion
+        self.faults = FaultLog()  # failed expert reads: first touches, switches and stages (Engine.health)
 
     # -- forward side --------------------------------------------------------------
     def acquire(self, key: ExpertKey) -> Any:
@@ -188,9 +195,12 @@ class DynamicStore:
         slot = st.free.pop()
         try:
             self._fill(st, key, slot)
-        except BaseException:
+        except BaseException as exc:
             st.free.append(slot)  # never register a partial expert
-            raise
+            err = as_read_error(key, exc)  # the forward's error names file and expert (counted by _read_source)
+            if err is None or err is exc:
+                raise
+            raise err from exc
         version = Version(precision, slot)
         self.index[key] = version
         st.peak_used = max(st.peak_used, st.used())
@@ -299,7 +309,7 @@ class DynamicStore:
         row = views.row.view(torch.uint8)  # [slot_bytes]
         if self.cache is not None and self.cache.read(key, precision, row):
             return
-        n = st.source.read_into(key, views)
+        n = self._read_source(st.source, key, views)
         with self._count_lock:  # not self._lock: a demand load reads under it
             self.disk_bytes += n
         if self.cache is not None:
@@ -315,12 +325,28 @@ class DynamicStore:
         st = self.pools[self.hi_precision]
         with self._scratch_lock:
             views = self._scratch.views[0]
-            n = st.source.read_into(key, views)
+            n = self._read_source(st.source, key, views)
             wrote = self.cache.write(key, self.hi_precision, views.row.view(torch.uint8), prefetched=True)
         with self._count_lock:
             self.disk_bytes += n
             self.prefetch_issued += 1
         return wrote
+
+    def _read_source(self, source: ExpertSource, key: ExpertKey, views: Any) -> int:
+        """source.read_into, a failed read counted in `faults` (and raised as it came: the first touch turns it
+        into an ExpertReadError, a switch or stage leaves it to the mover's record)."""
+        try:
+            return source.read_into(key, views)
+        except BaseException as exc:
+            err = as_read_error(key, exc)
+            if err is not None:
+                self.faults.record(err)
+            raise
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        """Where the registered version of `key` (else its low precision) is read from, for error messages."""
+        precision = self.precision_of(key) or self.lo_precision
+        return self.pools[precision].source.locate(key, piece)
 
     # -- accounting ------------------------------------------------------------------
     def precision_of(self, key: ExpertKey) -> Precision | None:
@@ -370,6 +396,7 @@ class DynamicStore:
                 "precision": mix, "promotions": self.promotions, "demotions": self.demotions,
                 "slot_bytes": {p.value: st.pool.slot_bytes for p, st in self.pools.items()},
                 "staging_bytes": self.staging_bytes, "disk_bytes": self.disk_bytes, "h2d_bytes": self.h2d_bytes,
+                "read_errors": self.faults.count,
                 "host": tier if self.device.type == "cpu" else _empty_tier(),
                 "transient": {"hi_slots": self.transient, "lo_slots": self.spare, "bytes": self.transient_bytes,
                               "inflight": sum(len(st.inflight) for st in self.pools.values()),

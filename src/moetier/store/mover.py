@@ -179,8 +179,9 @@ class PrefetchLoads:
     One Mover thread. Each load fills its reserved compute-tier slot outside the store lock
     (disk -> host slot on a CPU machine; on a GPU machine the host copy is acquired, read from
     disk first if needed, and copied on a side CUDA stream), then registers it under the lock.
-    A failed load frees its slot, counts in `store.prefetch_failed`, and is recorded in
-    `mover.errors`; the store keeps serving.
+    A failed load frees its slot, counts in `store.prefetch_failed` (and, a failed read, in
+    `store.faults`), and is recorded in `mover.errors`; the store keeps serving, and a later forward
+    that needs the key loads it on demand (raising ExpertReadError if the read fails again).
     """
 
     def __init__(self, store: Any) -> None:  # an ExpertStore (not imported: store.py imports this module)
@@ -216,18 +217,24 @@ class PrefetchLoads:
             slot = state.inflight[key]
         try:
             if st.accel is None:
-                n = st.source.read_into(key, state.pool.views[slot])
+                try:
+                    n = st.source.read_into(key, state.pool.views[slot])
+                except BaseException as exc:
+                    err = st.read_failed(key, exc)  # counted in the store's faults (Engine.health)
+                    if err is None or err is exc:
+                        raise
+                    raise err from exc
                 with st._lock:
                     st.disk_bytes += n
             else:
-                self._copy_to_accel(key, slot)
+                self._copy_to_accel(key, slot)  # a failed disk read is counted by the host acquire
         except BaseException:
             with st._cv:
                 del state.inflight[key]
                 state.free.append(slot)  # never register a partial expert
                 st.prefetch_failed += 1
                 st._cv.notify_all()
-            raise  # the Mover records the error
+            raise  # the Mover records the error; later forwards load the key on demand
         with st._cv:
             del state.inflight[key]
             state.insert(key, slot)

@@ -13,16 +13,23 @@ A source fills one pool slot with one expert at its precision:
 `make_pool` builds the fixed-slot pool of a precision. Every source is thread-safe (one
 lock), because the forward pass (demand loads) and the mover thread both read. The
 `staging_bytes` of a source is transient memory that budgets must count.
+
+A read that fails (EIO, a file truncated, replaced or removed under a running engine) raises
+`ExpertReadError` naming the file and the expert (`as_read_error` turns any other OSError or
+CheckpointError of a source into one); the stores count them in a `FaultLog` (Engine.health()).
+`locate(key, piece)` says where an expert's bytes come from, for error messages.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 
 import torch
 
-from moetier.formats.qtier import QuantTier
+from moetier.errors import CheckpointError, ExpertReadError
+from moetier.formats.qtier import QuantTier, layer_file
 from moetier.formats.safetensors import ExpertReader
 from moetier.kernels.qformat import ExpertFormat, StoredFormat
 from moetier.store.pool import QuantPool, SlotPool, StoredPool
@@ -40,7 +47,48 @@ class ExpertSource(Protocol):
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> Pool: ...
 
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str: ...
+
     def close(self) -> None: ...
+
+
+def as_read_error(key: ExpertKey, exc: BaseException) -> ExpertReadError | None:
+    """A source's failed read of `key` as the ExpertReadError it raises (itself when it is one already); None for
+    an error that is no read failure (a programming error, a KeyboardInterrupt): it propagates unchanged."""
+    if isinstance(exc, ExpertReadError):
+        return exc
+    if not isinstance(exc, (OSError, CheckpointError)):
+        return None
+    path = getattr(exc, "filename", None)
+    where = f"{path}: " if path else ""
+    reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+    return ExpertReadError(
+        f"{where}cannot read expert {key.expert} of layer {key.layer}: {reason}", key=key,
+        path=str(path) if path else None,
+    )  # fmt: skip
+
+
+class FaultLog:
+    """Faults of one kind, thread-safe: how many, the last one's message and when (time.time(); `last_monotonic`
+    for windows). A store keeps one of its failed expert reads (demand loads and background moves alike)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: str | None = None
+        self.last_time: float | None = None
+        self.last_monotonic: float | None = None
+        self._lock = threading.Lock()
+
+    def record(self, exc: BaseException) -> None:
+        with self._lock:
+            self.count += 1
+            self.last = str(exc)
+            self.last_time, self.last_monotonic = time.time(), time.monotonic()
+
+    def snapshot(self) -> tuple[int, str | None, float | None, float | None]:
+        """(count, last message, its time.time(), its time.monotonic())."""
+        with self._lock:
+            return self.count, self.last, self.last_time, self.last_monotonic
 
 
 class FullSource:
@@ -58,6 +106,9 @@ class FullSource:
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> SlotPool:
         return SlotPool(self.layout, n_slots, self.dtype, device, pin=pin)
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        return self.reader.locate(key, piece)
 
     def close(self) -> None:
         self.reader.close()
@@ -78,12 +129,24 @@ class QuantSource:
 
     def read_into(self, key: ExpertKey, views: Any) -> int:
         with self._lock:
-            n = self.tier.read_into(key, self._staging)
+            try:
+                n = self.tier.read_into(key, self._staging)
+            except (OSError, CheckpointError) as exc:  # the tier's own errors name the file, not the expert
+                file = self.tier.path / layer_file(key.layer)
+                reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+                raise ExpertReadError(
+                    f"{file}: cannot read expert {key.expert} of layer {key.layer} ({self.precision.value} tier): "
+                    f"{reason}",
+                    key=key, path=str(file),
+                ) from exc  # fmt: skip
             self.fmt.pack_into(self._staging, views)
         return n
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
         return QuantPool(self.fmt, n_slots, device, pin=pin)
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        return f"{self.tier.path / layer_file(key.layer)}: expert {key.expert}"
 
     def close(self) -> None:
         self.tier.close()
@@ -105,6 +168,9 @@ class StoredSource:
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
         return StoredPool(self.fmt, n_slots, device, pin=pin)
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        return self.reader.locate(key, piece)
 
     def close(self) -> None:
         self.reader.close()

@@ -18,6 +18,12 @@ outside the store lock, registering it when complete. A forward needing an in-fl
 waits for that load (no second read), never for one it does not need (except the disk: the
 reader reads one expert at a time). A failed load frees its slot and is recorded.
 
+A failed read (EIO, a checkpoint file truncated or replaced under the engine) raises ExpertReadError
+naming the file and the expert out of `acquire` (a demand load), or is recorded by the mover (a
+prefetch); either way its slot goes back to the free list, the key is neither resident nor in flight,
+and `faults` (store/source.py FaultLog) counts it. The next acquire of that key reads it again, so an
+expert whose file is restored loads as before.
+
 Per-tier bookkeeping (TierState) and pool sizing (slots_for_budget) are store/tier.py's.
 
 Invariants (tested):
@@ -27,7 +33,7 @@ Invariants (tested):
 - provenance: an in-flight slot is in no index (`index`, `resident`, `views`) until it
   is fully written and registered;
 - a pinned expert is never evicted; a key maps to at most one slot per tier;
-- hits + misses of the compute tier == number of compute-tier acquires;
+- hits + misses of the compute tier == number of successful compute-tier acquires;
 - prefetch issued == used + wasted + failed + (registered, not yet accessed or evicted)
   + in flight.
 """
@@ -42,10 +48,10 @@ from typing import Any, ClassVar
 import torch
 from numpy.typing import ArrayLike
 
-from moetier.errors import BudgetError
+from moetier.errors import BudgetError, ExpertReadError
 from moetier.policies import LFUPolicy, LRUPolicy, make_cache_policy
 from moetier.store.mover import PrefetchLoads
-from moetier.store.source import ExpertSource, Pool
+from moetier.store.source import ExpertSource, FaultLog, Pool, as_read_error
 from moetier.store.tier import TierState, available_bytes, slots_for_budget
 from moetier.types import ExpertKey, Precision, Tier
 
@@ -81,6 +87,7 @@ class ExpertStore:
         self._loads: PrefetchLoads | None = None  # the background thread, started by the first prefetch
         self.prefetch_issued = self.prefetch_failed = self.prefetch_waits = 0
         self.prefetch_wait_s = 0.0
+        self.faults = FaultLog()  # failed expert reads, demand and background (Engine.health)
 
     def _tier(
         self, tier: Tier, device: torch.device, budget: int | None, overhead: int, pin: bool = False
@@ -214,11 +221,26 @@ class ExpertStore:
         slot = self._take_slot(host)
         try:
             self.disk_bytes += self.source.read_into(key, host.pool.views[slot])
-        except BaseException:
+        except BaseException as exc:
             host.free.append(slot)  # the slot holds a partial expert: never register it
-            raise
+            err = self.read_failed(key, exc)
+            if err is None or err is exc:
+                raise
+            raise err from exc
         host.insert(key, slot)
         return slot
+
+    def read_failed(self, key: ExpertKey, exc: BaseException) -> ExpertReadError | None:
+        """A failed read of `key` (demand or prefetch) as its ExpertReadError, counted in `faults`; None (not
+        counted) for an error that is no read failure."""
+        err = as_read_error(key, exc)
+        if err is not None:
+            self.faults.record(err)
+        return err
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        """Where expert `key` is read from (its source's file and tensor), for error messages."""
+        return self.source.locate(key, piece)
 
     def _load_accel(self, key: ExpertKey) -> int:
         assert self.accel is not None
@@ -280,6 +302,7 @@ class ExpertStore:
             "staging_bytes": self.staging_bytes,
             "disk_bytes": self.disk_bytes,
             "h2d_bytes": self.h2d_bytes,
+            "read_errors": self.faults.count,
             "host": self.host.stats(),
         }
         if self.accel is not None:

@@ -11,10 +11,9 @@ the expert loads again.
 
 from __future__ import annotations
 
-import errno
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import moetier
+from fault_inject import eio_on
 from moetier import Budgets, EngineConfig, RuntimeConfig
 from moetier.errors import ExpertReadError
 from moetier.runtime import engine as engine_mod
@@ -52,22 +52,9 @@ def routing(engine: moetier.Engine, run: Callable[[], Any]) -> dict[int, list[li
     return seen
 
 
-@contextmanager
-def eio_for(engine: moetier.Engine, key: ExpertKey) -> Iterator[None]:
-    """os.preadv fails with EIO for every byte range of expert `key` in the checkpoint (nothing else)."""
-    ranges = [(r.offset, r.offset + r.nbytes) for r in engine.store.source.reader.plans[key]]  # type: ignore[union-attr]
-    real = os.preadv
-
-    def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if any(lo <= offset < hi for lo, hi in ranges):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset, *args)
-
-    os.preadv = preadv  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os.preadv = real
+def eio_for(engine: moetier.Engine, key: ExpertKey) -> AbstractContextManager[None]:
+    """os.preadv fails with EIO on expert `key`'s byte ranges only."""
+    return eio_on(engine.store.source.reader, key)
 
 
 def assert_nothing_registered(engine: moetier.Engine, key: ExpertKey) -> None:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from fault_inject import eio_on
 from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.layout import ExpertLayout
@@ -46,22 +46,9 @@ def make(path: Path, slots: int) -> ExpertStore:
     return ExpertStore(src, list(reader.plans), CPU, slots * src.slot_bytes + src.staging_bytes, None)
 
 
-@contextmanager
-def eio(store: ExpertStore, key: ExpertKey) -> Iterator[None]:
+def eio(store: ExpertStore, key: ExpertKey) -> AbstractContextManager[None]:
     """os.preadv fails with EIO on expert `key`'s byte ranges only."""
-    ranges = [(r.offset, r.offset + r.nbytes) for r in store.source.reader.plans[key]]  # type: ignore[attr-defined]
-    real = os.preadv
-
-    def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if any(lo <= offset < hi for lo, hi in ranges):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset, *args)
-
-    os.preadv = preadv  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os.preadv = real
+    return eio_on(store.source.reader, key)
 
 
 def assert_clean(store: ExpertStore, key: ExpertKey) -> None:

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex
+from moetier.formats.location import TensorLocation
 from moetier.formats.safetensors import read_tensor
 from moetier.models.families import Family
 
@@ -96,6 +97,21 @@ def checkpoint_name(name: str, sites: list[MoESite], family: Family) -> str:
     return name
 
 
+def locate(index: CheckpointIndex, name: str, ckpt: str, current: torch.Tensor, tied: bool) -> TensorLocation | None:
+    """Where model tensor `name` (checkpoint name `ckpt`) is stored, checked against the model's shape; None for a
+    tied lm_head the checkpoint leaves out. CheckpointError naming the tensor when it is missing or mis-shaped."""
+    if ckpt not in index:
+        if tied and name == "lm_head.weight":
+            return None
+        raise CheckpointError(f"{index.folder}: tensor {ckpt!r} (for {name}) is missing from the checkpoint")
+    loc = index[ckpt]
+    if tuple(loc.shape) != tuple(current.shape):
+        raise CheckpointError(
+            f"{loc.file}: tensor {ckpt!r} has shape {list(loc.shape)}, expected {list(current.shape)} from config.json"
+        )
+    return loc
+
+
 def load_non_experts(
     model: nn.Module,
     index: CheckpointIndex,
@@ -112,16 +128,9 @@ def load_non_experts(
     by_file: dict[str, list[tuple[str, str, Any]]] = {}
     for name, current in wanted:
         ckpt = checkpoint_name(name, sites, family)
-        if ckpt not in index:
-            if tied and name == "lm_head.weight":
-                continue
-            raise CheckpointError(f"{index.folder}: tensor {ckpt!r} (for {name}) is missing from the checkpoint")
-        loc = index[ckpt]
-        if tuple(loc.shape) != tuple(current.shape):
-            raise CheckpointError(
-                f"{loc.file}: tensor {ckpt!r} has shape {list(loc.shape)}, expected {list(current.shape)} "
-                "from config.json"
-            )
+        loc = locate(index, name, ckpt, current, tied)
+        if loc is None:
+            continue
         by_file.setdefault(str(loc.file), []).append((name, ckpt, current))
     for file, items in by_file.items():
         for name, ckpt, current in items:

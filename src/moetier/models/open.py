@@ -37,6 +37,7 @@ from moetier.models.base import (
     checkpoint_name,
     find_moe_sites,
     ignored_unexpected,
+    locate,
 )
 from moetier.models.families import Family, find_row
 from moetier.models.gguf_config import open_gguf
@@ -246,16 +247,9 @@ def check_non_experts(o: Opened) -> None:
     consumed: set[str] = set()
     for name, current in wanted:
         ckpt = checkpoint_name(name, o.sites, family)
-        if ckpt not in index:
-            if tied and name == "lm_head.weight":
-                continue
-            raise CheckpointError(f"{index.folder}: tensor {ckpt!r} (for {name}) is missing from the checkpoint")
-        loc = index[ckpt]
-        if tuple(loc.shape) != tuple(current.shape):
-            raise CheckpointError(
-                f"{loc.file}: tensor {ckpt!r} has shape {list(loc.shape)}, expected {list(current.shape)} "
-                "from config.json"
-            )
+        loc = locate(index, name, ckpt, current, tied)
+        if loc is None:
+            continue
         stored = torch.float32 if loc.encoded else STORED_DTYPES.get(loc.dtype)  # an encoded tensor decodes to fp32
         if stored is None:
             raise CheckpointError(f"{loc.file}: tensor {loc.name!r} has dtype {loc.dtype}, which moetier cannot read")

@@ -122,6 +122,20 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@contextlib.contextmanager
+def exit_on_server_failure() -> Iterator[None]:
+    """The scripts' way out: a server that did not start is `error: ...` and exit 2, Ctrl-C / SIGTERM exit 130
+    (the server is already stopped by running_server's own `finally`)."""
+    try:
+        yield
+    except ServerStartError as exc:
+        print(f"error: the server did not start: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted; the server was stopped", file=sys.stderr)
+        sys.exit(130)
+
+
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """SIGINT (graceful), then SIGKILL of the whole process group (the server and anything it started)."""
     if proc.poll() is None:
@@ -492,7 +506,8 @@ def fmt(v: float | None, spec: str = ".3f") -> str:
 
 __all__ = [
     "API_KEY_ENV", "BUNDLED_MODEL", "PROMPTS", "REPLICA_HEADER", "Load", "Mix", "Outcome", "Server",
-    "ServerStartError", "by_label", "closed_loop", "error_kinds", "expert_bytes", "fmt", "free_port", "hit_rates",
+    "ServerStartError", "by_label", "closed_loop", "error_kinds", "exit_on_server_failure", "expert_bytes", "fmt",
+    "free_port", "hit_rates",
     "machine", "machine_line", "make_client", "missing_flags", "one_request", "percentile", "rss_bytes",
     "running_server", "scrape", "serve_help", "sigterm_as_interrupt", "tail", "token_range", "total",
 ]  # fmt: skip

@@ -41,9 +41,9 @@ from benchmarks._serve import (
     BUNDLED_MODEL,
     Mix,
     Server,
-    ServerStartError,
     closed_loop,
     error_kinds,
+    exit_on_server_failure,
     fmt,
     machine,
     machine_line,
@@ -136,7 +136,7 @@ def main() -> None:
     # 2. every setup: its own server, every concurrency level against it
     sigterm_as_interrupt()
     rows: list[dict[str, Any]] = []
-    try:
+    with exit_on_server_failure():
         for setup, server_args in setups:
             with running_server(args.model, server_args, args.start_timeout, api_key=args.api_key) as server:
                 for c in levels:
@@ -146,12 +146,6 @@ def main() -> None:
                     r = rows[-1]
                     print(f"  {setup} c={c}: {r['requests']} requests, {r['errors']} errors, "
                           f"{r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)  # fmt: skip
-    except ServerStartError as exc:
-        print(f"error: the server did not start: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted; the server was stopped", file=sys.stderr)
-        sys.exit(130)
 
     # 3. report: machine, table, one JSON line
     lo, hi = args.max_tokens

@@ -53,10 +53,10 @@ from benchmarks._serve import (
     Mix,
     Outcome,
     Server,
-    ServerStartError,
     by_label,
     closed_loop,
     error_kinds,
+    exit_on_server_failure,
     expert_bytes,
     fmt,
     hit_rates,
@@ -270,21 +270,15 @@ def main() -> None:
 
     # 2. the server, the soak; the server is stopped on every way out
     sigterm_as_interrupt()
-    try:
-        with running_server(args.model, ["--host-expert-mem", str(budget), *extra], args.start_timeout,
-                            api_key=args.api_key) as server:  # fmt: skip
-            res = asyncio.run(soak(server, args, mix))
-    except ServerStartError as exc:
-        print(f"error: the server did not start: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted; the server was stopped", file=sys.stderr)
-        sys.exit(130)
+    server_args = ["--host-expert-mem", str(budget), *extra]
+    with exit_on_server_failure(), running_server(args.model, server_args, args.start_timeout,
+                                                  api_key=args.api_key) as server:  # fmt: skip
+        res = asyncio.run(soak(server, args, mix))
 
     # 3. report: table, then one JSON line
     out = summarise(res, args, expert, budget)
     report(out, mach, extra)
-    print(json.dumps(out | {"machine": mach, "server_args": ["--host-expert-mem", str(budget), *extra]}))
+    print(json.dumps(out | {"machine": mach, "server_args": server_args}))
     if not out["ok"]:
         sys.exit(1)
 

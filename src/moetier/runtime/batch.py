@@ -492,7 +492,7 @@ class BatchRunner:
                     failed = set(_rows_of(exc, len(rows)) or range(len(rows)))  # none named: the whole group
                     events.extend(self._fail(rows[b], exc) for b in sorted(failed))
                     rest = [(b, s) for b, s in enumerate(rows) if b not in failed]
-                    ran = getattr(exc, "logits", None)  # Engine.step's NumericalError: the forward ran to its end
+                    ran = exc.logits if isinstance(exc, NumericalError) else None  # that forward ran to its end
                     if isinstance(ran, torch.Tensor):  # positions moved on: keep the finite rows, do not retry
                         events.extend(self._emit(s, ran[b]) for b, s in rest)
                         break
@@ -567,11 +567,10 @@ def _top(lps: torch.Tensor, k: int) -> TopK:
     return tuple(zip(idx.tolist(), vals.tolist(), strict=True))
 
 
-def _rows_of(exc: BaseException, n: int) -> list[int]:
-    """The rows of a step of n rows that a failure names (ExpertReadError.rows; a NumericalError may carry
-    `rows` too): decode feeds the MoE [1, B, H], so flattened row r is the step's r-th sequence."""
-    rows = getattr(exc, "rows", None) or ()
-    return sorted({int(r) for r in rows if 0 <= int(r) < n})
+def _rows_of(exc: ExpertReadError | NumericalError, n: int) -> list[int]:
+    """The rows of a step of n rows that a failure names (both errors declare `rows`): decode feeds the MoE
+    [1, B, H], so flattened row r is the step's r-th sequence."""
+    return sorted({int(r) for r in exc.rows if 0 <= int(r) < n})
 
 
 def _kv_token_bytes(engine: Engine) -> int:

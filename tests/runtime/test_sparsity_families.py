@@ -10,6 +10,7 @@ experts alone. Above the tipping point the default dense path is the original ex
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -110,15 +111,25 @@ def test_original_dense_expert_above_the_tipping_point_is_exact(model_type: str,
 
 
 def test_shared_neurons_of_family_rows_and_the_seam(tmp_path: Path) -> None:
-    """The shared-expert count reads the model's modules, so it is the same for a family row and for
-    transformers' own block behind the experts seam (which --sparsity does not run yet: its experts are
-    the family module's own function)."""
+    """The shared-expert count reads the family row's `shared_attr` on the module that holds each of our
+    blocks, so it is the same for a family row and for transformers' own block behind the experts seam
+    (which --sparsity does not run yet: its experts are the family module's own function)."""
     for model_type in ("qwen2_moe", "deepseek_v2", "mixtral"):
         path = build_tiny_checkpoint(model_type, tmp_path / model_type, seed=3)
         for seam in (False, True):
             with moetier.load(path, EngineConfig(runtime=RuntimeConfig(seam=seam))) as eng:
                 assert all(isinstance(b, TieredExperts) == seam for b in eng.loaded.blocks)
                 assert shared_neurons(eng.loaded) == SHARED[model_type], (model_type, seam)
+
+
+def test_shared_experts_the_family_row_does_not_name_are_refused(tmp_path: Path) -> None:
+    """A config that declares shared experts while the family row names no shared-expert module must not
+    count them as 0 (that would mistarget total sparsity): ConfigError naming the config field."""
+    path = build_tiny_checkpoint("qwen2_moe", tmp_path / "qwen2_moe", seed=3)
+    with moetier.load(path) as eng:
+        loaded = dataclasses.replace(eng.loaded, family=dataclasses.replace(eng.loaded.family, shared_attr=None))
+        with pytest.raises(ConfigError, match=r"declares shared experts.*shared_expert_intermediate_size"):
+            shared_neurons(loaded)
 
 
 def test_shared_experts_stay_dense(tmp_path: Path) -> None:

@@ -22,12 +22,12 @@ once, on the path that computed it, and every token's shared neurons once per ca
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
@@ -79,33 +79,51 @@ def prepare(cfg: EngineConfig, sk: Skeleton) -> tuple[ThresholdTable, str]:
 
 
 _SHARED_ATTRS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "shared_expert_intermediate_size")
-_SHARED_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?(shared_experts?|shared_mlp)$")
+
+
+def _shared_modules(loaded: LoadedModel) -> dict[int, list[tuple[str, nn.Module]]]:
+    """MoE layer -> its shared-expert modules (name, module): the family row's `shared_attr` read on the
+    module that holds each of our blocks (the TieredMoE block itself, or transformers' block around the
+    seam's TieredExperts). Empty when the family names no shared expert."""
+    attr = loaded.family.shared_attr
+    if not attr:
+        return {}
+    layer_of = {id(b): b.layer for b in loaded.blocks}
+    found: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in loaded.model.named_modules():
+        layer = layer_of.get(id(module))
+        if layer is None:  # transformers' own block holding the seam's TieredExperts as a child
+            layer = next((layer_of[id(c)] for c in module.children() if id(c) in layer_of), None)
+        shared = getattr(module, attr, None) if layer is not None else None
+        if layer is not None and isinstance(shared, nn.Module):
+            found.setdefault(layer, []).append((f"{name}.{attr}", shared))
+    return found
 
 
 def shared_neurons(loaded: LoadedModel) -> int:
     """Shared-expert neurons per token of the model's MoE layers (0 without shared experts): the SwiGLU
-    intermediate size of each shared-expert module (its matrices' elements / (3 * hidden)), summed within
-    a layer; DeepSeek's n shared experts are one module of n * I. ConfigError when the layers differ or a
-    module is not three [I, H] matrices, naming it (then --sparsity-scope routed still runs)."""
+    intermediate size of each layer's shared-expert module (its matrices' elements / (3 * hidden)), found by
+    the family row's `shared_attr`; DeepSeek's n shared experts are one module of n * I. ConfigError when
+    the layers differ, a module is not three [I, H] matrices, or the config declares shared experts the row
+    does not name, naming it (then --sparsity-scope routed still runs)."""
     hidden, moe = loaded.info.hidden_size, set(loaded.info.moe_layers)
     per_layer: dict[int, int] = {}
-    for name, module in loaded.model.named_modules():
-        m = _SHARED_NAME.search(name)
-        if m is None or int(m.group(1)) not in moe:
-            continue
-        elems = sum(p.numel() for p in module.parameters() if p.dim() == 2)
-        if elems % (3 * hidden):
-            raise ConfigError(f"cannot count the neurons of shared expert {name} (not three [I, {hidden}] matrices); "
-                              "run with --sparsity-scope routed")  # fmt: skip
-        per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + elems // (3 * hidden)
+    for layer, modules in _shared_modules(loaded).items():
+        for name, module in modules:
+            elems = sum(p.numel() for p in module.parameters() if p.dim() == 2)
+            if elems % (3 * hidden):
+                raise ConfigError(f"cannot count the neurons of shared expert {name} (not three [I, {hidden}] "
+                                  "matrices); run with --sparsity-scope routed")  # fmt: skip
+            per_layer[layer] = per_layer.get(layer, 0) + elems // (3 * hidden)
     sizes = {per_layer.get(layer, 0) for layer in moe}
     if len(sizes) > 1:
         raise ConfigError(f"shared experts differ across MoE layers ({per_layer}); run with --sparsity-scope routed")
     found = sizes.pop() if sizes else 0
     declared = [a for a in _SHARED_ATTRS if (getattr(loaded.config, a, 0) or 0) > 0]
-    if not found and declared:  # the config has shared experts this search did not find: never count them as 0
-        raise ConfigError(f"the model's config declares shared experts ({', '.join(declared)}) but no shared-expert "
-                          "module was found to count their neurons; run with --sparsity-scope routed")  # fmt: skip
+    if not found and declared:  # the config has shared experts the family row does not name: never count them as 0
+        raise ConfigError(f"the model's config declares shared experts ({', '.join(declared)}) but the "
+                          f"{loaded.family.name} family names no shared-expert module to count their neurons; "
+                          "run with --sparsity-scope routed")  # fmt: skip
     return found
 
 

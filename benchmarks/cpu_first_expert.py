@@ -1,17 +1,19 @@
 """Does this CPU show HybriMoE's Fig. 3(e) effect: the first expert of a layer call slower, the next ones faster?
 
 HybriMoE III: "the first expert computation on the CPU is slower, but subsequent tasks are processed faster with
-better cache utilization". The simulator's cost model has a parameter for it (profile `cpu.first_expert_s`, 0 in
-every shipped profile); this benchmark measures it on this machine with the engine's own expert kernel
-(kernels/experts.py SwiGLU over bf16 weights).
+better cache utilization". The simulator's cost model has a parameter for it (profile `cpu.first_expert_s`);
+`moetier profile` measures it at decode load on its reference shape. This benchmark runs the same measurement
+(runtime/profile_first_expert.py) with the engine's own expert kernel (kernels/experts.py SwiGLU over bf16
+weights) on a published model's expert shape and at several token loads.
 
-Method: a layer call computes n experts one after the other (distinct weights, the same tokens each, as decode
-does); before each call a buffer larger than the last-level cache is read, standing in for the attention and
-dense work between MoE layers. Each expert's wall time is taken separately; over --rounds calls the median time of
-the expert at each position is reported. first_expert_s = median(position 0) - median(positions 1..n-1). Rounds
-of the two token counts are interleaved.
+Method (the module's): a layer call computes n experts one after the other (distinct weights, the same tokens
+each, as decode does); before each call a buffer larger than the last-level cache is read, standing in for the
+attention and dense work between MoE layers. Each expert's wall time is taken separately; over --rounds calls
+the median time of the expert at each position is reported. first_expert_s = median(position 0) -
+median(positions 1..n-1); "profile rule" says whether `moetier profile` would record it (beyond the later
+positions' spread) or write 0. Rounds of the token counts are interleaved.
 
-    python benchmarks/cpu_first_expert.py [--spec qwen2-57b-a14b] [--experts 8] [--tokens 1,16] [--rounds 40]
+    python -m benchmarks.cpu_first_expert [--spec qwen2-57b-a14b] [--experts 8] [--tokens 1,16] [--rounds 40]
 
 Prints the CPU (ISA flags, AMX present or not), a table, then one JSON line.
 """
@@ -20,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.vs_llamacpp import cpu_isa
-from moetier.kernels.experts import SwiGLU
+from moetier.runtime.profile_first_expert import first_expert_estimate, position_times
 from moetier.specs import load_spec
 
 
@@ -52,22 +51,10 @@ def main() -> None:
                         w2=torch.randn(h, i, dtype=torch.bfloat16) * 0.02)  # [H, I]
         for _ in range(args.experts)
     ]  # fmt: skip
-    fn = SwiGLU(F.silu)
-    flush = torch.ones(args.flush_mib * 2**20 // 4, dtype=torch.float32)
     counts = [int(t) for t in args.tokens.split(",")]
-    xs = {t: torch.randn(t, h, dtype=torch.bfloat16) for t in counts}
 
-    # 2. interleaved rounds: flush, then the experts one by one, each timed
-    times: dict[int, list[list[float]]] = {t: [[] for _ in range(args.experts)] for t in counts}
-    for r in range(args.rounds + 2):
-        for t in counts:
-            float(flush.sum())
-            for j, ex in enumerate(experts):
-                t0 = time.perf_counter()
-                fn(xs[t], ex)
-                dt = time.perf_counter() - t0
-                if r >= 2:  # two warm-up rounds
-                    times[t][j].append(dt)
+    # 2. interleaved rounds (two warm-up rounds), each expert timed: the package's measurement
+    times = position_times(experts, h, counts, args.rounds, args.flush_mib << 20, warmup=2)
 
     # 3. report
     isa = cpu_isa()
@@ -78,12 +65,21 @@ def main() -> None:
     out: dict[str, object] = {"cpu": isa, "amx": bool(amx), "spec": args.spec, "hidden": h, "moe_intermediate": i,
                               "experts": args.experts, "rounds": args.rounds, "threads": args.threads}  # fmt: skip
     for t in counts:
-        med = [statistics.median(v) for v in times[t]]
-        later = statistics.median(med[1:])
-        first = med[0] - later
-        print(f"tokens {t:>3}: per position (ms) " + " ".join(f"{m * 1e3:.3f}" for m in med)
-              + f"  -> first_expert_s = {first * 1e3:+.3f} ms ({med[0] / later:.2f}x a later expert)")
-        out[f"tokens_{t}"] = {"median_s_by_position": med, "later_s": later, "first_expert_s": first}
+        est = first_expert_estimate(times[t])
+        med, later, first = list(est.medians_s), est.later_s, est.diff_s
+        print(
+            f"tokens {t:>3}: per position (ms) "
+            + " ".join(f"{m * 1e3:.3f}" for m in med)
+            + f"  -> first_expert_s = {first * 1e3:+.3f} ms ({med[0] / later:.2f}x a later expert); "
+            f"profile rule: {est.reason}"
+        )
+        out[f"tokens_{t}"] = {
+            "median_s_by_position": med,
+            "later_s": later,
+            "first_expert_s": first,
+            "noise_s": est.noise_s,
+            "profile_first_expert_s": est.first_expert_s,
+        }
     print(json.dumps(out))
 
 

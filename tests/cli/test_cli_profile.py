@@ -37,6 +37,10 @@ def test_profile_quick_writes_a_profile(tmp_path: Path) -> None:
     prof = load_profile(out)
     assert prof.name == "mine" and prof.cpu_threads == 1 and prof.cpu.lut_shape == (256, 128)
     assert "expert call time" in res.stderr and "wrote" in res.stderr
+    # HybriMoE Fig. 3e: the file holds cpu.first_expert_s (>= 0) and the note that says why it is what it is
+    first, note = line["profile"]["cpu"]["first_expert_s"], line["profile"]["notes"]["cpu.first_expert_s"]
+    assert first == prof.cpu.first_expert_s >= 0 and note.startswith("recorded: " if first > 0 else "0: ")
+    assert f"first expert of a call +{first * 1e6:.1f} us" in res.stderr and "first expert: " in res.stderr
 
 
 def test_profile_bad_flags_are_one_line_errors(tmp_path: Path) -> None:

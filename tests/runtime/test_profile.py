@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,12 +34,22 @@ def test_quick_profile_measures_this_machine(tmp_path: Path) -> None:
     assert all(0 <= x < 0.5 for x in (cpu.layer_overhead_s, cpu.token_overhead_s, cpu.dispatch_s))
     assert cpu.layer_overhead_s + cpu.token_overhead_s > 0
     assert prof.disk.bandwidth > 1e7 and "disk_cold" in notes and notes["quick"] is True
+    # HybriMoE Fig. 3e: measured at decode load, recorded or 0 with the reason in the note
+    assert "cpu first expert of a layer call" in steps
+    assert cpu.first_expert_s >= 0
+    note = notes["cpu.first_expert_s"]
+    assert note.startswith("recorded: " if cpu.first_expert_s > 0 else "0: ")
+    assert "4 full experts of H=256, I=128 at 1 token each, 3 calls" in note
     assert prof.cpu_threads == 1 and prof.host_mem_bytes > 1 << 28
+    # the machine it came from, with the matrix ISAs (the simulators' --cpu-profile names it)
+    assert re.search(r"AMX: (yes|no), AVX-512: (yes|no)\)", prof.source) or not Path("/proc/cpuinfo").exists()
     if not torch.cuda.is_available():
         assert prof.gpu is None and prof.pcie is None and prof.gpu_mem_bytes is None
     # it round-trips and prices the bundled model (256x128, the quick LUT's shape) with its LUT as measured
     again = load_profile(save_profile(prof, tmp_path / "q.json", notes))
     assert again == prof
+    slow_first = replace(prof, cpu=replace(cpu, first_expert_s=2.5e-5))  # a recorded figure is written, too
+    assert load_profile(save_profile(slow_first, tmp_path / "f.json")).cpu.first_expert_s == 2.5e-5
     cm = CostModel(again, load_spec("tiny-shakespeare-moe"), precision="int4")
     assert cm.expert_s("cpu", 4) == pytest.approx(dict(cpu.luts["int4"])[4] + cpu.dispatch_s)  # LUT + engine dispatch
     rows = lut_table(dict(cpu.luts))
@@ -62,3 +74,5 @@ def test_bad_options() -> None:
         ProfileOptions(precisions=("int3",)).resolved()
     with pytest.raises(ConfigError, match="multiples of 128"):
         ProfileOptions(hidden=100).resolved()
+    with pytest.raises(ConfigError, match="first-expert step needs >= 3 experts"):
+        ProfileOptions(first_experts=2).resolved()

@@ -72,10 +72,13 @@ def profile(
         c = prof.cpu
         report.print(
             f"cpu: {c.mem_bw / 1e9:.2f} GB/s GEMV, {c.peak_flops / 1e9:.1f} GFLOP/s best expert rate, "
-            f"{c.overhead_s * 1e6:.1f} us/expert, {c.layer_overhead_s * 1e6:.1f} us/layer, {prof.cpu_threads} threads; "
+            f"{c.overhead_s * 1e6:.1f} us/expert, {c.layer_overhead_s * 1e6:.1f} us/layer, "
+            f"first expert of a call +{c.first_expert_s * 1e6:.1f} us, {prof.cpu_threads} threads; "
             f"disk (page cache) {prof.disk.bandwidth / 1e9:.2f} GB/s; {notes['disk_cold']}",
             highlight=False,
         )
+        if "cpu.first_expert_s" in notes:  # its note opens with the decision: recorded, or 0 and why
+            report.print(f"first expert: {notes['cpu.first_expert_s'].split('. ', 1)[0]}", highlight=False)
         if prof.pcie is not None:
             report.print(f"host -> gpu: {prof.pcie.bandwidth / 1e9:.2f} GB/s (unverified path)", highlight=False)
         report.print(f"wrote {written}", highlight=False)

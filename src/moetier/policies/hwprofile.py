@@ -254,7 +254,7 @@ def _compute_dict(c: ComputeProfile) -> dict[str, Any]:
         "dispatch_s": c.dispatch_s,
         "efficiency": [list(pt) for pt in c.efficiency],
         "small_luts": {p: [list(pt) for pt in pts] for p, pts in c.small_luts.items()},
-        "small_shape": list(c.small_shape) if c.small_shape else None,
+        "small_shape": list(c.small_shape) if c.small_shape else None, "first_expert_s": c.first_expert_s,
     }  # fmt: skip
 
 

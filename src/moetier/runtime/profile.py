@@ -16,7 +16,11 @@ What is measured, in order (one progress step each):
    DONTNEED where O_DIRECT is refused) and through the page cache; `disk` holds the page-cache figure
    (the engine reads experts from memory-mapped safetensors, which stay in the page cache after first
    touch), notes hold both;
-5. host -> GPU copy bandwidth and the same expert LUTs on the GPU when CUDA is present (written, but
+5. the extra time of the first expert of a layer call on the CPU (HybriMoE Fig. 3e), at decode load (1 token
+   per expert) on `first_experts` experts of the reference shape in the LUT's precision (full when measured),
+   over `first_rounds` calls with a `flush_mb` MiB read between them (runtime/profile_first_expert.py) ->
+   `first_expert_s`, recorded only when beyond the noise of the later positions (else 0; the note says why);
+6. host -> GPU copy bandwidth and the same expert LUTs on the GPU when CUDA is present (written, but
    unverified: the machine this was written on has no GPU).
 `peak_flops` is the best expert FLOP rate measured in step 1 and `overhead_s` the small expert's
 1-token time. Timing is the best of rounds of a mean over a minimum duration.
@@ -46,6 +50,7 @@ from moetier.kernels.qformat import ExpertFormat
 from moetier.policies.costmodel import ComputeProfile, HardwareProfile, LinkProfile
 from moetier.runtime.profile_disk import disk_bandwidth
 from moetier.runtime.profile_engine import EngineOverheads, engine_overheads
+from moetier.runtime.profile_first_expert import MIN_EXPERTS, FirstExpert, first_expert_estimate, position_times
 from moetier.store.pool import QuantPool, SlotPool
 from moetier.types import Precision
 
@@ -69,6 +74,9 @@ class ProfileOptions:
     tmp_dir: Path | None = None
     min_s: float = 0.003  # per timing round: short, so some rounds fall between other processes
     rounds: int = 25
+    first_experts: int = 8  # experts per layer call in the first-expert step (step 5)
+    first_rounds: int = 40  # layer calls it times (medians per position over them)
+    flush_mb: int = ROTATE_BYTES >> 20  # buffer read before each of those calls (the work between MoE layers)
 
     def resolved(self) -> ProfileOptions:
         """Quick mode shrinks every size and count; validates the rest."""
@@ -77,6 +85,11 @@ class ProfileOptions:
                 raise ConfigError(f"profile: unknown precision {p!r}; expected some of {', '.join(PRECISIONS)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"profile: --threads must be >= 1, got {self.threads}")
+        if self.first_experts < MIN_EXPERTS or self.first_rounds < 1 or self.flush_mb < 0:
+            raise ConfigError(
+                f"profile: the first-expert step needs >= {MIN_EXPERTS} experts, >= 1 round and flush_mb >= 0, "
+                f"got {self.first_experts}, {self.first_rounds}, {self.flush_mb}"
+            )
         if (
             min(self.hidden, self.inter) < 128
             or self.hidden % 128
@@ -92,12 +105,13 @@ class ProfileOptions:
         return ProfileOptions(
             name=self.name, threads=self.threads, quick=True, hidden=256, inter=128, counts=(1, 4, 16),
             precisions=self.precisions, disk_mb=4, gemv_mb=4, tmp_dir=self.tmp_dir, min_s=0.002, rounds=1,
+            first_experts=4, first_rounds=3, flush_mb=4,
         )  # fmt: skip
 
 
 def n_steps(opts: ProfileOptions) -> int:
     """Progress steps `measure` reports (GPU steps included when CUDA is present)."""
-    cpu = len(opts.precisions) + 3
+    cpu = len(opts.precisions) + 4
     return cpu + (len(opts.precisions) + 2 if torch.cuda.is_available() else 0)
 
 
@@ -219,7 +233,30 @@ def layer_overhead(opts: ProfileOptions, device: torch.device, context: int = 16
         return best_time(step, device, opts.min_s, opts.rounds)
 
 
-# 5. Host -> GPU ---------------------------------------------------------------------------------------------------
+# 5. The first expert of a layer call (HybriMoE Fig. 3e) -----------------------------------------------------------
+def first_expert(opts: ProfileOptions) -> tuple[FirstExpert, str]:
+    """The CPU's first-expert figure at decode load (1 token per expert) in the LUT's precision (full when
+    measured) on the reference shape, and the note that says how it was measured and why it is what it is."""
+    precision = "full" if "full" in opts.precisions else opts.precisions[0]
+    experts = synthetic_experts(precision, opts.hidden, opts.inter, torch.device("cpu"), n_max=opts.first_experts)
+    if len(experts) < opts.first_experts:  # synthetic_experts caps the count at ROTATE_BYTES of experts
+        raise ConfigError(
+            f"profile: {opts.first_experts} experts of H={opts.hidden}, I={opts.inter} exceed "
+            f"{ROTATE_BYTES >> 20} MiB; use fewer (first_experts)"
+        )
+    times = position_times(experts, opts.hidden, (1,), opts.first_rounds, opts.flush_mb << 20)[1]
+    est = first_expert_estimate(times)
+    note = (
+        f"{est.reason}. Extra time of the first expert of a layer call on the CPU (HybriMoE Fig. 3e): "
+        f"{opts.first_experts} {precision} experts of H={opts.hidden}, I={opts.inter} at 1 token each, "
+        f"{opts.first_rounds} calls with a {opts.flush_mb} MiB read before each; median per position; recorded "
+        "only when the first position's median exceeds the later positions' median by more than their spread "
+        "(runtime/profile_first_expert.py)"
+    )
+    return est, note
+
+
+# 6. Host -> GPU ---------------------------------------------------------------------------------------------------
 def pcie_bandwidth(opts: ProfileOptions) -> tuple[float, float]:
     """(bytes/s, latency s) of pinned host -> GPU copies (unverified: written without a GPU)."""
     dev = torch.device("cuda")
@@ -231,7 +268,7 @@ def pcie_bandwidth(opts: ProfileOptions) -> tuple[float, float]:
     return src.numel() / t, lat
 
 
-# 6. All together --------------------------------------------------------------------------------------------------
+# 7. All together --------------------------------------------------------------------------------------------------
 Luts = dict[str, tuple[tuple[int, float], ...]]
 
 
@@ -268,13 +305,18 @@ def _compute_profile(luts: Luts, small: Luts, bw: float, layer_s: float, opts: P
 
 
 def _cpu_model() -> str:
+    """The CPU model and the matrix ISAs the expert kernels can use, e.g. "Intel Xeon ... (AMX: yes, AVX-512: yes)"
+    (a profile records the machine it came from; the simulators' --cpu-profile says which it used)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), None)
+    if flags is None:
+        return model
+    amx, avx512 = any(f.startswith("amx") for f in flags), any(f.startswith("avx512") for f in flags)
+    return f"{model} (AMX: {'yes' if amx else 'no'}, AVX-512: {'yes' if avx512 else 'no'})"
 
 
 def measure(
@@ -296,6 +338,8 @@ def measure(
         disk = disk_bandwidth(opts)
         say("engine overheads (decoding tiny checkpoints)")
         eng = _engine_overheads(opts, luts, small, bw, disk["cached_bw"])
+        say("cpu first expert of a layer call")
+        first, first_note = first_expert(opts)
         gpu, pcie, gpu_mem, gpu_notes = _measure_gpu(opts, say) if torch.cuda.is_available() else (None, None, None, {})
         threads = torch.get_num_threads()
     finally:
@@ -304,7 +348,8 @@ def measure(
     profile = HardwareProfile(
         name=opts.name, source=f"measured by `moetier profile` on {_cpu_model()} ({time.strftime('%Y-%m-%d')})",
         cpu=replace(_compute_profile(luts, small, bw, eng.layer_overhead_s, opts),
-                    token_overhead_s=eng.token_overhead_s, dispatch_s=eng.dispatch_s),
+                    token_overhead_s=eng.token_overhead_s, dispatch_s=eng.dispatch_s,
+                    first_expert_s=first.first_expert_s),
         gpu=gpu, pcie=pcie,
         disk=LinkProfile(bandwidth=disk["cached_bw"], latency_s=max(disk["cached_latency_s"], eng.miss_latency_s)),
         cpu_threads=threads, host_mem_bytes=host_mem, gpu_mem_bytes=gpu_mem,
@@ -324,6 +369,7 @@ def measure(
         "cpu.token_overhead_s": "the engine's fixed cost per forward beyond the layers and the LM head (same runs)",
         "cpu.dispatch_s": "the engine's bookkeeping per expert call: decode time per extra expert (top-8 vs top-4) "
         "minus the LUT's expert call",
+        "cpu.first_expert_s": first_note,
         "disk.latency_s": "the engine's own cost of one miss beyond its bytes (a quarter-budget run against the "
         f"resident one), or the 4 KiB read latency ({disk['cached_latency_s'] * 1e6:.1f} us) if larger",
         "disk": f"page-cache read of a {disk['file_bytes'] >> 20} MiB temp file in {disk['folder']} "

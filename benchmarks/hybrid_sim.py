@@ -17,8 +17,10 @@ System configurations (what each name runs):
   (HybriMoE Table I: kTransformers computes on the CPU at decode only);
 - llamacpp, fiddler: static placements (whole layers / frequency), no prefetch;
 - gpu-lru: GPU-only on-demand loading with an LRU cache, no prefetch (mixtral-offloading style);
-- adapmoe: gpu-lru + AdapMoE's adaptive gating (25% of decode routings dropped) + distance-1 prefetch;
-  adapmoe-nogate: the same with gating off (as HybriMoE VI-A describes it: "adaptive prefetching and caching").
+- adapmoe: gpu-lru + AdapMoE's adaptive gating (25% of decode routings dropped) + distance-1 prefetch + its
+  per-layer cache sizes from the DP on the warm-up (SimConfig.cache_alloc "dp", the scheduler's default;
+  "global" is the single LRU cache it had before); adapmoe-nogate: the same with gating off (as HybriMoE
+  VI-A describes it: "adaptive prefetching and caching").
 Ablation (paper Table III) on qwen2-57b-a14b at 25%: baseline = ktransformers; +scheduling =
 hybrid schedule with an LRU cache; +prefetching = ktransformers plus prefetches admitted into an
 LRU cache; +caching = ktransformers plus an MRS cache filled in the background with decode misses

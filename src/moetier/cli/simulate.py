@@ -61,6 +61,10 @@ AccOpt = Annotated[str | None, typer.Option("--prefetch-oracle-accuracy", rich_h
 GateOpt = Annotated[float, typer.Option("--gate-drop", rich_help_panel=_SIM,
                     help="adapmoe: fraction of routed experts its adaptive gating drops at decode "
                          "(threshold fitted on the warm-up; AdapMoE reports 25%).")]  # fmt: skip
+AllocOpt = Annotated[str | None, typer.Option("--cache-alloc", metavar="dp|global", rich_help_panel=_SIM,
+                     help="How the cache's slots are split: dp (one cache per MoE layer, sized by AdapMoE's DP "
+                          "on the warm-up window) or global (one cache for all layers); default: the "
+                          "scheduler's (dp for adapmoe, global for the others).")]  # fmt: skip
 TimelineOpt = Annotated[Path | None, typer.Option("--timeline", rich_help_panel=_SIM,
                         help="Write a Gantt chart (PNG) of the window to this file.")]  # fmt: skip
 PrecOpt = Annotated[str, typer.Option("--precision", rich_help_panel=_SIM,
@@ -122,6 +126,9 @@ def result_table(d: dict[str, Any], source: str) -> Table:
         ("hit rate (all / decode)", f"{100 * d['hit_rate']:.1f}% / {100 * d['decode_hit_rate']:.1f}%"),
         ("cache slots", str(d["cache_slots"])),
     ]
+    if d.get("layer_slots"):
+        per = list(d["layer_slots"].values())
+        rows[-1] = ("cache slots", f"{d['cache_slots']} (per layer by the DP: {min(per)}-{max(per)})")
     rows += [(f"utilization {lane}", f"{100 * u:.1f}%") for lane, u in d["utilization"].items()]
     rows += [(f"bytes over {link}", f"{b / 2**30:.2f} GiB") for link, b in d["link_bytes"].items()]
     if d.get("gating"):
@@ -155,6 +162,7 @@ def simulate_cmd(
     prefetch_depth: DepthOpt = 3,
     prefetch_accuracy: AccOpt = None,
     gate_drop: GateOpt = 0.25,
+    cache_alloc: AllocOpt = None,
     precision: PrecOpt = "full",
     stats: StatsOpt = "trimoe",
     warmup_steps: WarmOpt = 0,
@@ -172,7 +180,7 @@ def simulate_cmd(
         acc = _accuracy(prefetch_accuracy)
         cfg = SimConfig(
             prefetch_accuracy=acc if acc is not None else SimConfig.prefetch_accuracy,
-            predictor="oracle" if acc is not None else "history", gate_drop=gate_drop,
+            predictor="oracle" if acc is not None else "history", gate_drop=gate_drop, cache_alloc=cache_alloc,
             scheduler=scheduler, cache_policy=cache_policy, cache_ratio=cache_ratio, prefetch=prefetch,
             prefetch_depth=prefetch_depth, batch_size=batch_size, prompt_len=prompt_len,
             steps=steps if trace is not None else None, seed=seed, precision=precision,

@@ -18,15 +18,23 @@ What this file models:
   token, the top-1 expert and every other routed expert whose renormalised weight is at least the
   threshold; `fit_gate_threshold` sets one threshold so that a fraction `drop` (SimConfig.gate_drop,
   default the paper's 25%) of the routed experts of a calibration window (the warm-up) is dropped;
-- prefetch: the caller's prefetcher at distance 1 (benchmarks/hybrid_sim.py runs it with prefetch_depth 1).
+- prefetch: the caller's prefetcher at distance 1 (benchmarks/hybrid_sim.py runs it with prefetch_depth 1);
+- dynamic cache allocation (`cache_alloc = "dp"`, applied by the caller: sim/run.py): one LRU cache per MoE
+  layer instead of one global cache, sized by policies/cache_alloc.py: each layer's misses as a function of
+  its cache size are measured on the calibration window (the warm-up, gated like the decode calls, from the
+  warm cache), and an exact DP (a knapsack over layers, as AdapMoE's src/dp.py) splits the slot budget to
+  minimise their sum. SimConfig.cache_alloc "global" restores the single global LRU cache.
 
 Simplifications (each named): one threshold for all layers instead of per-layer sensitivity thresholds
 (the paper's Hessian study needs the model); for top-k > 2 (Qwen2, DeepSeek) the top-2 rule is generalised
-to "drop any non-top-1 expert under the threshold" (AdapMoE was built for Mixtral's top-2); one global
-LRU cache instead of the DP per-layer allocation (a global LRU lets layers compete for slots, but does not
-solve the paper's knapsack); the simulator predicts with its own predictor (sim/predict.py), not the next
-gate on the hidden state; gating never changes the model's output here (the paper measures its accuracy
-cost; a trace replay cannot).
+to "drop any non-top-1 expert under the threshold" (AdapMoE was built for Mixtral's top-2); the DP's cost
+per layer is the LRU misses measured on the warm-up window, where AdapMoE's code uses an analytic expected
+load per token (uniform routing over Mixtral's 8 experts, weighted by a profiled per-layer prefetch accuracy
+and top-1 share): the measured curve keeps the routing's skew and works for any E and top-k, but a miss the
+prefetch would cover still counts (the sizes are solved once, before the replay, as AdapMoE's run.py solves
+them once at start); the simulator predicts with its own predictor (sim/predict.py), not the next gate on the
+hidden state; gating never changes the model's output here (the paper measures its accuracy cost; a trace
+replay cannot).
 
 Invariants: those of schedule_base.Scheduler (tests/policies/test_schedulers.py); nothing runs on `cpu`;
 `gated_counts` keeps at least one expert per token and never adds one; a token whose weights are all at
@@ -97,6 +105,7 @@ class AdapMoEScheduler(LayerScheduler):
     placement = "frequency"
     cache_policy = "lru"
     gates = True  # the caller applies gated_counts to decode calls
+    cache_alloc = "dp"  # the caller sizes one cache per MoE layer with policies/cache_alloc.py (sim/run.py)
 
     plan = staticmethod(moved_timeline)
 

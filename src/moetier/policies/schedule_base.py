@@ -83,7 +83,10 @@ class Scheduler(Protocol):
       change the model's output);
     - `prefill_on_gpu`: True when every prefill expert computes on the GPU, misses streamed over the
       link and never admitted (kTransformers' layer-wise prefill); its user plans prefill calls with
-      `moved_timeline` instead of `schedule`.
+      `moved_timeline` instead of `schedule`;
+    - `cache_alloc`: how the fast tier's slots are split over the MoE layers when the user names no split:
+      "global" (one cache, layers compete for slots) or "dp" (AdapMoE's per-layer sizes,
+      policies/cache_alloc.py).
     """
 
     name: str
@@ -92,6 +95,7 @@ class Scheduler(Protocol):
     cache_policy: str
     gates: bool
     prefill_on_gpu: bool
+    cache_alloc: str
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         """`ready`: when each lane is free (e.g. the link is busy with a prefetch), default 0."""
@@ -188,6 +192,7 @@ class LayerScheduler:
 
     gates = False  # AdapMoE's variant overrides it
     prefill_on_gpu = False  # kTransformers' variant overrides it
+    cache_alloc = "global"  # AdapMoE's variant overrides it
 
     def schedule(self, work: Sequence[ExpertWork], ready: Mapping[Lane, float] | None = None) -> Plan:
         t0 = lane_ready(ready)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.policies.cache_alloc import CACHE_ALLOCS
 from moetier.policies.schedulers import check_scheduler
 from moetier.sim.machine import TimelineOp
 from moetier.sim.predict import DEFAULT_ACCURACY, PREDICTORS, check_accuracy
@@ -29,6 +30,9 @@ class SimConfig:
     # learning online from the routing replayed so far, policies/route_history.py) or "oracle" (the trace's true
     # future degraded to prefetch_accuracy)
     prefetch_accuracy: tuple[float, ...] = DEFAULT_ACCURACY  # "oracle" only: kept per distance 1..depth
+    cache_alloc: str | None = None  # how the fast tier's slots are split (policies/cache_alloc.py): "dp" (one cache
+    # per MoE layer, sized by AdapMoE's DP on the calibration window: the warm-up) or "global" (one cache for all
+    # layers); None: the scheduler's own (`cache_alloc`: "dp" for adapmoe, "global" for the others)
     gate_drop: float = 0.25  # schedulers that gate (adapmoe): fraction of routed experts adaptive gating drops at
     # decode, by a weight threshold fitted on the warm-up window (AdapMoE reports 25% fewer activated experts)
     prefetch_max: int | None = None  # experts chosen per decision; None: top_k per predicted layer
@@ -58,6 +62,8 @@ class SimConfig:
         if self.predictor not in PREDICTORS:
             raise ConfigError(f"predictor must be one of {', '.join(PREDICTORS)}, got {self.predictor!r}")
         check_accuracy(tuple(self.prefetch_accuracy), self.prefetch_depth if self.prefetch else 0)
+        if self.cache_alloc is not None and self.cache_alloc not in CACHE_ALLOCS:
+            raise ConfigError(f"cache_alloc must be one of {', '.join(CACHE_ALLOCS)}, got {self.cache_alloc!r}")
         if not (_number(self.gate_drop) and 0.0 <= self.gate_drop < 1.0):
             raise ConfigError(f"gate_drop must be in [0, 1), got {self.gate_drop!r}")
         object.__setattr__(self, "prefetch_accuracy", tuple(float(a) for a in self.prefetch_accuracy))
@@ -81,7 +87,7 @@ class SimConfig:
             "scheduler": self.scheduler, "cache_policy": self.cache_policy, "cache_ratio": self.cache_ratio,
             "prefetch": self.prefetch, "prefetch_depth": self.prefetch_depth,
             "predictor": self.predictor, "prefetch_accuracy": list(self.prefetch_accuracy),
-            "prefetch_max": self.prefetch_max, "gate_drop": self.gate_drop,
+            "prefetch_max": self.prefetch_max, "cache_alloc": self.cache_alloc, "gate_drop": self.gate_drop,
             "fill": self.fill, "batch_size": self.batch_size, "prompt_len": self.prompt_len, "steps": self.steps,
             "warmup_steps": self.warmup_steps, "prefill_admit": self.prefill_admit, "seed": self.seed,
             "precision": self.precision,
@@ -120,6 +126,7 @@ class SimResult:
     evictions: int
     machine: dict[str, str | None]  # fast / slow / link
     gating: dict[str, float] = field(default_factory=dict)  # adaptive gating: threshold, routed, dropped(_frac)
+    layer_slots: dict[int, int] = field(default_factory=dict)  # cache_alloc "dp": MoE layer -> its cache's slots
     timeline: tuple[TimelineOp, ...] = field(default=(), repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -132,5 +139,5 @@ class SimResult:
             "busy_s": dict(self.busy_s), "link_bytes": dict(self.link_bytes), "moves": dict(self.moves),
             "prefetch": {**self.prefetch.as_dict(), "enabled": self.config.prefetch},
             "cache_slots": self.cache_slots, "evictions": self.evictions, "machine": dict(self.machine),
-            "gating": dict(self.gating),
+            "gating": dict(self.gating), "layer_slots": {str(k): v for k, v in self.layer_slots.items()},
         }  # fmt: skip

@@ -1,8 +1,11 @@
 """The fast tier's expert cache in the simulator: one global set of resident routed experts
-with a fixed slot count, ranked for eviction by a `CachePolicy` (policies/cache_*.py).
+with a fixed slot count, ranked for eviction by a `CachePolicy` (policies/cache_*.py) (`FastCache`),
+or one such cache per MoE layer, each with its own slot count and policy instance, so that layers never
+compete for slots (`LayerCaches`: AdapMoE's per-layer allocation, sized by policies/cache_alloc.py).
+Both offer the same operations, so the simulator drives either.
 
 Invariants:
-- `len(resident) <= capacity` at all times; capacity 0 admits nothing.
+- `len(resident) <= capacity` at all times (per layer for `LayerCaches`); capacity 0 admits nothing.
 - The policy hears about every insert, access and eviction of this cache, in order.
 - Pinned keys are never evicted: the experts of the layer call now running, and prefetched
   experts until the call they were fetched for has run (pins are counted, so a key may be
@@ -13,7 +16,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
+
+from numpy.typing import ArrayLike
 
 from moetier.policies.cache_base import CachePolicy
 from moetier.types import ExpertKey
@@ -37,6 +42,10 @@ class FastCache:
 
     def __len__(self) -> int:
         return len(self.resident)
+
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
+        """A layer call's router scores, for the policy."""
+        self.policy.on_route(layer, scores)
 
     def warm(self, keys: Iterable[ExpertKey]) -> None:
         """Initial placement: insert up to `capacity` keys (in the given order)."""
@@ -103,3 +112,60 @@ class FastCache:
         self.prefetched.discard(key)
         self.policy.on_evict(key)
         self.evictions += 1
+
+
+class LayerCaches:
+    """One `FastCache` per MoE layer: `slots[layer]` slots and a fresh policy from `make_policy` each; a key
+    goes to its layer's cache. The policy of a layer hears that layer's routes and keys only."""
+
+    def __init__(self, slots: Mapping[int, int], make_policy: Callable[[], CachePolicy]) -> None:
+        self.caches = {int(layer): FastCache(n, make_policy()) for layer, n in slots.items()}
+        self.capacity = sum(c.capacity for c in self.caches.values())
+
+    def _cache(self, key: ExpertKey) -> FastCache:
+        c = self.caches.get(key.layer)
+        if c is None:
+            raise KeyError(f"expert {tuple(key)}: layer {key.layer} has no cache (layers {sorted(self.caches)[:8]})")
+        return c
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, ExpertKey) and key.layer in self.caches and key in self.caches[key.layer]
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.caches.values())
+
+    @property
+    def resident(self) -> set[ExpertKey]:
+        return set().union(*(c.resident for c in self.caches.values()))
+
+    @property
+    def used_prefetches(self) -> int:
+        return sum(c.used_prefetches for c in self.caches.values())
+
+    @property
+    def evictions(self) -> int:
+        return sum(c.evictions for c in self.caches.values())
+
+    def on_route(self, layer: int, scores: ArrayLike) -> None:
+        self.caches[layer].on_route(layer, scores)
+
+    def warm(self, keys: Iterable[ExpertKey]) -> None:
+        """Initial placement: each key into its layer's cache while that one has room (in the given order)."""
+        for key in keys:
+            c = self._cache(key)
+            if len(c) < c.capacity:
+                c.warm([key])
+
+    def pin(self, keys: Collection[ExpertKey]) -> None:
+        for k in keys:
+            self._cache(k).pin([k])
+
+    def unpin(self, keys: Collection[ExpertKey]) -> None:
+        for k in keys:
+            self._cache(k).unpin([k])
+
+    def access(self, key: ExpertKey) -> bool:
+        return self._cache(key).access(key)
+
+    def admit(self, key: ExpertKey, prefetched: bool = False) -> bool:
+        return self._cache(key).admit(key, prefetched)

@@ -11,6 +11,9 @@ is a prompt; then one decode step per trace step) and per decoder layer:
    schedule is replayed on the machine (sim/machine.py); moved experts are admitted into the
    cache when the scheduler admits (victims never among the call's own experts).
 Prefetched experts are admitted on arrival.
+The fast tier is one global cache, or with config.cache_alloc "dp" (the default of a scheduler declaring
+`cache_alloc = "dp"`: adapmoe) one cache per MoE layer (sim/residency.LayerCaches), sized by AdapMoE's DP
+(policies/cache_alloc.py) on each layer's LRU misses over the warm-up window (gated, for a gating scheduler).
 Warm-up (config.warmup_steps = W > 0): the trace's first W decode steps are not replayed; their
 per-expert token counts build the scheduler's initial placement (static mappings) and every
 initial cache, so no placement sees the calls it is timed on. W = 0 builds them from the replayed
@@ -38,6 +41,7 @@ import numpy as np
 
 from moetier.errors import ConfigError, TraceError
 from moetier.policies import make_cache_policy
+from moetier.policies.cache_alloc import allocate_slots, lru_miss_curve
 from moetier.policies.costmodel import CostModel, HardwareProfile
 from moetier.policies.prefetch import PrefetchStats, choose_prefetch
 from moetier.policies.route_history import RouteHistoryPredictor
@@ -50,7 +54,7 @@ from moetier.sim.initial import default_cache_policy, initial_keys
 from moetier.sim.machine import Machine, MachineShape, PrefetchItem, SimGen
 from moetier.sim.predict import degrade
 from moetier.sim.price import Pricer
-from moetier.sim.residency import FastCache
+from moetier.sim.residency import FastCache, LayerCaches
 from moetier.specs import ModelSpec
 from moetier.traces import Call
 from moetier.types import ExpertKey, Lane
@@ -108,6 +112,11 @@ class _Prepared:
         return dict(zip(nz.tolist(), bc[nz].tolist(), strict=True))
 
 
+def default_cache_alloc(scheduler: Scheduler) -> str:
+    """The allocation a scheduler declares (`cache_alloc`: "dp" for adapmoe), else one global cache."""
+    return scheduler.cache_alloc
+
+
 class _Replay:
     """One run's state: machine, cache, scheduler, prediction, counters."""
 
@@ -125,9 +134,12 @@ class _Replay:
         policy_name = cfg.cache_policy or default_cache_policy(self.scheduler)
         if policy_name == "belady":
             raise ConfigError("cache policy 'belady' needs exact demand paging; use it with `moetier replay`")
-        self.cfg = cfg = replace(cfg, cache_policy=policy_name)
+        alloc = cfg.cache_alloc or default_cache_alloc(self.scheduler)
+        if alloc == "dp" and not self.scheduler.admits:
+            raise ConfigError(f"cache_alloc 'dp' sizes per-layer dynamic caches; scheduler {cfg.scheduler!r} keeps "
+                              "a static placement (it admits nothing), so only 'global' applies")  # fmt: skip
+        self.cfg = cfg = replace(cfg, cache_policy=policy_name, cache_alloc=alloc)
         slots = round(cfg.cache_ratio * len(spec.moe_layers) * spec.num_experts)
-        self.cache = FastCache(slots, make_cache_policy(policy_name, top_k=spec.top_k))
         ts, tl = cfg.timeline_steps, cfg.timeline_layers
         self.m = Machine(self.shape, lambda s, layer: ts[0] <= s < ts[1] and tl[0] <= layer < tl[1])
         self.rng = np.random.default_rng(cfg.seed)
@@ -149,7 +161,6 @@ class _Replay:
         self.scores = np.asarray([call_scores(c, spec.num_experts) for c in self.calls])  # [calls, E] summed
         seen = [(c.layer, prep.counts(c)) for step in prep.warmup for c in step.values()] if prep.warmup else [
             (c.layer, n) for c, n in zip(self.calls, self.counts, strict=True)]  # fmt: skip
-        self.cache.warm(initial_keys(self.scheduler, spec, slots, seen))
         self.n_prefill = len(spec.moe_layers) if prep.has_prefill else 0  # call indices < this are the prefill
         # the history predictor learns from the warm-up window first (the routing seen before the replay)
         self.hist: RouteHistoryPredictor | None = None
@@ -160,8 +171,9 @@ class _Replay:
                     self.hist.feed(layer, step[layer].ids)
         # adaptive gating (schedulers that declare `gates`): decode calls lose their low-weight experts
         self.gating: dict[str, float] = {}
+        fit_calls = [c for step in prep.warmup for c in step.values()] or self.calls[self.n_prefill :]
+        thr: float | None = None
         if self.scheduler.gates:
-            fit_calls = [c for step in prep.warmup for c in step.values()] or self.calls[self.n_prefill:]
             thr = fit_gate_threshold([c.weights for c in fit_calls], cfg.gate_drop)
             routed = dropped = 0
             for i in range(self.n_prefill, len(self.calls)):
@@ -173,9 +185,37 @@ class _Replay:
                 self.counts[i] = g
             self.gating = {"threshold": thr, "routed": routed, "dropped": dropped,
                            "dropped_frac": dropped / routed if routed else 0.0}  # fmt: skip
+        # the fast tier: one global cache, or one per MoE layer sized by the DP on the calibration window
+        self.layer_slots: dict[int, int] = {}
+        self.cache: FastCache | LayerCaches
+        if alloc == "dp":
+            order = initial_keys(self.scheduler, spec, len(spec.moe_layers) * spec.num_experts, seen)
+            self.layer_slots = self._layer_allocation(slots, fit_calls, thr, order)
+            self.cache = LayerCaches(self.layer_slots, lambda: make_cache_policy(policy_name, top_k=spec.top_k))
+            self.cache.warm(order)
+        else:
+            self.cache = FastCache(slots, make_cache_policy(policy_name, top_k=spec.top_k))
+            self.cache.warm(initial_keys(self.scheduler, spec, slots, seen))
         first = profile.cpu.first_expert_s if self.shape.slow == "cpu" else 0.0
         self.cpu_ready = float(first)  # HybriMoE Fig. 3e: the first CPU expert of a call pays this once
         self.staged: dict[ExpertKey, int] = {}  # prefill prefetches in the staging buffer -> call index
+
+    def _layer_allocation(
+        self, slots: int, calls: Sequence[Call], threshold: float | None, order: Sequence[ExpertKey]
+    ) -> dict[int, int]:
+        """AdapMoE's per-layer cache sizes: each MoE layer's LRU miss curve (policies/cache_alloc.py) over the
+        calibration `calls` (gated with `threshold` when the scheduler gates), its cache warmed in `order`; the
+        DP splits `slots` among the layers."""
+        moe = self.spec.moe_layers
+        seq: dict[int, list[list[int]]] = {layer: [] for layer in moe}
+        for c in calls:
+            n = gated_counts(c.ids, c.weights, threshold) if threshold is not None else self.prep.counts(c)
+            seq[c.layer].append(sorted(n, key=lambda e: (-n[e], e)))  # the heaviest expert the most recent
+        warm: dict[int, list[int]] = {layer: [] for layer in moe}
+        for k in order:
+            warm[k.layer].append(k.expert)
+        curves = [lru_miss_curve(seq[layer], self.spec.num_experts, warm[layer]) for layer in moe]
+        return dict(zip(moe, allocate_slots(curves, slots), strict=True))
 
     # 1. The forward pass -----------------------------------------------------------------------------------------
     def forward(self) -> SimGen:
@@ -214,7 +254,7 @@ class _Replay:
         self._last_start = start
         # 1. route: scores to the policy, then the accesses
         counts = self.counts[idx]
-        cache.policy.on_route(layer, self.scores[idx])
+        cache.on_route(layer, self.scores[idx])
         keys = [ExpertKey(layer, e) for e in counts]
         preds = self.predicted.pop(idx, None)
         if preds:
@@ -348,6 +388,7 @@ class _Replay:
             utilization={k: (v / total if total > 0 else 0.0) for k, v in m.busy.items()},
             busy_s=dict(m.busy), link_bytes={self.shape.link: m.link_bytes}, moves=dict(m.moves),
             prefetch=self.stats, cache_slots=self.cache.capacity, evictions=self.cache.evictions,
+            layer_slots=dict(self.layer_slots),
             machine={"fast": self.shape.fast, "slow": self.shape.slow, "link": self.shape.link},
             gating=dict(self.gating),
             timeline=tuple(m.ops),

@@ -76,24 +76,31 @@ class CacheConfig:
 
 
 PREFETCH_MAX_DEPTH = 3
+PREFETCH_PREDICTORS = ("gate", "history")  # runtime/prefetch.py PREDICTORS
 
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    """Cross-layer expert prefetch (HybriMoE IV-C). After MoE layer l routes, the routers of the
-    next `depth` MoE layers (1..3) are applied to layer l's input to predict their experts; the
-    cost model prices them and policies.prefetch.choose_prefetch picks at most `max_experts` per
-    layer call to load in the background (disk -> host on a CPU machine, host -> GPU on a GPU)."""
+    """Cross-layer expert prefetch (HybriMoE IV-C). After MoE layer l routes, the experts of the
+    next `depth` MoE layers (1..3) are predicted by `predictor`: "gate" applies their routers to
+    layer l's input; "history" is the simulator's predictor (policies/route_history.py), learning
+    online from the routing the engine has seen. The cost model prices them and
+    policies.prefetch.choose_prefetch picks at most `max_experts` per layer call to load in the
+    background (disk -> host on a CPU machine, host -> GPU on a GPU)."""
 
     enabled: bool = False
     depth: int = 1
     max_experts: int = 4
+    predictor: str = "gate"
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= PREFETCH_MAX_DEPTH:
             raise ConfigError(f"prefetch depth must be between 1 and {PREFETCH_MAX_DEPTH} layers, got {self.depth}")
         if self.max_experts < 1:
             raise ConfigError(f"prefetch max experts per layer call must be at least 1, got {self.max_experts}")
+        if self.predictor not in PREFETCH_PREDICTORS:
+            raise ConfigError(f"prefetch predictor must be one of {', '.join(PREFETCH_PREDICTORS)}, "
+                              f"got {self.predictor!r}")  # fmt: skip
 
 
 @dataclass(frozen=True)

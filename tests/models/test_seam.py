@@ -107,9 +107,11 @@ def test_rows_through_the_seam(family_ckpt, model_type):
         engine.close()
 
 
-def test_seam_refuses_prefetch(family_ckpt):
+def test_seam_refuses_gate_prefetch(family_ckpt):
+    """The default prefetch predictor applies the next layers' routers, which the seam leaves inside transformers'
+    block: refused, naming the predictor that runs there (tests/runtime/test_prefetch_history.py runs it)."""
     folder, _ = family_ckpt("glm4_moe")
-    with pytest.raises(moetier.ConfigError, match="prefetch"):
+    with pytest.raises(moetier.ConfigError, match="use --prefetch-predictor history"):
         moetier.load(folder, EngineConfig(runtime=RUNTIME, prefetch=PrefetchConfig(enabled=True)))
 
 

@@ -95,6 +95,15 @@ SparsityDense = Annotated[
                       "exact) or masked (the same mask on the dense matmuls: the sparse model at every batch size, "
                       "for measuring its quality)."),
 ]  # fmt: skip
+# PrefetchConfig.predictor (the other prefetch flags are cli/options.py's)
+PrefetchPredictor = Annotated[
+    str,
+    typer.Option("--prefetch-predictor", metavar="gate|history", rich_help_panel="Prefetch and scheduling",
+                 help="What predicts the next MoE layers' experts for --prefetch: gate (default, HybriMoE's: their "
+                      "routers on the current hidden state) or history (the simulator's predictor, learning online "
+                      "from the routing seen so far: policies/route_history.py; the one a model behind the "
+                      "experts seam can use)."),
+]  # fmt: skip
 KernelCache = Annotated[
     Path | None,
     typer.Option("--kernel-cache", metavar="DIR", envvar="MOETIER_CACHE", rich_help_panel="Engine",
@@ -209,6 +218,7 @@ class EngineFlags:
     prefetch: Prefetch = False
     prefetch_depth: PrefetchDepth = 1
     prefetch_max: PrefetchMax = 4
+    prefetch_predictor: PrefetchPredictor = "gate"
     scheduler: Scheduler = None
     profile: Profile = None
     native: Native = True
@@ -234,7 +244,10 @@ class EngineFlags:
         budgets = replace(cfg.budgets, host_cache_bytes=self.host_cache_mem or 0)
         if self.precision != "dynamic" and (self.host_cache_mem or self.precision_prefetch or self.transient_slots):
             raise ConfigError("--host-cache-mem, --precision-prefetch and --transient-slots need --precision dynamic")
-        cfg = replace(cfg, precision=precision, budgets=budgets)  # PrecisionConfig checks the values (ConfigError)
+        if self.prefetch_predictor != "gate" and not self.prefetch:
+            raise ConfigError("--prefetch-predictor needs --prefetch")
+        prefetch = replace(cfg.prefetch, predictor=self.prefetch_predictor)  # PrefetchConfig checks it (ConfigError)
+        cfg = replace(cfg, precision=precision, budgets=budgets, prefetch=prefetch)  # PrecisionConfig checks too
         cache = str(self.kernel_cache) if self.kernel_cache is not None else None
         runtime = replace(
             cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,

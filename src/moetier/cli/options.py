@@ -81,7 +81,8 @@ _SCHED = "Prefetch and scheduling"
 Prefetch = Annotated[
     bool,
     typer.Option("--prefetch/--no-prefetch", rich_help_panel=_SCHED,
-                 help="Predict the next MoE layers' experts with their routers and load the most useful ones in the "
+                 help="Predict the next MoE layers' experts (with their routers, or from the routing seen so far: "
+                      "--prefetch-predictor; the seam runs the latter only) and load the most useful ones in the "
                       "background (disk -> host on a CPU machine, host -> GPU on a GPU)."),
 ]  # fmt: skip
 PrefetchDepth = Annotated[

@@ -136,11 +136,16 @@ def calibration_table(payload: Mapping[str, Any]) -> Table:
 
 
 def _cache_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Hit rate and policy; prefetch accuracy and outcome; the hybrid split when it ran."""
+    """Hit rate and policy; prefetch accuracy (overall, with the predictor that ran, and per distance) and
+    outcome; the hybrid split when it ran."""
     rows = [("expert hit rate", f"{stats.get('hit_rate', 0.0):.1%} ({stats.get('cache_policy', '?')})")]
     pf = stats.get("prefetch")
     if pf is not None:
-        rows.append(("prefetch accuracy", f"{pf['accuracy']:.1%} of {pf['predicted']} predicted (depth {pf['depth']})"))
+        pred = f"{pf['predictor']}, depth {pf['depth']}"  # the predictor that ran (runtime/prefetch.py PREDICTORS)
+        rows.append(("prefetch accuracy", f"{pf['accuracy']:.1%} of {pf['predicted']} predicted ({pred})"))
+        by_d = pf["accuracy_by_distance"]  # "d" -> accuracy of the predictions made d MoE layers ahead
+        if by_d:
+            rows.append(("prefetch accuracy by distance", ", ".join(f"d={d} {a:.1%}" for d, a in by_d.items())))
         rows.append(("prefetched used / issued", f"{pf['used']} / {pf['issued']} ({pf['wasted']} evicted unused, "
                                                  f"{pf['failed']} failed, {pf['waits']} waited on)"))  # fmt: skip
         if pf["errors"]:

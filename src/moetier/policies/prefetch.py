@@ -1,12 +1,14 @@
 """Impact-driven prefetching (HybriMoE IV-C): which experts of the next layers to move ahead of time.
 
-Prediction: the routers of the next layers (up to 3 ahead) applied to the current hidden state
-give predicted tokens per expert (top-k per token), which the caller prices with the cost model
-into ExpertWork lists, cached flags as of now. The engine (runtime/prefetch.py) counts its routers'
-own top-k ids and the simulator asks a predictor learning from the replayed routing
-(policies/route_history.py) or degrades the trace's future routing (sim/predict.py, an option);
-`predicted_counts` / `predicted_layers` do the same top-k count from score arrays [T, E], but
-neither the engine nor the simulator calls them.
+Prediction: a predictor gives predicted tokens per expert for the next layers (up to 3 ahead),
+which the caller prices with the cost model into ExpertWork lists, cached flags as of now. Both
+substrates can run the predictor learning from the routing seen so far (policies/route_history.py):
+the engine (runtime/prefetch.py) with `--prefetch-predictor history`, the only one it runs on
+transformers' own MoE blocks (the experts seam), and the simulator by default. The engine's default,
+"gate" (HybriMoE IV-C), applies the next layers' routers to the current hidden state and counts their
+top-k ids; the simulator has no hidden states and may instead degrade the trace's future routing
+(sim/predict.py, an option). `predicted_counts` / `predicted_layers` do the same top-k count from
+score arrays [T, E], but neither the engine nor the simulator calls them.
 
 Choice (`choose_prefetch`): the gain of prefetching an uncached expert is how much caching it
 shortens its layer's simulated makespan under the scheduler in use; greedy by gain per second of

@@ -11,7 +11,9 @@ Steps (numbered in `load`):
 3. build the store and the model (runtime/loader.py);
 4. the route observers, in stage order (runtime/observers.py): precision switching when the store
    switches precisions, cache scores when its policy takes router scores, the prefetcher when
-   PrefetchConfig is on; the pricing both the prefetcher and the hybrid scheduler use;
+   PrefetchConfig is on (with the predictor PrefetchConfig.predictor names: runtime/prefetch.py
+   PREDICTORS; on a row family's blocks or the seam's alike, a predictor that needs the routers refused
+   on the seam in step 2); the pricing both the prefetcher and the hybrid scheduler use;
 5. the executor of every MoE layer, attached with its scheduler and the observers, once;
 6. the decoder (lean when the family's attention allows it; its dense projections on the native
    kernels when loaded, quantised per RuntimeConfig.dense_precision) and the Engine.
@@ -42,11 +44,11 @@ from moetier.runtime.executors.registry import EXECUTORS
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
 from moetier.runtime.loader import LoadedModel, Skeleton, build_model, open_skeleton
-from moetier.runtime.moe_block import Pipeline, TieredMoE
+from moetier.runtime.moe_block import Pipeline
 from moetier.runtime.observers import CacheScores, ObserverList
 from moetier.runtime.precision import Switching, store_capabilities
 from moetier.runtime.prefetch import NEEDS as PREFETCH_NEEDS
-from moetier.runtime.prefetch import Prefetcher
+from moetier.runtime.prefetch import PREDICTORS, Prefetcher
 from moetier.runtime.pricing import Pricing, make_pricing
 from moetier.store.dynamic import DynamicStore
 from moetier.store.store import ExpertStore
@@ -119,9 +121,12 @@ def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], 
         sparse.check(cfg, family)
     if cfg.prefetch.enabled:
         refuse_missing(PREFETCH_NEEDS, capabilities)
-        if family.seam:
-            raise ConfigError(f"prefetch predicts with the next layer's router, which {family.name} keeps inside "
-                              "transformers' own MoE block (the experts seam, models/seam.py): run without --prefetch")
+        predictor = cfg.prefetch.predictor
+        if family.seam and PREDICTORS[predictor].needs_router:
+            raise ConfigError(f"prefetch predictor {predictor!r} applies the next MoE layers' routers, which "
+                              f"{family.name} keeps inside transformers' own MoE block (the experts seam, "
+                              "models/seam.py): use --prefetch-predictor history (it predicts from the routed "
+                              "experts alone)")  # fmt: skip
     name = cfg.scheduler.name
     if name is not None and make_scheduler(name).gates:
         raise ConfigError(f"scheduler {name!r} drops routed experts (adaptive gating), which changes the model's "
@@ -155,8 +160,7 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
         prefetcher = None
         if cfg.prefetch.enabled:
             assert pricing is not None
-            rows = [b for b in loaded.blocks if isinstance(b, TieredMoE)]  # the seam refuses prefetch (refuse)
-            prefetcher = Prefetcher(rows, static, pricing, cfg.prefetch)
+            prefetcher = Prefetcher(loaded.blocks, static, pricing, cfg.prefetch, loaded.info.top_k)
             observers.add(prefetcher)
         # 5. one pipeline per MoE layer, attached once
         built = spec.build(BuildContext(loaded, cfg, prepared, pricing))

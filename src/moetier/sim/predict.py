@@ -1,7 +1,10 @@
 """Expert prediction for prefetching in the simulator: which predictor (`PREDICTORS`) and the oracle's noise.
 
-The engine predicts the next layers' experts by applying their routers to the current hidden
-state (HybriMoE IV-C). The simulator has no hidden states. Its default predictor, "history"
+The engine predicts the next layers' experts either by applying their routers to the current hidden
+state (HybriMoE IV-C; `--prefetch-predictor gate`, its default, on a family row's own blocks only) or
+with the simulator's default predictor below (`--prefetch-predictor history`; the only one on
+transformers' own MoE blocks, the experts seam, whose routers stay in transformers' code). The
+simulator has no hidden states. Its default predictor, "history"
 (policies/route_history.py), learns online from the routing replayed so far (the warm-up window
 first) and is scored per distance. The "oracle" predictor, kept as an explicit option for
 sensitivity studies, takes the trace's actual future routing and degrades it to a configured

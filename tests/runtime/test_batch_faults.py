@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,16 +22,8 @@ from moetier.runtime.lean import LeanDecoder
 from moetier.runtime.observers import Tap
 from moetier.types import ExpertKey
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
 NEVER: frozenset[int] = frozenset()
 PATH = "/models/x/model-00002.safetensors"
-
-
-@pytest.fixture(scope="module")
-def engine() -> moetier.Engine:
-    eng = moetier.load(MODEL, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,24 +12,51 @@ import pytest
 import moetier
 from moetier import EngineConfig, RuntimeConfig
 from moetier.errors import ConfigError
+from moetier.models.tiny import build_tiny_checkpoint
 from moetier.runtime.batch import KV_CHUNK, BatchConfig, BatchRunner, SeqRequest, StepEvent
-from moetier.runtime.lean import LeanDecoder
+from moetier.runtime.lean import LeanDecoder, kv_token_bytes
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
 NEVER: frozenset[int] = frozenset()
 
 
-@pytest.fixture(scope="module")
-def engine() -> moetier.Engine:
-    eng = moetier.load(MODEL, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
-    yield eng
-    eng.close()
-
-
 def _token_bytes(engine: moetier.Engine) -> int:
+    """KV bytes per token measured on the lean decoder's allocated caches (k and v: [L, nkv, max_len, hd])."""
     lean = engine.decoder
     assert isinstance(lean, LeanDecoder)
-    return 2 * len(lean.layers) * lean.nkv * lean.hd * lean.embed.element_size()
+    return sum(c[:, :, 0].numel() * c.element_size() for c in (lean.k_cache, lean.v_cache))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("qwen3_moe", {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3}),
+        ("mixtral", {"num_attention_heads": 8, "num_key_value_heads": 1}),  # head_dim from hidden_size // heads
+    ],
+)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_kv_size_per_token_whatever_the_head_counts(family: str, overrides: dict[str, int], dtype: str,
+                                                         tmp_path: Path) -> None:  # fmt: skip
+    """lean.kv_token_bytes is what the slots, the serial mode and the lean decoder's own cache all hold per token,
+    on models whose key/value heads, head dim and layer count differ from the bundled one's."""
+    path = build_tiny_checkpoint(family, tmp_path / family, **overrides)
+    eng = moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype=dtype)))
+    try:
+        measured = _token_bytes(eng)
+        cfg = eng.loaded.config
+        heads, layers = overrides["num_key_value_heads"], cfg.num_hidden_layers
+        head_dim = overrides.get("head_dim", cfg.hidden_size // overrides["num_attention_heads"])
+        assert measured == 2 * layers * heads * head_dim * (4 if dtype == "fp32" else 2)
+        assert kv_token_bytes(cfg, eng.dtype) == measured
+        batched, serial = BatchRunner(eng), BatchRunner(eng, serial=True)
+        assert batched.kv_bytes_for(3, 1) == KV_CHUNK * measured
+        assert serial.kv_bytes_for(10, 5) == 14 * measured
+        runner = BatchRunner(eng, BatchConfig(max_batch=1, kv_budget_bytes=KV_CHUNK * measured))
+        runner.add(SeqRequest([5, 6, 7], 2, stop_ids=NEVER))
+        runner.step()
+        s = runner.stats()
+        assert s["kv_cache_bytes"] == s["kv_reserved_bytes"] == KV_CHUNK * measured  # what a slot really allocated
+    finally:
+        eng.close()
 
 
 def test_kv_bytes_for_is_what_a_slot_allocates(engine: moetier.Engine) -> None:

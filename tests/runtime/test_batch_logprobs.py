@@ -4,26 +4,16 @@ Engine.logits) for the same tokens, batched or serial, and the sampled token's a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moetier
-from moetier import EngineConfig, RuntimeConfig, SamplingConfig
+from moetier import SamplingConfig
 from moetier.errors import ConfigError
 from moetier.runtime.batch import ECHO_CHUNK, BatchConfig, BatchRunner, SeqRequest, StepEvent
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
 NEVER: frozenset[int] = frozenset()
-
-
-@pytest.fixture(scope="module")
-def engine() -> moetier.Engine:
-    eng = moetier.load(MODEL, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
-    yield eng
-    eng.close()
 
 
 def _run(runner: BatchRunner, reqs: list[SeqRequest]) -> list[list[StepEvent]]:

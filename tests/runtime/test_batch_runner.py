@@ -13,7 +13,6 @@ from moetier.errors import ConfigError
 from moetier.runtime.batch import BatchConfig, BatchRunner, SeqRequest, SlotDecoder, StepEvent
 from moetier.runtime.lean import LeanDecoder
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
 FP32 = RuntimeConfig(device="cpu", dtype="fp32")
 NEVER: frozenset[int] = frozenset()  # stop ids that never stop
 
@@ -50,17 +49,10 @@ def _tokens(evs: list[StepEvent]) -> list[int]:
     return [e.token for e in evs if e.token is not None]
 
 
-@pytest.fixture(scope="module")
-def bundled() -> moetier.Engine:
-    engine = _engine(MODEL)
-    yield engine
-    engine.close()
-
-
-def test_bundled_batch_equals_generate_alone(bundled: moetier.Engine) -> None:
-    prompts = [bundled.encode(t) for t in ("ROMEO:", "JULIET: O Romeo, Romeo", "KING HENRY:\nWhat", "Ay")]
-    ref = [bundled.generate(p, 12, stop_at_eos=False).token_ids for p in prompts]
-    runner = BatchRunner(bundled, BatchConfig(max_batch=8))
+def test_bundled_batch_equals_generate_alone(engine: moetier.Engine) -> None:
+    prompts = [engine.encode(t) for t in ("ROMEO:", "JULIET: O Romeo, Romeo", "KING HENRY:\nWhat", "Ay")]
+    ref = [engine.generate(p, 12, stop_at_eos=False).token_ids for p in prompts]
+    runner = BatchRunner(engine, BatchConfig(max_batch=8))
     ids = [runner.add(SeqRequest(p, 12, stop_ids=NEVER)) for p in prompts]
     events, steps = _drain(runner)
     assert [_tokens(events[i]) for i in ids] == ref
@@ -70,9 +62,9 @@ def test_bundled_batch_equals_generate_alone(bundled: moetier.Engine) -> None:
     assert s["tokens_generated"] == 48 and s["prefill_tokens"] == sum(map(len, prompts))
 
 
-def test_slot_logits_equal_lean_alone(bundled: moetier.Engine) -> None:
+def test_slot_logits_equal_lean_alone(engine: moetier.Engine) -> None:
     """Every decode row's logits allclose (fp32) to the single-sequence decoder's, loop and padded."""
-    lean = bundled.decoder
+    lean = engine.decoder
     assert isinstance(lean, LeanDecoder)
     prompts = _prompts(3, 4096, seed=1)
     steps = 4

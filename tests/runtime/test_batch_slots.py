@@ -3,31 +3,24 @@ when a longer sequence takes the slot, never written past; both attention varian
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import moetier
-from moetier import EngineConfig, RuntimeConfig
 from moetier.errors import ConfigError
 from moetier.runtime.batch import KV_CHUNK, BatchConfig, BatchRunner, SeqRequest, SlotDecoder
 from moetier.runtime.lean import LeanDecoder
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
-
 
 @pytest.fixture(scope="module")
-def lean() -> LeanDecoder:
-    engine = moetier.load(MODEL, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
+def lean(engine: moetier.Engine) -> LeanDecoder:
     dec = engine.decoder
     assert isinstance(dec, LeanDecoder) and dec.max_len > 2 * KV_CHUNK  # 1024 on the bundled model
-    yield dec
-    engine.close()
+    return dec
 
 
 def _slot_bytes(lean: LeanDecoder, tokens: int) -> int:
-    return 2 * len(lean.layers) * lean.nkv * tokens * lean.hd * lean.embed.element_size()
+    return tokens * lean.token_bytes  # lean.kv_token_bytes (test_batch_kv checks it against the allocation)
 
 
 def test_cache_sized_to_the_reserve_and_regrown(lean: LeanDecoder) -> None:
@@ -74,18 +67,14 @@ def test_padded_equals_loop_over_caches_of_different_sizes(lean: LeanDecoder) ->
     torch.testing.assert_close(outs["padded"], outs["loop"], rtol=1e-5, atol=1e-5)
 
 
-def test_runner_reserves_prompt_plus_max_new_tokens_minus_one(lean: LeanDecoder) -> None:
-    engine = moetier.load(MODEL, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32")))
-    try:
-        runner = BatchRunner(engine, BatchConfig(max_batch=4))
-        for n in (3, 5):
-            runner.add(SeqRequest([5, 6, 7], n, stop_ids=frozenset()))
-        runner.add(SeqRequest([5] * 10, KV_CHUNK, stop_ids=frozenset()))  # 10 + 255 cached: two chunks
-        runner.add(SeqRequest([5] * 7, KV_CHUNK - 6, stop_ids=frozenset()))  # 7 + 249 cached: one chunk
+def test_runner_reserves_prompt_plus_max_new_tokens_minus_one(engine: moetier.Engine, lean: LeanDecoder) -> None:
+    runner = BatchRunner(engine, BatchConfig(max_batch=4))
+    for n in (3, 5):
+        runner.add(SeqRequest([5, 6, 7], n, stop_ids=frozenset()))
+    runner.add(SeqRequest([5] * 10, KV_CHUNK, stop_ids=frozenset()))  # 10 + 255 cached: two chunks
+    runner.add(SeqRequest([5] * 7, KV_CHUNK - 6, stop_ids=frozenset()))  # 7 + 249 cached: one chunk
+    runner.step()
+    assert runner.stats()["kv_cache_bytes"] == _slot_bytes(lean, 5 * KV_CHUNK)  # not 4 x max_len
+    while not runner.idle():
         runner.step()
-        assert runner.stats()["kv_cache_bytes"] == _slot_bytes(lean, 5 * KV_CHUNK)  # not 4 x max_len
-        while not runner.idle():
-            runner.step()
-        assert runner.stats()["tokens_generated"] == 3 + 5 + KV_CHUNK + KV_CHUNK - 6
-    finally:
-        engine.close()
+    assert runner.stats()["tokens_generated"] == 3 + 5 + KV_CHUNK + KV_CHUNK - 6

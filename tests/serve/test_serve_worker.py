@@ -81,6 +81,7 @@ def test_queue_timeout_is_a_503_and_the_running_job_goes_on(engine: Engine) -> N
         assert isinstance(last, StepEvent) and last.finish_reason == "length" and len(first) == 60
         snap = snapshot(worker)
         assert snap["worker"]["queue_timeouts"] == 1 and snap["runner"]["pending"] == 0
+        assert worker.metrics.events["queue_timeouts"] == 1  # the one store of the figure
         assert worker.in_flight == 0
 
 
@@ -104,7 +105,7 @@ def test_request_timeout_ends_the_job_and_frees_its_slot(engine: Engine) -> None
         assert isinstance(short[-1], StepEvent) and short[-1].finish_reason == "length"
         snap = snapshot(worker)
         assert snap["worker"]["request_timeouts"] == 1 and snap["runner"]["running"] == 0
-        assert worker.metrics.events["finished_timeout"] == 1
+        assert worker.metrics.events["finished_timeout"] == 1 == worker.metrics.events["request_timeouts"]
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from moetier.config import SamplingConfig
 from moetier.errors import ConfigError, ExpertReadError, NumericalError
 from moetier.runtime.engine import Engine, sample
-from moetier.runtime.lean import LeanDecoder
+from moetier.runtime.lean import LeanDecoder, kv_token_bytes
 
 Attention = Literal["loop", "padded"]
 KV_CHUNK = 256  # a slot's KV cache is sized in multiples of this many tokens
@@ -158,9 +158,8 @@ class SlotDecoder:
 
     @property
     def token_bytes(self) -> int:
-        """KV bytes per cached token (k and v, every layer)."""
-        lean = self.lean
-        return 2 * len(lean.layers) * lean.nkv * lean.hd * lean.embed.element_size()
+        """KV bytes per cached token (k and v, every layer): the lean decoder's (lean.kv_token_bytes)."""
+        return self.lean.token_bytes
 
     def _reserve(self, slot: int, tokens: int) -> None:
         """Make slot's cache hold `tokens` (its old contents are dropped when it must grow)."""
@@ -302,7 +301,9 @@ class BatchRunner:
         self._cancelled: list[int] = []  # to report at the next step
         self._next_id = 0
         self._vocab = int(getattr(engine.loaded.config, "vocab_size", 0) or 0)
-        self._token_bytes = self._slots.token_bytes if self._slots is not None else _kv_token_bytes(engine)
+        self._token_bytes = (  # KV bytes per token: the slots' caches, else the model's (lean.kv_token_bytes both)
+            self._slots.token_bytes if self._slots is not None else kv_token_bytes(engine.loaded.config, engine.dtype)
+        )
         self._reserved = 0  # KV bytes reserved by the running sequences
         self._kv_blocked = False  # the last admission stopped at the KV budget
         self._n = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "tokens_generated": 0, "prefill_tokens": 0,
@@ -571,13 +572,3 @@ def _rows_of(exc: ExpertReadError | NumericalError, n: int) -> list[int]:
     """The rows of a step of n rows that a failure names (both errors declare `rows`): decode feeds the MoE
     [1, B, H], so flattened row r is the step's r-th sequence."""
     return sorted({int(r) for r in exc.rows if 0 <= int(r) < n})
-
-
-def _kv_token_bytes(engine: Engine) -> int:
-    """KV bytes per token from the model config (serial mode: k and v, every layer, the compute dtype)."""
-    cfg = engine.loaded.config
-    nh = int(cfg.num_attention_heads)
-    nkv = int(getattr(cfg, "num_key_value_heads", None) or nh)
-    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // nh)
-    itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    return 2 * int(cfg.num_hidden_layers) * nkv * hd * itemsize

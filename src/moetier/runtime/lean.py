@@ -63,6 +63,23 @@ def lean_supported(loaded: LoadedModel) -> bool:
     return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
+def attention_dims(cfg: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a llama-style attention config: the key/value heads default
+    to the query heads (no GQA), the head dim to hidden_size // query heads."""
+    nh = int(cfg.num_attention_heads)
+    nkv = int(getattr(cfg, "num_key_value_heads", None) or nh)
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // nh)
+    return nh, nkv, hd
+
+
+def kv_token_bytes(cfg: Any, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes: k and v, [key/value heads, head dim] each, in every layer, in `dtype`.
+    The one formula of it: the lean decoder's cache and the batch slots' caches hold exactly this per token, and
+    the batch runner's serial mode reserves it per token (runtime/batch.py)."""
+    _, nkv, hd = attention_dims(cfg)
+    return 2 * int(cfg.num_hidden_layers) * nkv * hd * dtype.itemsize
+
+
 class LeanDecoder:
     def __init__(
         self, loaded: LoadedModel, max_seq_len: int = 0, dense_precision: str = "full", native: bool = False
@@ -78,9 +95,8 @@ class LeanDecoder:
         self.dense_bits = decode.DENSE_BITS.get(dense_precision, 0)
         inner: Any = model.model  # the family's base model (embed_tokens, layers, norm, rotary_emb)
         self.device, self.dtype = loaded.device, loaded.dtype
-        self.nh = int(cfg.num_attention_heads)
-        self.nkv = int(getattr(cfg, "num_key_value_heads", None) or self.nh)
-        self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
+        self.nh, self.nkv, self.hd = attention_dims(cfg)
+        self.token_bytes = kv_token_bytes(cfg, self.dtype)  # KV cache bytes per cached token (k and v, every layer)
         self.eps = float(cfg.rms_norm_eps)
         self.clip = getattr(cfg, "clip_qkv", None)
         limit = int(getattr(cfg, "max_position_embeddings", 4096))

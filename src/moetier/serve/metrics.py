@@ -5,7 +5,9 @@ completion tokens, rejections (429), finishes per reason (stop, length, cancelle
 refused requests per reason (auth: 401, body_too_large: 413, read_timeout: 408); the generation
 rate is completion tokens over the last `RATE_WINDOW_S` seconds. Limits (worker.WorkerLimits,
 BatchConfig's KV budget): queue timeouts, request timeouts, sequences failed alone, KV bytes
-reserved and the budget, requests waiting for KV. Engine and runner figures come
+reserved and the budget, requests waiting for KV; `WORKER_FIGURES` declares the one store each is
+kept in (the server counters or the runner's stats), and both the worker snapshot's "worker" section
+and these lines read it from there (`worker_figures`). Engine and runner figures come
 from a snapshot the worker takes between steps (worker.Worker.snapshot): expert hits and misses
 per tier, bytes moved per link (disk->host, host->accel), resident experts and bytes per precision,
 achieved sparsity, promotions and demotions, and the runner's steps and mean batch.
@@ -17,7 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 RATE_WINDOW_S = 10.0
 
@@ -39,6 +42,11 @@ class ServerMetrics:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.events[name] += n
+
+    def events_now(self) -> dict[str, int]:
+        """A copy of the event counters, taken under the lock (any thread)."""
+        with self._lock:
+            return dict(self.events)
 
     def add_prompt_tokens(self, n: int) -> None:
         with self._lock:
@@ -76,14 +84,24 @@ REFUSALS = ("auth", "body_too_large", "read_timeout")  # ServerMetrics events "r
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 
 
-def _stat(snap: dict[str, Any], events: dict[str, int], name: str) -> float:
-    """A worker or runner figure by name: the snapshot's worker section, its top level, its runner section,
-    else the server counter of that name (the worker may count through ServerMetrics); 0 when none has it."""
-    for section in (snap.get("worker", {}), snap, snap.get("runner", {})):
-        value = section.get(name) if isinstance(section, dict) else None
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    return float(events.get(name, 0))
+# The worker's limit figures (the worker snapshot's "worker" section, their /metrics lines) and the one store each
+# is kept in: "server" = ServerMetrics.events (the worker counts its time limits there), "runner" = BatchRunner.stats()
+# (the runner counts the sequences it failed alone and keeps the KV reservations; the snapshot's "runner" section).
+WORKER_FIGURES: dict[str, Literal["server", "runner"]] = {
+    "queue_timeouts": "server",
+    "request_timeouts": "server",
+    "sequence_errors": "runner",
+    "kv_waiting": "runner",
+    "kv_reserved_bytes": "runner",
+    "kv_budget_bytes": "runner",
+}
+
+
+def worker_figures(events: Mapping[str, int], runner: Mapping[str, Any]) -> dict[str, int]:
+    """Each of WORKER_FIGURES read from its store: `events` (ServerMetrics' counters) or `runner` (runner.stats()
+    or the snapshot's "runner" section); 0 while that store has none yet (no snapshot taken)."""
+    stores: dict[str, Mapping[str, Any]] = {"server": events, "runner": runner}
+    return {name: int(stores[store].get(name, 0)) for name, store in WORKER_FIGURES.items()}
 
 
 def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) -> str:
@@ -95,6 +113,7 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
         reqs = sorted(m.requests.items())
         events = dict(m.events)
         prompt, completion = m.prompt_tokens, m.completion_tokens
+    limits = worker_figures(events, run)
     _line(out, "requests_total", "counter", "HTTP requests by route and status.",
           [({"route": r, "status": str(s)}, n) for (r, s), n in reqs])  # fmt: skip
     _line(out, "requests_rejected_total", "counter", "Requests refused with 429 (queue full).",
@@ -105,11 +124,11 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
           "(401), a body over the limit (413), a body that did not arrive in time (408).",
           [({"reason": r}, events.get(f"refused_{r}", 0)) for r in REFUSALS])  # fmt: skip
     _line(out, "queue_timeouts_total", "counter", "Requests that waited longer than --queue-timeout for a slot (503).",
-          [({}, _stat(snap, events, "queue_timeouts"))])  # fmt: skip
+          [({}, limits["queue_timeouts"])])  # fmt: skip
     _line(out, "request_timeouts_total", "counter", "Requests that ran longer than --request-timeout (504).",
-          [({}, _stat(snap, events, "request_timeouts"))])  # fmt: skip
+          [({}, limits["request_timeouts"])])  # fmt: skip
     _line(out, "sequence_errors_total", "counter", "Sequences that failed alone (a failed expert read, non-finite "
-          "values); the rest of their batch went on.", [({}, _stat(snap, events, "sequence_errors"))])  # fmt: skip
+          "values); the rest of their batch went on.", [({}, limits["sequence_errors"])])  # fmt: skip
     _line(out, "prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", [({}, prompt)])
     _line(out, "completion_tokens_total", "counter", "Tokens generated.", [({}, completion)])
     _line(out, "generation_tokens_per_second", "gauge", f"Tokens generated per second over the last "
@@ -124,11 +143,11 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
     _line(out, "kv_cache_bytes", "gauge", "Bytes held by the batch slots' KV caches (each sized to its requests).",
           [({}, run.get("kv_cache_bytes", 0))])  # fmt: skip
     _line(out, "kv_reserved_bytes", "gauge", "KV cache bytes reserved by the running requests.",
-          [({}, _stat(snap, events, "kv_reserved_bytes"))])  # fmt: skip
+          [({}, limits["kv_reserved_bytes"])])  # fmt: skip
     _line(out, "kv_budget_bytes", "gauge", "KV cache budget of all slots (--kv-budget; 0: unbounded).",
-          [({}, _stat(snap, events, "kv_budget_bytes"))])  # fmt: skip
+          [({}, limits["kv_budget_bytes"])])  # fmt: skip
     _line(out, "kv_waiting", "gauge", "Requests waiting because the KV budget cannot take them yet.",
-          [({}, _stat(snap, events, "kv_waiting"))])  # fmt: skip
+          [({}, limits["kv_waiting"])])  # fmt: skip
     # 3. engine: experts per tier, bytes per link, precision mix, sparsity
     tiers = eng.get("tiers", {})
     _line(out, "expert_hits_total", "counter", "Expert accesses served by a tier's resident copy.",
@@ -157,4 +176,4 @@ def render(m: ServerMetrics, snap: dict[str, Any], running: int, queued: int) ->
     return "\n".join(out) + "\n"
 
 
-__all__ = ["FINISH_REASONS", "RATE_WINDOW_S", "REFUSALS", "ServerMetrics", "render"]
+__all__ = ["FINISH_REASONS", "RATE_WINDOW_S", "REFUSALS", "WORKER_FIGURES", "ServerMetrics", "render", "worker_figures"]

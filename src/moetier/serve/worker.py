@@ -16,11 +16,13 @@ Limits (`WorkerLimits`), checked by the worker between steps (so to within one s
 - `request_timeout_s`: a job not finished this long after its submission (queue wait included) is
   cancelled in the runner and ends with a terminal StepEvent(finish_reason="timeout") (the API turns
   it into a 504 when nothing was sent yet, else ends the stream with an error event).
+Both time limits are counted in ServerMetrics only ("queue_timeouts", "request_timeouts"); the snapshot's
+"worker" section reads them there and the runner's figures from runner.stats() (metrics.WORKER_FIGURES).
 A sequence the runner fails alone (StepEvent finish_reason "error", runtime/batch.py) ends its job with
 APIError 503 (code "expert_read_error": a disk read of an expert failed; the message names the file
 and the expert) or 500 (code "numerical_error", or "sequence_error" for anything else); the other jobs
-go on. `health()` is "ok", "degraded" (the engine reports recent read errors: still serving) or
-"unavailable" (the worker is not running).
+go on (the runner counts it: its stats' sequence_errors). `health()` is "ok", "degraded" (the engine
+reports recent read errors: still serving) or "unavailable" (the worker is not running).
 
 Invariants:
 - bounded: in-flight jobs never exceed `max_batch + max_queue`; nothing but the limits above and a
@@ -47,7 +49,7 @@ from typing import Any
 from moetier.errors import ConfigError, ExpertReadError, MoetierError, NumericalError
 from moetier.runtime.batch import BatchRunner, SeqRequest, StepEvent
 from moetier.serve.errors import APIError
-from moetier.serve.metrics import ServerMetrics
+from moetier.serve.metrics import ServerMetrics, worker_figures
 
 log = logging.getLogger("moetier.serve")
 
@@ -93,7 +95,6 @@ class Worker:
         self.runner, self.engine, self.limits, self.metrics = runner, runner.engine, limits, metrics
         self.max_queue = limits.max_queue
         self.capacity = runner.max_batch + limits.max_queue
-        self._n = {"queue_timeouts": 0, "request_timeouts": 0, "sequence_errors": 0}  # worker thread only
         self._cond = threading.Condition()
         self._inbox: list[Job] = []
         self._cancels: list[Job] = []
@@ -172,8 +173,9 @@ class Worker:
         return {"status": status, "engine": engine, "running": self.running, "queued": self.queued}
 
     def snapshot(self) -> Future[dict[str, Any]]:
-        """engine.stats(), runner.stats() and the worker's counters ("worker": queue_timeouts, request_timeouts,
-        sequence_errors, kv_waiting, kv_reserved_bytes, kv_budget_bytes), taken by the worker between steps."""
+        """engine.stats(), runner.stats() and the limit figures ("worker": queue_timeouts, request_timeouts,
+        sequence_errors, kv_waiting, kv_reserved_bytes, kv_budget_bytes, each read from its one store:
+        metrics.WORKER_FIGURES), taken by the worker between steps."""
         fut: Future[dict[str, Any]] = Future()
         with self._cond:
             if not self.alive:
@@ -196,8 +198,8 @@ class Worker:
 
     def _stats(self) -> dict[str, Any]:
         runner = self.runner.stats()
-        kv = {k: runner.get(k, 0) for k in ("kv_waiting", "kv_reserved_bytes", "kv_budget_bytes")}
-        return {"engine": self.engine.stats(), "runner": runner, "worker": dict(self._n) | kv, "time": time.time()}
+        limits = worker_figures(self.metrics.events_now(), runner)
+        return {"engine": self.engine.stats(), "runner": runner, "worker": limits, "time": time.time()}
 
     def _run(self) -> None:
         runner = self.runner
@@ -251,13 +253,12 @@ class Worker:
             waited = now - job.submitted
             item: Item
             if qt is not None and not job.started and waited > qt:
-                self._n["queue_timeouts"] += 1
                 self.metrics.count("queue_timeouts")
                 item = APIError(503, f"no slot became free within the queue time limit of {qt:g} s "
                                 f"({self.runner.running} running, {self.runner.pending} waiting); retry later",
                                 None, "queue_timeout")  # fmt: skip
             elif rt is not None and waited > rt:
-                self._n["request_timeouts"] += 1
+                self.metrics.count("request_timeouts")
                 item = StepEvent(seq_id, None, True, "timeout")  # counted as finished_timeout by _end
             else:
                 continue
@@ -271,10 +272,6 @@ class Worker:
         tokens = sum(ev.token is not None for ev in events)
         if tokens:  # counts first: a handler (or client) woken by an event below must already see them
             self.metrics.add_tokens(tokens)
-        failed = sum(ev.finish_reason == "error" for ev in events)
-        if failed:
-            self._n["sequence_errors"] += failed
-            self.metrics.count("sequence_errors", failed)
         with self._cond:
             self._running = self.runner.running
             for ev in events:

@@ -66,12 +66,25 @@ def test_table_and_tri_flags() -> None:
     assert isinstance(mig, dict) and mig["relayout"] == mig["migrate"] == 0
 
 
+def test_cpu_profile_flag() -> None:
+    """--cpu-profile takes the CPU compute from another profile and says so in the table and the JSON."""
+    d = _json([*BASE, "--scheduler", "ktransformers-plus", "--cpu-profile", "a6000-5220r"])
+    extra = d["extra"]
+    assert d["cpu_profile"] == "a6000-5220r" and isinstance(extra, dict)
+    assert str(extra["cpu_source"]).startswith("a6000-5220r: ")
+    base = _json([*BASE, "--scheduler", "ktransformers-plus"])
+    assert d["moe_s"] != base["moe_s"]  # a 10-core Xeon instead of Table 1's AMX CPU
+    res = runner.invoke(app, [*BASE, "--scheduler", "trimoe", "--cpu-profile", "a6000-5220r"])
+    assert res.exit_code == 0 and "CPU compute from" in res.stdout
+
+
 def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     cases = [
         ([*BASE, "--scheduler", "hybrimoe"], "unknown scheduler 'hybrimoe'; known: klotski"),
         ([*BASE, "--scheduler", "trimoe", "--hbm-ratio", "1.5"], "hbm_ratio must be in [0, 1]"),
         ([*BASE, "--scheduler", "monde", "--cpu-tflops-scale", "0"], "cpu_tflops_scale must be a number > 0"),
         ([*BASE, "--scheduler", "trimoe", "--profile", "nope"], "unknown hardware profile"),
+        ([*BASE, "--scheduler", "trimoe", "--cpu-profile", "nope"], "unknown hardware profile 'nope'"),
         (["simulate-tri", "--spec", "deepseek-v2-lite", "--scheduler", "trimoe"], "exactly one of"),
         (["simulate-tri", "--synthetic", "--scheduler", "trimoe"], "--synthetic needs --spec"),
         (["simulate-tri", "--scheduler", "trimoe", "--trace", str(tmp_path / "missing.parquet")], "no such file"),

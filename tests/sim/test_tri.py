@@ -4,15 +4,19 @@ ablation flags, bad input. The schedulers' own tests are tests/policies/test_sch
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from moetier.errors import ConfigError
+from moetier.policies.costmodel import save_profile
 from moetier.policies.hwprofile import load_profile
 from moetier.policies.predictor import PathTimes
 from moetier.policies.schedulers import TRI_SCHEDULERS, make_tri_scheduler
 from moetier.sim.ndp import GPU_ONLY, NdpMachine, NdpParams, load_ndp, ndp_from_dict, price_call
-from moetier.sim.tri import TriSimConfig, simulate_tri
+from moetier.sim.tri import TriSimConfig, machine_profile, simulate_tri
 from moetier.specs import ModelSpec
 from moetier.traces import Call
 from moetier.types import Domain, ExpertKey, Layout
@@ -116,6 +120,11 @@ def test_conservation_and_domains(name: str) -> None:
     if not sched.refines:
         assert r.moves == 0
     assert 0 <= r.predictor["accuracy"] <= 1 and r.predictor["calls"] == 10
+    # experts computed from a localised layout: a subset per domain; none where nothing is ever localised
+    assert all(0 <= r.localised[d] <= r.experts[d] for d in r.experts)
+    assert all(r.localised_read_s[d] >= 0 and (r.localised_read_s[d] > 0) == (r.localised[d] > 0) for d in r.experts)
+    if Domain.NDP not in sched.domains:
+        assert sum(r.localised.values()) == 0
 
 
 def test_ablation_flags() -> None:
@@ -127,6 +136,7 @@ def test_ablation_flags() -> None:
     assert no_ref.moves == 0 and no_ref.moe_s == pytest.approx(no_ref.greedy_moe_s)
     assert no_rel.migration["relayout"] == no_rel.migration["migrate"] == 0
     assert full.experts["cpu"] > 0  # +CPU: the trimoe system uses the AMX CPU
+    assert full.localised["ndp"] > 0  # cold experts localised offline and computed in place
     gn = simulate_tri(SPEC, calls, TriSimConfig(scheduler="gpu-ndp", ndp_count=4, hbm_ratio=0.125, context=64))
     assert gn.experts["cpu"] == 0 and gn.experts["ndp"] > 0
     # pure function of its inputs
@@ -139,6 +149,37 @@ def test_cpu_scale_and_dimms_change_prices() -> None:
     slow = simulate_tri(SPEC, calls, TriSimConfig(scheduler="trimoe", cpu_tflops_scale=0.125, context=64))
     fast = simulate_tri(SPEC, calls, TriSimConfig(scheduler="trimoe", cpu_tflops_scale=2.0, context=64))
     assert slow.moe_s > fast.moe_s
+
+
+def test_a_measured_cpu_profile_replaces_the_cpu_compute_only(tmp_path: Path) -> None:
+    """cpu_profile: the named profile's CPU compute prices every CPU expert (here a profile 1e4x slower than
+    Table 1's AMX, written as a measured profile would be), the host-memory reads stay the machine's DIMMs,
+    the GPU is untouched, and the result names where its CPU came from."""
+    base = load_profile("h100-8470")
+    slow_cpu = replace(base.cpu, peak_flops=base.cpu.peak_flops / 1e4, luts={}, small_luts={})
+    path = tmp_path / "amx-box.json"
+    save_profile(replace(base, name="amx-box", source="measured by `moetier profile` on a test CPU", cpu=slow_cpu,
+                         gpu=None, pcie=None, gpu_mem_bytes=None), path)  # fmt: skip
+    cfg = TriSimConfig(cpu_profile=str(path))
+    prof = machine_profile(cfg)
+    assert prof.cpu == load_profile(str(path)).cpu and prof.gpu == base.gpu and prof.pcie == base.pcie
+    assert "amx-box: measured by `moetier profile` on a test CPU" in prof.source
+    m = NdpMachine(SPEC, prof)
+    ref = NdpMachine(SPEC, base)
+    tokens = np.array([1.0, 16.0, 64.0])
+    over = base.cpu.overhead_s  # the same per-expert overhead: the compute part is 1e4x
+    assert np.allclose(m.cpu_calc(tokens) - over, 1e4 * (ref.cpu_calc(tokens) - over), rtol=1e-9)
+    assert m.dram_s(Layout.STRIPED) == ref.dram_s(Layout.STRIPED)
+    assert np.array_equal(m.gpu_calc(tokens), ref.gpu_calc(tokens))
+    calls = _calls(steps=2, T=64)
+    fast = simulate_tri(SPEC, calls, TriSimConfig(ndp_count=4, context=64))
+    slow = simulate_tri(SPEC, calls, TriSimConfig(ndp_count=4, context=64, cpu_profile=str(path)))
+    assert slow.experts["cpu"] < fast.experts["cpu"] and slow.moe_s > fast.moe_s  # a slow CPU gets fewer experts
+    assert slow.extra["cpu_source"].startswith("amx-box: ") and fast.extra["cpu_source"].startswith("h100-8470: ")
+    with pytest.raises(ConfigError, match="unknown hardware profile 'nope'"):
+        machine_profile(TriSimConfig(cpu_profile="nope"))
+    with pytest.raises(ConfigError, match="cpu_profile must be a profile name or path"):
+        TriSimConfig(cpu_profile="")
 
 
 def test_bad_input() -> None:

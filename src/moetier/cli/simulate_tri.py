@@ -30,7 +30,7 @@ from moetier.errors import ConfigError
 from moetier.policies.schedulers import TRI_SCHEDULERS
 from moetier.report.record import SimRunDirOpt, write_simulation
 from moetier.sim.ndp import load_ndp
-from moetier.sim.tri import TriSimConfig, simulate_tri
+from moetier.sim.tri import TriSimConfig, machine_profile, simulate_tri
 from moetier.specs import ModelSpec
 from moetier.studies.sweep_tri import WARMUP_STEPS, synthetic_calls
 
@@ -50,6 +50,10 @@ BatchOpt = Annotated[int | None, typer.Option("--batch-size", min=1, rich_help_p
 NdpCountOpt = Annotated[int, typer.Option("--ndp-count", min=1, rich_help_panel=_TRI, help="NDP DIMMs.")]
 CpuScaleOpt = Annotated[float, typer.Option("--cpu-tflops-scale", rich_help_panel=_TRI,
                         help="AMX CPU TFLOPS relative to the profile's.")]  # fmt: skip
+CpuProfileOpt = Annotated[str | None, typer.Option("--cpu-profile", metavar="PROFILE", rich_help_panel=_TRI,
+                          help="A measured profile (`moetier profile`, ideally on an AMX machine) whose CPU compute "
+                               "replaces the profile's for every system; host-memory reads stay the profile's "
+                               "DIMMs.")]  # fmt: skip
 HbmOpt = Annotated[float, typer.Option("--hbm-ratio", rich_help_panel=_TRI,
                    help="Fraction in [0, 1] of each layer's routed experts HBM holds.")]  # fmt: skip
 NoRefineOpt = Annotated[bool, typer.Option("--no-refinement", rich_help_panel=_TRI,
@@ -115,12 +119,13 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
         ("step time", f"{d['step_s'] * 1e3:.3f} ms (batch {d['batch']:g})"),
         ("throughput", f"{d['throughput_tok_s']:.1f} tok/s"),
         ("prefill / end to end", f"{d['prefill_s'] * 1e3:.3f} ms / {d['e2e_tok_s']:.1f} tok/s"),
+        ("CPU compute from", str(d["extra"]["cpu_source"])),
         ("greedy-start MoE / step", f"{d['greedy_moe_s'] / d['steps'] * 1e3:.3f} ms ({d['moves']} refinement moves)"),
     ]
     rows += [(f"busy {k}", f"{100 * v:.1f}%") for k, v in d["busy"].items()]
     rows += [(f"per step: {k}", f"{100 * v:.1f}%") for k, v in d["step_util"].items()]
     rows += [(f"FLOP utilisation {k}", f"{100 * v:.2f}%") for k, v in d["flop_util"].items()]
-    rows += [(f"experts on {k}", str(v)) for k, v in d["experts"].items()]
+    rows += [(f"experts on {k}", f"{v} ({d['localised'][k]} from a localised layout)") for k, v in d["experts"].items()]
     rows.append(("predictor accuracy", f"{100 * pred['accuracy']:.1f}% (hot recall {100 * pred['hot_recall']:.1f}%)"))
     rows.append(("prefetch / relayout / migrate", f"{mig['prefetch']} / {mig['relayout']} / {mig['migrate']}"))
     rows.append(("link time / total time", f"{100 * mig['link_frac']:.2f}%"))
@@ -138,6 +143,7 @@ def simulate_tri_cmd(
     batch_size: BatchOpt = None,
     ndp_count: NdpCountOpt = _BASE.ndp_count,
     cpu_tflops_scale: CpuScaleOpt = _BASE.cpu_tflops_scale,
+    cpu_profile: CpuProfileOpt = None,
     hbm_ratio: HbmOpt = _BASE.hbm_ratio,
     no_refinement: NoRefineOpt = False,
     no_relayout: NoRelayoutOpt = False,
@@ -161,13 +167,14 @@ def simulate_tri_cmd(
             batch_size=batch_size or _BASE.batch_size, steps=steps or _BASE.steps, seed=seed,
             refinement=not no_refinement, relayout=not no_relayout, profile=profile, drift=drift,
             step_noise=step_noise, contention=contention, dimm_link=dimm_link, prefill_tokens=prefill_tokens,
-            output_len=output_len, warmup_steps=warmup_steps,
+            output_len=output_len, warmup_steps=warmup_steps, cpu_profile=cpu_profile,
         )  # fmt: skip
         if drift is not None and not synthetic:
             raise ConfigError("--drift applies to --synthetic traces only")
         if step_noise and not synthetic:
             raise ConfigError("--step-noise applies to --synthetic traces only")
         load_ndp(cfg.profile)  # an unknown profile fails before any trace work
+        machine_profile(cfg)  # so does an unreadable --cpu-profile, or a profile without a GPU
         # 2. the calls, 3. the run
         model, calls, source = _decode_calls(spec, trace, synthetic, cfg, steps, batch_size)
         result = simulate_tri(model, calls, cfg)
@@ -176,7 +183,7 @@ def simulate_tri_cmd(
                        cpu_tflops_scale=cfg.cpu_tflops_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
                        relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift, step_noise=cfg.step_noise,
                        contention=cfg.contention or "array", dimm_link=cfg.dimm_link,
-                       warmup_steps=cfg.warmup_steps)  # fmt: skip
+                       warmup_steps=cfg.warmup_steps, cpu_profile=cfg.cpu_profile)  # fmt: skip
         report.print(tri_table(payload, source))
         write_simulation(run_dir, payload, source, trace)
         if json_out:

@@ -41,6 +41,13 @@ tokens (attention within the prompt not counted: an ESTIMATE). The same phase fo
 also run prefill on the GPU: a simplification for kTransformers, whose prefill may use the CPU).
 End-to-end throughput = batch x output_len / (prefill_s + output_len x step_s) (output_len 0: the steps).
 
+A measured CPU (config.cpu_profile, issue 17: "a profile measured there gives the CPU domain of TriMoE and
+kTransformers from measurement, marked with the machine it came from"): the named profile's CPU compute section
+(peak expert FLOP/s, its efficiency curve, per-expert overhead; `moetier profile` writes it, with the CPU model
+and its AMX/AVX-512 flags in its source) replaces the profile's AMX CPU for every system; host-memory reads stay
+the machine's (Table 1's 8 channels x 2 DIMMs, which the NDPs share), since a CPU measured elsewhere did not read
+these DIMMs. The result's `extra["cpu_source"]` names where the CPU came from.
+
 Utilisation: `busy` / `compute` are per MoE time (the study's columns since issue 6); `step_util` is per step
 time, with the attention/dense work counted as GPU compute (it runs on the GPU in every system): the reading of
 the paper's Table 3 "GPU Compute Utilization" as the fraction of wall time a GPU kernel runs.
@@ -62,7 +69,7 @@ import numpy as np
 
 from moetier.errors import ConfigError
 from moetier.policies.costmodel import CostModel
-from moetier.policies.hwprofile import load_profile
+from moetier.policies.hwprofile import HardwareProfile, load_profile
 from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
 from moetier.policies.schedule_trimoe import MAX_ITERS
 from moetier.policies.schedulers import check_tri_scheduler, make_tri_scheduler
@@ -99,6 +106,8 @@ class TriSimConfig:
     prefill_tokens: int = 0  # prompt tokens per sequence for the prefill phase (0: no prefill)
     output_len: int = 0  # decode tokens per sequence for the end-to-end throughput (0: steps)
     warmup_steps: int = 0  # profiling window: decode steps before the replayed ones, never timed (0: first call)
+    cpu_profile: str | None = None  # a measured profile (`moetier profile` on an AMX machine) whose CPU compute
+    # replaces the profile's (module docstring); None: the profile's own CPU
 
     def __post_init__(self) -> None:
         check_tri_scheduler(self.scheduler)
@@ -130,6 +139,8 @@ class TriSimConfig:
             raise ConfigError(f"TriSimConfig: hbm_ratio must be in [0, 1], got {self.hbm_ratio!r}")
         if not isinstance(self.profile, str):
             raise ConfigError(f"TriSimConfig: profile must be a profile name or path, got {self.profile!r}")
+        if self.cpu_profile is not None and not (isinstance(self.cpu_profile, str) and self.cpu_profile):
+            raise ConfigError(f"TriSimConfig: cpu_profile must be a profile name or path, got {self.cpu_profile!r}")
 
 
 def _int(v: object) -> bool:
@@ -163,6 +174,10 @@ class TriSimResult:
     step_util: Mapping[str, float] = field(default_factory=dict)  # per step time (module docstring)
     prefill_s: float = 0.0  # the prefill phase (0 without one)
     e2e_tok_s: float = 0.0  # batch x output_len / (prefill_s + output_len x step_s)
+    localised: Mapping[str, int] = field(default_factory=dict)  # routed experts computed per domain from a
+    # localised layout (GPU: not resident), e.g. warm experts a stale layout left on one DIMM
+    localised_read_s: Mapping[str, float] = field(default_factory=dict)  # their weight-read times, summed (eq. 2-4:
+    # one channel's bandwidth for GPU and CPU, the DIMM's internal bandwidth for NDP)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -287,8 +302,25 @@ def _place(
     return resident, layouts, homes
 
 
-def _machine(spec: ModelSpec, cfg: TriSimConfig) -> tuple[NdpMachine, CostModel]:
+def machine_profile(cfg: TriSimConfig) -> HardwareProfile:
+    """cfg.profile, with its CPU compute section taken from cfg.cpu_profile when one is named (the module
+    docstring): ConfigError when that profile cannot be read."""
     profile = load_profile(cfg.profile)
+    if cfg.cpu_profile is None:
+        return profile
+    cpu = load_profile(cfg.cpu_profile)
+    return replace(profile, cpu=cpu.cpu, cpu_threads=cpu.cpu_threads,
+                   source=f"{profile.source}; CPU compute from {cpu_source(cfg)}")  # fmt: skip
+
+
+def cpu_source(cfg: TriSimConfig) -> str:
+    """Where the simulated CPU's compute comes from: "name: source" of cfg.cpu_profile, else of cfg.profile."""
+    p = load_profile(cfg.cpu_profile or cfg.profile)
+    return f"{p.name}: {p.source}"
+
+
+def _machine(spec: ModelSpec, cfg: TriSimConfig) -> tuple[NdpMachine, CostModel]:
+    profile = machine_profile(cfg)
     ndp = replace(load_ndp(cfg.profile), n_dimms=cfg.ndp_count)
     m = NdpMachine(spec, profile, ndp if cfg.contention is None else replace(ndp, contention=cfg.contention),
                    cfg.cpu_tflops_scale)  # fmt: skip
@@ -339,6 +371,8 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     flops = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)
     calc = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)  # compute time (eq. 1-4's f_calc parts; NDP: per DIMM)
     n_exp = dict.fromkeys(("gpu", "cpu", "ndp"), 0)
+    loc_n = dict.fromkeys(("gpu", "cpu", "ndp"), 0)  # routed experts computed per domain from a localised layout
+    loc_read = dict.fromkeys(("gpu", "cpu", "ndp"), 0.0)  # their weight reads (one channel; NDP: in-DIMM)
     mig: dict[str, float] = {"prefetch": 0, "relayout": 0, "migrate": 0, "pcie_s": 0.0, "dimm_link_s": 0.0}
     routed = moves = 0
     last_pcie = 0.0  # PCIe time the previous call's prefetches took from the next window
@@ -374,6 +408,9 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
             flops[d] += e.tokens * (m.shared_flops_tok if e.key.expert < 0 else m.flops_tok)
             calc[d] += e.gpu_calc_s if d == "gpu" else e.cpu_calc_s if d == "cpu" else e.ndp_calc_s / cfg.ndp_count
             n_exp[d] += e.key.expert >= 0
+            if e.layout is Layout.LOCALISED and not (d == "gpu" and e.resident):  # read from its one DIMM
+                loc_n[d] += 1
+                loc_read[d] += e.dram_s if d != "ndp" else e.internal_s
         # 4. Predictor, then background actions hidden by this layer's attention/dense window
         pred.update(layer, loads)
         win_total += window
@@ -427,9 +464,10 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         busy={k: v / moe for k, v in busy.items()}, flop_util={k: flops[k] / (peak[k] * moe) for k in flops},
         compute={k: v / moe for k, v in calc.items()},
         experts=n_exp, routed=routed, predictor=pred.stats.as_dict(), migration=mig, moves=moves,
-        step_util=step_util, prefill_s=prefill, e2e_tok_s=e2e,
+        step_util=step_util, prefill_s=prefill, e2e_tok_s=e2e, localised=loc_n, localised_read_s=loc_read,
+        extra={"cpu_source": cpu_source(cfg)},
     )  # fmt: skip
 
 
-__all__ = ["DIMM_LINK", "OfflineLayout", "TriSimConfig", "TriSimResult", "offline_layout", "profile_loads",
-           "simulate_tri"]  # fmt: skip
+__all__ = ["DIMM_LINK", "OfflineLayout", "TriSimConfig", "TriSimResult", "cpu_source", "machine_profile",
+           "offline_layout", "profile_loads", "simulate_tri"]  # fmt: skip

@@ -5,11 +5,11 @@ columns; and `synthetic_calls`, the decode calls both of them replay.
 Parameters (grid keys may be plural): model (required), then every field of sim.tri.TriSimConfig under its own
 name and default (scheduler, ndp_count, cpu_tflops_scale, hbm_ratio, batch_size, steps, seed, refinement,
 relayout, context, profile, max_iters, drift, step_noise, contention, dimm_link, prefill_tokens, output_len,
-warmup_steps; their meaning is documented there). warmup_steps = W generates W more decode steps before the
-`steps` replayed ones: the untimed profiling window the offline layout, every system's HBM set and the predictor
-start from (the study's sweep files use W = WARMUP_STEPS; the default 0 is the first-call placement). The
-two-domain machine's parameters (sim.config.SimConfig's other fields, stats, cpu_tflops) are refused with the
-reason.
+warmup_steps, cpu_profile; their meaning is documented there). warmup_steps = W generates W more decode steps
+before the `steps` replayed ones: the untimed profiling window the offline layout, every system's HBM set and
+the predictor start from (the study's sweep files use W = WARMUP_STEPS; the default 0 is the first-call
+placement). The two-domain machine's parameters (sim.config.SimConfig's other fields, stats, cpu_tflops) are
+refused with the reason.
 TriSimConfig checks every value (a ConfigError naming the field); this module restates no check.
 
 Invariants: listed in sweep_grid.POINTS as "tri"; a point is a pure function of its parameters (the

@@ -122,6 +122,28 @@ def test_recorder_round_trip(tmp_path):
     assert trace.metadata["schema_version"] == 1 and trace.metadata["top_k"] == 2
 
 
+def test_recorder_rollback_drops_the_failed_forward_only(tmp_path):
+    """begin marks a forward's start; rollback drops its rows (all, or all but the tokens kept), never earlier
+    forwards'; a retry then records its own rows for the same step."""
+    rec = TraceRecorder(dict(META))
+    rec.begin(0)
+    rec.record(0, [[0, 1], [1, 2]], [[0.5, 0.5]] * 2, None)  # a forward that completed
+    rec.begin(1)
+    rec.record(0, [[2, 3], [3, 0], [0, 2]], [[0.5, 0.5]] * 3, None)
+    rec.record(1, [[1, 3], [2, 0], [3, 1]], [[0.5, 0.5]] * 3, None)
+    assert rec.rollback() == 6  # the failed forward: both of its layer calls
+    rec.begin(1)  # the retry, with two of the rows
+    rec.record(0, [[2, 3], [0, 2]], [[0.5, 0.5]] * 2, None)
+    rec.begin(2)
+    rec.record(0, [[1, 0], [3, 2]], [[0.5, 0.5]] * 2, None)
+    assert rec.rollback(keep=[1]) == 1  # ran to its end: token 1's row stays, with its token number
+    assert rec.rollback() == 0  # the kept row is final, the earlier forwards untouched
+    rows = load(rec.save(tmp_path / "r.parquet")).table.to_pylist()
+    assert [(r["step"], r["token"], r["layer"], r["experts"]) for r in rows] == [
+        (0, 0, 0, [0, 1]), (0, 1, 0, [1, 2]), (1, 0, 0, [2, 3]), (1, 1, 0, [0, 2]), (2, 1, 0, [3, 2])
+    ]  # fmt: skip
+
+
 # -- malformed files ---------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ One row per token per MoE layer call:
     router probabilities).
 File-level metadata (JSON in the Parquet schema metadata under b"moetier"): model id,
 num_experts, top_k, hidden_size, moe_intermediate_size, dtype, schema version.
-Real traces recorded by the engine and synthetic ones share this schema.
+Real traces recorded by the engine and synthetic ones share this schema. The engine records only
+forwards that completed: Engine.step marks each forward's start (`TraceRecorder.begin`) and takes a
+failed forward's rows back (`TraceRecorder.rollback`), so a retried step appears once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +51,36 @@ class Trace:
 
 @dataclass
 class TraceRecorder:
-    """Collects rows in memory; `save` writes them. `record` takes plain lists."""
+    """Collects rows in memory; `save` writes them. `record` takes plain lists.
+
+    Forwards: `begin` marks where a forward's rows start; `rollback` drops the rows recorded since then (a
+    forward that failed part-way, whose MoE layers before the failure had already recorded). Rows before the
+    last `begin`, and those a rollback keeps, are never taken back."""
 
     metadata: dict[str, Any]
     with_scores: bool = False
     step: int = 0
     _cols: dict[str, list[Any]] = field(default_factory=lambda: {n: [] for n in SCHEMA.names})
+    _mark: int = 0  # rows before this one belong to forwards that completed
+
+    def begin(self, step: int | None = None) -> None:
+        """A forward starts: the rows recorded from now on are its own (`rollback` takes them back); `step`,
+        when given, is their step index."""
+        if step is not None:
+            self.step = step
+        self._mark = len(self._cols["step"])
+
+    def rollback(self, keep: Collection[int] = ()) -> int:
+        """The forward since `begin` failed: drop its rows but those of the tokens in `keep` (rows of a forward
+        that ran to its end and whose result is used for those tokens; they keep their token numbers and are
+        final). Returns the number of rows dropped."""
+        tokens, wanted = self._cols["token"][self._mark :], set(keep)
+        kept = [i for i, t in enumerate(tokens) if t in wanted]
+        for col in self._cols.values():
+            tail = col[self._mark :]
+            col[self._mark :] = [tail[i] for i in kept]
+        self._mark = len(self._cols["step"])  # the forward is over: what it kept is final
+        return len(tokens) - len(kept)
 
     def record(
         self, layer: int, experts: list[list[int]], weights: list[list[float]], scores: list[list[float]] | None

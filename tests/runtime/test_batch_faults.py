@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from moetier.errors import ExpertReadError, NumericalError
 from moetier.runtime.batch import BatchConfig, BatchRunner, SeqRequest, SlotDecoder, StepEvent
 from moetier.runtime.lean import LeanDecoder
 from moetier.runtime.observers import Tap
+from moetier.traces import load as load_trace
 from moetier.types import ExpertKey
 
 NEVER: frozenset[int] = frozenset()
@@ -272,3 +274,110 @@ def test_eio_on_disk_fails_the_sequences_routed_to_it(tiny_ckpt) -> None:
         assert runner.stats()["sequence_errors"] == len(hit) and runner.idle()
     finally:
         eng.close()
+
+
+# -- the trace of a run with a failed step (issue 18): only the routing of forwards that completed ---------------
+
+Row = tuple[int, int, int, tuple[int, ...]]  # (step, token, layer, experts)
+
+
+def _traced_run(engine: moetier.Engine, path: Path, run: Callable[[moetier.Engine], Any]) -> list[Row]:
+    """`run` on a fresh engine like `engine` recording a trace at `path` -> the saved trace's rows (weights
+    checked finite and in [0, 1])."""
+    eng = moetier.load(engine.info.path, engine.config)
+    try:
+        eng.record_trace(path)
+        run(eng)
+    finally:
+        eng.close()  # writes the trace
+    rows = load_trace(path).table.to_pylist()
+    assert rows and all(0.0 <= w <= 1.0 for r in rows for w in r["weights"])
+    return [(r["step"], r["token"], r["layer"], tuple(r["experts"])) for r in rows]
+
+
+def _batch_run(prompts: list[list[int]], on_fault: Callable[[moetier.Engine, BatchRunner], None] | None
+               ) -> Callable[[moetier.Engine], None]:  # fmt: skip
+    """A batch of `prompts` (6 tokens each, no stop) drained to the end, `on_fault` installing a fault first."""
+
+    def run(eng: moetier.Engine) -> None:
+        runner = BatchRunner(eng, BatchConfig(max_batch=len(prompts)))
+        if on_fault is not None:
+            on_fault(eng, runner)
+        for p in prompts:
+            runner.add(SeqRequest(p, 6, stop_ids=NEVER))
+        _drain(runner)
+
+    return run
+
+
+def test_trace_of_a_retried_step_holds_the_retry_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: moetier.Engine, prompts: list[list[int]]
+) -> None:
+    """Decode step 2 fails in layer 1 (layer 0 has routed and recorded) naming row 1; the retry runs rows 0 and 2.
+    The trace is the fault-free run's minus sequence 1's rows from step 2 on (sequence 2 is the retry's row 1)."""
+    fired: list[int] = []
+
+    def install(eng: moetier.Engine, runner: BatchRunner) -> None:
+        def when(rows: int, n: int) -> ExpertReadError | None:
+            if rows == 3 and not fired and runner.stats()["decode_steps"] == 2:
+                fired.append(n)
+                return _read_error((1,))
+            return None
+
+        _fault(monkeypatch, eng, when)
+
+    want = _traced_run(engine, tmp_path / "ref.parquet", _batch_run(prompts[:3], None))
+    got = _traced_run(engine, tmp_path / "fault.parquet", _batch_run(prompts[:3], install))
+    assert fired
+    expect = [(s, t - (s >= 2 and t == 2), la, e) for s, t, la, e in want if not (s >= 2 and t == 1)]
+    assert got == expect
+    assert {s for s, *_ in got} == {s for s, *_ in want}  # every step recorded, none twice
+    assert len(got) == len(want) - 4 * len(engine.info.moe_layers)  # sequence 1's decode steps 2..5
+
+
+def test_trace_keeps_the_finite_rows_of_nonfinite_logits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: moetier.Engine, prompts: list[list[int]]
+) -> None:
+    """Non-finite logits in row 2 of decode step 3: that forward ran to its end and rows 0 and 1 are sampled from
+    it, so their routing stays; sequence 2's is dropped from step 3 on."""
+    fired: list[int] = []
+
+    def install(eng: moetier.Engine, runner: BatchRunner) -> None:
+        lean = _lean(eng)
+        orig = lean.head
+
+        def head(x: torch.Tensor) -> torch.Tensor:
+            out = orig(x)
+            if x.shape[0] == 3 and not fired and runner.stats()["decode_steps"] == 3:
+                fired.append(1)
+                out[2] = float("nan")
+            return out
+
+        monkeypatch.setattr(lean, "head", head)
+
+    want = _traced_run(engine, tmp_path / "ref.parquet", _batch_run(prompts[:3], None))
+    got = _traced_run(engine, tmp_path / "fault.parquet", _batch_run(prompts[:3], install))
+    assert fired
+    assert got == [r for r in want if not (r[0] >= 3 and r[1] == 2)]
+    assert len(got) == len(want) - 3 * len(engine.info.moe_layers)  # sequence 2's decode steps 3..5
+
+
+def test_trace_of_a_step_failed_for_all_has_no_rows_of_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: moetier.Engine, prompts: list[list[int]]
+) -> None:
+    """A failure naming no row fails decode step 2 for every sequence (no retry): the trace ends with step 1."""
+    fired: list[int] = []
+
+    def install(eng: moetier.Engine, runner: BatchRunner) -> None:
+        def when(rows: int, n: int) -> ExpertReadError | None:
+            if rows == 2 and not fired and runner.stats()["decode_steps"] == 2:
+                fired.append(n)
+                return _read_error(())
+            return None
+
+        _fault(monkeypatch, eng, when)
+
+    want = _traced_run(engine, tmp_path / "ref.parquet", _batch_run(prompts[:2], None))
+    got = _traced_run(engine, tmp_path / "fault.parquet", _batch_run(prompts[:2], install))
+    assert fired
+    assert got == [r for r in want if r[0] < 2] and max(s for s, *_ in want) == 5

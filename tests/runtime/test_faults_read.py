@@ -27,6 +27,7 @@ from moetier.errors import ExpertReadError
 from moetier.runtime import engine as engine_mod
 from moetier.runtime.batch import SlotDecoder
 from moetier.runtime.observers import Tap
+from moetier.traces import load as load_trace
 from moetier.types import ExpertKey
 
 PROMPT = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -190,3 +191,32 @@ def test_failed_read_in_generate_leaves_engine_usable(tiny_ckpt):
         engine.generate(PROMPT[0].tolist(), 6)
     assert engine.generate(PROMPT[0].tolist(), 6).token_ids == want
     engine.close()
+
+
+def test_trace_of_a_failed_generate_holds_the_completed_steps_only(tiny_ckpt, tmp_path):
+    """EIO on the layer-1 expert first routed latest in a clean run: generate fails at that decode step after
+    layer 0 (and layer 1's routing) recorded; the saved trace holds the clean run's rows of the steps before it,
+    none of the failed step, then the next generate's rows exactly."""
+    path, prompt = tiny_ckpt("qwen3_moe"), PROMPT[0, :1].tolist()  # one token: few experts routed in the prefill
+
+    def rows(out: Path) -> list[tuple[int, int, int, tuple[int, ...]]]:
+        return [(r["step"], r["token"], r["layer"], tuple(r["experts"])) for r in load_trace(out).table.to_pylist()]
+
+    clean = load(path, "fp32", None)
+    clean.record_trace(tmp_path / "clean.parquet")
+    clean.generate(prompt, 10, stop_at_eos=False)
+    clean.close()
+    want = rows(tmp_path / "clean.parquet")
+    first: dict[int, int] = {}  # layer-1 expert -> the step that first routes it
+    for step, _, layer, experts in want:
+        for e in experts if layer == 1 else ():
+            first.setdefault(e, step)
+    expert, fail_at = max(first.items(), key=lambda kv: kv[1])
+    assert fail_at >= 2 and 0 in clean.info.moe_layers  # a decode step, after layer 0 routed
+    engine = load(path, "fp32", slots=1)
+    engine.record_trace(tmp_path / "fault.parquet")
+    with eio_for(engine, ExpertKey(1, expert)), pytest.raises(ExpertReadError, match=f"expert {expert} of layer 1"):
+        engine.generate(prompt, 10, stop_at_eos=False)
+    engine.generate(prompt, 10, stop_at_eos=False)
+    engine.close()
+    assert rows(tmp_path / "fault.parquet") == [r for r in want if r[0] < fail_at] + want

@@ -44,7 +44,10 @@ Invariants:
   then lost).
 
 Every prefill and decode step is one Engine.step (trace step index, precision switching), with the
-slot decoder's call as its forward in batched mode (batch_invariant: one Engine.step per row).
+slot decoder's call as its forward in batched mode (batch_invariant: one Engine.step per row). A failed
+forward's routing never reaches the trace (Engine.step takes it back): a retried step's rows are the
+retry's alone, and a decode step's row b is its b-th sequence's token (`rows_are_tokens`), so a
+NumericalError's finite rows, sampled here, keep their routing in the trace.
 
 Modes: "batched" when the engine's decoder is the LeanDecoder (runtime/lean.py); otherwise
 "serial": one sequence holds the one slot until it finishes, through the engine's decoder
@@ -528,9 +531,9 @@ class BatchRunner:
         if slots is not None:
             rows = [s.slot for s in batch]
             run: Callable[[], torch.Tensor] = lambda: slots.decode(rows, tokens)  # noqa: E731
-            return engine.step(index=index, run=run)
+            return engine.step(index=index, run=run, rows_are_tokens=True)
         with torch.inference_mode():  # serial: one sequence owns the engine's decoder
-            return engine.step(_row(tokens, engine), index=index)[-1:]
+            return engine.step(_row(tokens, engine), index=index, rows_are_tokens=True)[-1:]
 
     def stats(self) -> dict[str, Any]:
         n = self._n

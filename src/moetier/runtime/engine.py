@@ -13,12 +13,15 @@ every forward alike; generate, perplexity and the batch runner also give it the 
 Faults: `Engine.step` lets an ExpertReadError (store/store.py: a failed expert read, its `rows` set
 by the MoE block) propagate unchanged; the engine stays usable (the decoder's position and the
 precision controller's routing are untouched by a failed step, and KV writes are positional, so a
-retry of the same step, with or without the failed rows, is idempotent). Every step's logits are
+retry of the same step, with or without the failed rows, is idempotent); the routing the failed forward's
+MoE layers recorded into the trace before the failure is taken back (TraceRecorder.rollback), so a trace
+holds exactly the routing of forwards that completed. Every step's logits are
 checked for NaN / Inf with one reduction (`_all_finite`); non-finite logits raise NumericalError
 naming, where it can find one, the damaged expert (the blocks' `find_nonfinite`, experts routed in
 that step) or non-expert weight, with `rows`: the rows of the step's logits that are not finite, and
 `logits`: the step's whole output. Unlike a read error, that forward ran to its end (the decoders'
-positions moved on), so a batching caller uses the finite rows of `logits` rather than retrying.
+positions moved on), so a batching caller uses the finite rows of `logits` rather than retrying (and
+tells Engine.step so, `rows_are_tokens`: the trace keeps those rows' routing, drops the others').
 Experts are not checked when read from disk: that would cost a pass over every expert read on the
 miss path (tens of percent of a read), while a damaged expert is caught the first time it computes.
 `health()` reports "degraded" while a read or numerical error happened in the last HEALTH_WINDOW_S
@@ -163,27 +166,32 @@ class Engine:
     # -- compute ---------------------------------------------------------------
     def step(
         self, ids: torch.Tensor | None = None, index: int | None = None, all_logits: bool = False,
-        run: Callable[[], torch.Tensor] | None = None, force_switch: bool = False,
+        run: Callable[[], torch.Tensor] | None = None, force_switch: bool = False, rows_are_tokens: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """The forward step, of the decoder or of `run` (exactly one of `ids` and `run`): ids [1, T] (T tokens of
         one sequence) -> logits [T, V] (all_logits) or [1, V] (last) of the decoder; or what `run()` returns
         (runtime/batch.py: a slot's prefill or a batch's decode step on its own KV caches).
-        1. the trace's step index (when `index` is given);
+        1. the trace: this forward's rows start here, at step index `index` (when given);
         2. the forward (kernels.matmul picks each product's kernel for its row count, per call);
         3. the logits checked for NaN / Inf (NumericalError naming the damage, with `rows` and `logits`);
         4. precision switching: this forward's routing to the controller (`force_switch`: decide now).
-        A failed forward (ExpertReadError, NumericalError) propagates unchanged and leaves no routing behind."""
+        A failed forward (ExpertReadError, NumericalError) propagates unchanged and leaves no routing behind: not
+        in the precision controller, not in the trace. `rows_are_tokens`: row b of the output is the forward's
+        token b (a batch's decode step, one token per sequence), whose caller samples the finite rows of a
+        NumericalError's logits: their tokens' routing stays in the trace, the non-finite rows' is dropped."""
         if (ids is None) == (run is None):
             raise ValueError("Engine.step takes ids or run, exactly one of them")
-        if index is not None and self.recorder is not None:
-            self.recorder.step = index
+        if self.recorder is not None:
+            self.recorder.begin(index)
         try:
             out = run() if run is not None else self.decoder.forward(cast(torch.Tensor, ids), all_logits)
             if not _all_finite(out):
                 raise self._numerical_error(out)
-        except BaseException:
+        except BaseException as exc:
             if self.switching is not None:
                 self.switching.discard_forward()
+            if self.recorder is not None:
+                self.recorder.rollback(_finite_rows(exc) if rows_are_tokens else ())
             raise
         if self.switching is not None:
             self.switching.after_forward(force=force_switch)
@@ -463,6 +471,15 @@ def _all_finite(logits: torch.Tensor) -> bool:
     if bool(torch.isfinite(logits.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(logits).all())
+
+
+def _finite_rows(exc: BaseException) -> list[int]:
+    """The finite rows of a failed step's output: those of a NumericalError's logits [R, V] that it does not name
+    (that forward ran to its end); none for any other failure (that forward did not)."""
+    if not isinstance(exc, NumericalError) or not isinstance(exc.logits, torch.Tensor):
+        return []
+    bad = set(exc.rows)
+    return [r for r in range(exc.logits.reshape(-1, exc.logits.shape[-1]).shape[0]) if r not in bad]
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:

@@ -96,7 +96,8 @@ class ObserverList:
 
 
 class TraceObserver:
-    """Records every layer call's routing (and, with scores, its router probabilities) into a TraceRecorder."""
+    """Records every layer call's routing (and, with scores, its router probabilities) into a TraceRecorder; the
+    engine owns the recorder's forward boundaries (Engine.step: `begin`, and `rollback` when a forward fails)."""
 
     stage = Stage.RECORD
 

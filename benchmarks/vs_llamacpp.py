@@ -99,6 +99,7 @@ import torch
 import moetier
 from benchmarks._models import qwen3_bench_model
 from benchmarks.decode import _Clock
+from moetier.kernels import native
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_SRC = REPO / "models" / "tiny-shakespeare-moe"
@@ -325,16 +326,8 @@ def format_types(kinds: dict[str, dict[str, int]]) -> str:
 
 
 def cpu_isa() -> dict[str, Any]:
-    flags: set[str] = set()
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    model, listed = native.cpu_info()
+    flags = set(listed)
     have = [f for f in ISA_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx"))
     return {"cpu": model, "flags": have, "torch_capability": torch.backends.cpu.get_cpu_capability()}
 

@@ -231,3 +231,14 @@ def test_moe_in_groups_gives_the_bits_of_one_call(lib: object) -> None:
         decode.moe_acc(x, slots[g0:g1], layout[9 * g0 : 9 * g1], [p - lo for p in start[g0 : g1 + 1]], tok[lo:hi],
                        rw[lo:hi], i, acc)  # fmt: skip
     assert torch.equal(acc.to(BF16), one)
+
+
+def test_cpu_info_reads_the_first_cpu_of_proc_cpuinfo() -> None:
+    """native.cpu_info: the model and flags of the first CPU listed, as the profile and the benchmarks report them
+    (and the lines native._cpu_id keys the kernel build on)."""
+    model, flags = native.cpu_info()
+    raw = native._cpu_id()  # the raw "model name" and "flags" lines, or the platform's name without /proc/cpuinfo
+    assert isinstance(model, str) and all(isinstance(f, str) and f for f in flags)
+    assert model in raw and " ".join(flags) in raw
+    if "flags" in raw:
+        assert flags and len(set(flags)) == len(flags)

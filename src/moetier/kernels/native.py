@@ -100,6 +100,21 @@ def _version(cc: str) -> str:
         return ""
 
 
+def cpu_info() -> tuple[str, list[str]]:
+    """(model name, ISA flags) of the first CPU listed in /proc/cpuinfo; ("", []) where it cannot be read. The one
+    reader of the CPU's model and flags for profiles and benchmarks (`_cpu_id` keeps its raw lines for cache keys)."""
+    model, flags = "", None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and flags is None:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return model, flags or []
+
+
 def _cpu_id() -> str:
     """What -march=native depends on: the CPU model and its flags."""
     try:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from moetier.errors import ConfigError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, quantize_expert
+from moetier.kernels import native
 from moetier.kernels.experts import SwiGLU
 from moetier.kernels.matmul import linear
 from moetier.kernels.qformat import ExpertFormat
@@ -307,13 +308,9 @@ def _compute_profile(luts: Luts, small: Luts, bw: float, layer_s: float, opts: P
 def _cpu_model() -> str:
     """The CPU model and the matrix ISAs the expert kernels can use, e.g. "Intel Xeon ... (AMX: yes, AVX-512: yes)"
     (a profile records the machine it came from; the simulators' --cpu-profile says which it used)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), None)
-    if flags is None:
+    model, flags = native.cpu_info()
+    model = model or platform.processor() or platform.machine()
+    if not flags:
         return model
     amx, avx512 = any(f.startswith("amx") for f in flags), any(f.startswith("avx512") for f in flags)
     return f"{model} (AMX: {'yes' if amx else 'no'}, AVX-512: {'yes' if avx512 else 'no'})"

@@ -140,8 +140,7 @@ class Prefetcher:
         self.blocks, self.store, self.pricing, self.cfg = list(blocks), store, pricing, cfg
         self.position = {b.layer: i for i, b in enumerate(self.blocks)}
         self.predictor = PREDICTORS[cfg.predictor](self.blocks, top_k, cfg.depth)
-        self.stats = PrefetchStats()
-        self.by_distance = {d: PrefetchStats() for d in range(1, cfg.depth + 1)}
+        self.stats = PrefetchStats()  # overall, and per distance (its by_distance: the simulator's counters)
         self._pending: dict[int, dict[int, set[ExpertKey]]] = {}  # target layer -> distance -> predicted keys
         self.budget_s = 0.0  # link seconds offered to choose_prefetch, summed
         self.chosen = 0
@@ -156,7 +155,6 @@ class Prefetcher:
         if made:
             self.stats.record_prediction(set().union(*made.values()), actual)
             for d, keys in made.items():
-                self.by_distance[d].record_prediction(keys, actual)
                 self.stats.record_distance(d, keys, actual)
         # 2. predict the next `depth` MoE layers (every call reaches the predictor: history learns from it)
         i = self.position[layer]
@@ -199,6 +197,10 @@ class Prefetcher:
         out["depth"] = self.cfg.depth
         out["predictor"] = self.cfg.predictor
         out["link_budget_s"] = self.budget_s
-        out["by_distance"] = {d: s.as_dict() for d, s in self.by_distance.items()}
+        out["by_distance"] = {  # every distance 1..depth, from the one set of per-distance counters
+            d: {"predicted": n, "correct": c, "accuracy": c / n if n else 0.0}
+            for d in range(1, self.cfg.depth + 1)
+            for n, c in [self.stats.by_distance.get(d, [0, 0])]
+        }
         out.update(self.predictor.summary())
         return out

@@ -310,7 +310,7 @@ def machine_profile(cfg: TriSimConfig) -> HardwareProfile:
         return profile
     cpu = load_profile(cfg.cpu_profile)
     return replace(profile, cpu=cpu.cpu, cpu_threads=cpu.cpu_threads,
-                   source=f"{profile.source}; CPU compute from {cpu_source(cfg)}")  # fmt: skip
+                   source=f"{profile.source}; CPU compute from {cpu.name}: {cpu.source}")  # fmt: skip
 
 
 def cpu_source(cfg: TriSimConfig) -> str:

@@ -23,9 +23,16 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import AutoModelForCausalLM
 
 from moetier.models.tiny import TINY, build_tiny_checkpoint
+
+# Hypothesis: no per-example deadline and no too_slow health check. Examples run the engine, torch kernels and
+# the simulators; on a busy 2-core machine one of them can take seconds, which is not a failure of the property.
+# Per-test @settings still set max_examples etc. (their deadline=None just repeats this).
+settings.register_profile("moetier", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("moetier")
 
 FAMILY_NAMES = tuple(TINY)  # every family the project ships a tiny checkpoint for
 

@@ -160,11 +160,16 @@ def test_soak_runs_and_reports_every_field() -> None:
                 "expert_bytes", "budget_bytes", "intervals", "ok"):  # fmt: skip
         assert key in out, key
     assert out["benchmark"] == "soak" and out["budget_bytes"] == out["expert_bytes"] // 4
-    assert len(out["intervals"]) == 2 and [round(r["t_end_s"]) for r in out["intervals"]] == [5, 10]
-    for r in out["intervals"]:
+    assert len(out["intervals"]) == 2  # --duration 10 / --interval 5
+    for k, r in enumerate(out["intervals"], 1):
+        # sampled at its interval's end: never before it (to float rounding), late by however long the monitor's
+        # wake-up and the previous scrape took on a busy machine, but before the next interval would end
+        assert k * 5 - 1e-6 <= r["t_end_s"] < (k + 1) * 5, (k, r["t_end_s"])
         assert r["rss_bytes"] > 0 and 0.0 <= r["hit_rate"]["host"] <= 1.0
     assert {"cpu", "cores", "avx512", "amx"} <= set(out["machine"])
-    # 2. a healthy server: no error, idle afterwards, served requests; the exit status follows the verdict
+    # 2. a healthy server: no error, idle afterwards (within soak.IDLE_WAIT_S, 30 s, of the drain), served requests
+    # (not a matter of speed: each client's first request of the seeded mix is not cut, and every request started
+    # before the deadline is awaited); the exit status follows the verdict
     assert out["errors"] == 0 and out["error_kinds"] == {}, out["error_kinds"]
     assert out["served"] > 0 and out["idle_after_ok"] and out["server_5xx"] == 0
     assert out["rss_growth_ok"] == (out["rss_growth_pct"] <= 5.0)

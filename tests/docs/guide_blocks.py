@@ -39,8 +39,10 @@ RUNNABLE_LANGS = ("bash", "python")
 NOTE = "> Not run by the tests"
 MARKER = re.compile(r"^<!--\s*(run|run: background|skip: .+|file: \S+)\s*-->$")
 FENCE = re.compile(r"^```(\w*)")
-BLOCK_TIMEOUT_S = 120
-HEALTH_TIMEOUT_S = 90
+# bounds for a loaded machine, not expected times: the pages run two at a time on 2 cores, and a loaded machine
+# (load average 7) took 34 s to start a server that takes 3 s alone
+BLOCK_TIMEOUT_S = 300
+HEALTH_TIMEOUT_S = 180
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,10 @@ def flag_problems(block: Block, commands: dict[str, set[str]]) -> list[str]:
 
 
 def free_port() -> int:
+    """A port free now, bound again later by the page's server: a race with any process that takes it meanwhile
+    (the server then fails at once, `cannot listen on ...`). Kept because the page's blocks are the guide's
+    text: its server runs with `--log-level warning`, so `--port 0` would not log the port it got (uvicorn says it
+    at info only), and the later blocks need the number."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

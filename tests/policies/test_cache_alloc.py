@@ -67,10 +67,12 @@ def test_dp_is_fast_at_deepseek_like_sizes() -> None:
     for n_layers, experts in ((26, 64), (60, 160)):
         curves = [np.sort(rng.integers(0, 2000, experts + 1))[::-1] for _ in range(n_layers)]
         budget = round(0.25 * n_layers * experts)
-        t0 = time.perf_counter()
+        # CPU time of this process (all its threads), not wall time: other processes on the cores do not count.
+        # allocate_slots is numpy on the calling thread.
+        t0 = time.process_time()
         slots = allocate_slots(curves, budget)
         assert sum(slots) == budget and max(slots) <= experts
-        assert time.perf_counter() - t0 < 10.0  # 60 x 160 at 25%: well under a second on one core
+        assert time.process_time() - t0 < 10.0  # 60 x 160 at 25%: well under a second on one core
 
 
 def test_bad_input_is_named() -> None:

@@ -594,7 +594,9 @@ def test_failed_demotion_does_not_stall_the_mover(model, sizes, monkeypatch) -> 
         monkeypatch.setattr(source, "read_into", flaky)
         sw.controller.seed({0: [1.0, 1.0, 0.5, 0, 10.0, 0], 1: [1.0, 1.0, 0, 0, 0, 0]})
         sw.after_forward(force=True)  # demote `cold`, then promote `victim` into the slot it frees
-        assert sw.mover.drain(timeout=3), "the mover is stuck behind the promotion"
+        # the stall this guards against is the promotion's 30 s wait for a slot (store.begin_switch(...,
+        # timeout=30.0) in runtime/precision.py); 15 s stays below it and gives a busy machine room for both moves
+        assert sw.mover.drain(timeout=15), "the mover is stuck behind the promotion"
         assert store.precision_of(cold) == Precision.FULL and store.precision_of(victim) == Precision.INT4
         errors = engine.stats()["switching"]["mover_errors"]
         assert errors and "demote (0, 2)" in errors[0] and not any("TimeoutError" in e for e in errors)

@@ -1,6 +1,7 @@
 """The server against the official `openai` client on loopback: completions, chat, streaming,
-stop strings, seeds, models, health, metrics, and concurrent requests decoded in shared batches.
-Greedy server output must equal Engine.generate of the same prompt alone."""
+stop strings, seeds, models, health, metrics, and concurrent requests decoded in shared batches (all
+admitted in one step: the batch does not depend on when each request arrived). Greedy server output must
+equal Engine.generate of the same prompt alone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from moetier.config import SamplingConfig
 from moetier.runtime.engine import Engine
 from moetier.serve.prompts import chat_text
-from serve.conftest import NAME
+from serve.conftest import NAME, FakeClock, HeldRunner, wait_for
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed", "KING HENRY:", "Good morrow,",
            "HAMLET:\nTo be", "What light", "MERCUTIO:\nNay"]  # fmt: skip
@@ -104,20 +105,23 @@ def test_seeded_sampling_is_reproducible(make_server: Callable[..., Any]) -> Non
 def test_models_health_metrics(make_server: Callable[..., Any]) -> None:
     import httpx2
 
-    url, _ = make_server()
+    clock = FakeClock()  # the generation rate's window: 2 s old at the request, and still when /metrics is read
+    url, _ = make_server(clock=clock)
+    clock.advance(2.0)
     c = client(url)
     assert [m.id for m in c.models.list().data] == [NAME]
     assert c.models.retrieve(NAME).id == NAME
     health = httpx2.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["model"] == NAME
-    c.completions.create(model=NAME, prompt="ROMEO:", max_tokens=4, temperature=0)
+    out = c.completions.create(model=NAME, prompt="ROMEO:", max_tokens=4, temperature=0)
+    assert out.usage is not None
     resp = httpx2.get(f"{url}/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     metrics = _parse_metrics(resp.text)
     assert metrics['moetier_requests_total{route="/v1/completions",status="200"}'] == 1
-    assert metrics["moetier_completion_tokens_total"] >= 1
-    assert metrics["moetier_prompt_tokens_total"] >= 1
-    assert metrics["moetier_generation_tokens_per_second"] > 0
+    assert metrics["moetier_completion_tokens_total"] == out.usage.completion_tokens >= 1
+    assert metrics["moetier_prompt_tokens_total"] == out.usage.prompt_tokens >= 1
+    assert metrics["moetier_generation_tokens_per_second"] == pytest.approx(out.usage.completion_tokens / 2.0)
     assert metrics['moetier_expert_hits_total{tier="host"}'] + metrics['moetier_expert_misses_total{tier="host"}'] > 0
     assert 'moetier_precision_experts{precision="full"}' in metrics
     for name in ("moetier_bytes_moved_total{link=\"disk_host\"}", "moetier_sparsity_achieved", "moetier_queue_depth",
@@ -136,15 +140,16 @@ def _parse_metrics(text: str) -> dict[str, float]:
 
 
 def test_concurrent_requests_share_batches(engine: Engine, make_server: Callable[..., Any]) -> None:
-    wants = [reference(engine, p, 24)[0] for p in PROMPTS]
-    url, app = make_server(max_batch=8)
+    """The runner admits nothing until all 8 requests wait in it (HeldRunner), so they are prefilled in one step
+    and every decode step decodes each of them that has not finished: the batches are fixed, not timing's."""
+    refs = [reference(engine, p, 24) for p in PROMPTS]
+    runner = HeldRunner(engine, max_batch=8)
+    url, _ = make_server(max_batch=8, runner=runner)
     got: dict[int, str] = {}
     errors: list[BaseException] = []
-    barrier = threading.Barrier(len(PROMPTS))
 
     def one(i: int) -> None:
         try:
-            barrier.wait()
             out = client(url).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=24, temperature=0)
             got[i] = out.choices[0].text
         except BaseException as exc:
@@ -153,12 +158,17 @@ def test_concurrent_requests_share_batches(engine: Engine, make_server: Callable
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
+    assert wait_for(lambda: runner.pending == len(PROMPTS)), runner.stats()
+    assert runner.stats()["steps"] == 0  # none started before the others came
+    runner.gate.set()
     for t in threads:
         t.join(60)
     assert not errors
-    assert [got[i] for i in range(len(PROMPTS))] == wants
-    stats = app.state.worker.runner.stats()  # type: ignore[attr-defined]
-    assert stats["mode"] == "batched" and stats["mean_batch"] > 1.0
+    assert [got[i] for i in range(len(PROMPTS))] == [text for text, _ in refs]
+    stats = runner.stats()
+    decoded = [n - 1 for _, n in refs]  # each sequence's first token comes from its prefill
+    assert stats["mode"] == "batched" and stats["decode_steps"] == max(decoded)
+    assert stats["mean_batch"] == pytest.approx(sum(decoded) / max(decoded)) and stats["mean_batch"] > 1.0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"])

@@ -1,11 +1,15 @@
 """serve/metrics.py: each limit figure is read from the one store WORKER_FIGURES declares for it (the server
-counters or the runner's stats), never searched for in other sections of a snapshot; no engine needed."""
+counters or the runner's stats), never searched for in other sections of a snapshot; the generation rate counts
+the tokens of the last RATE_WINDOW_S seconds of its clock (a fake one here); no engine needed."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from moetier.serve.metrics import WORKER_FIGURES, ServerMetrics, render, worker_figures
+import pytest
+
+from moetier.serve.metrics import RATE_WINDOW_S, WORKER_FIGURES, ServerMetrics, render, worker_figures
+from serve.conftest import FakeClock
 
 LIMIT_LINES = {  # figure -> its /metrics name
     "queue_timeouts": "moetier_queue_timeouts_total",
@@ -45,3 +49,20 @@ def test_figures_come_from_their_store_only() -> None:
     text = render(metrics, snap, 0, 0)
     for figure, name in LIMIT_LINES.items():
         assert _value(text, name) == want[figure], figure
+
+
+def test_generation_rate_counts_the_last_window() -> None:
+    clock = FakeClock()
+    metrics = ServerMetrics(clock)
+    assert metrics.tokens_per_s() == 0.0  # nothing yet, no time passed: no division by zero
+    clock.advance(2.0)
+    metrics.add_tokens(6)
+    assert metrics.tokens_per_s() == pytest.approx(3.0)  # the server is 2 s old: 6 tokens over 2 s
+    clock.advance(RATE_WINDOW_S)  # 12 s old: the window is the last 10 s, the 6 tokens are 10 s old (still in)
+    metrics.add_tokens(4)
+    assert metrics.tokens_per_s() == pytest.approx(10 / RATE_WINDOW_S)
+    clock.advance(0.5)  # the first 6 are past the window now
+    assert metrics.tokens_per_s() == pytest.approx(4 / RATE_WINDOW_S)
+    assert _value(render(metrics, {}, 0, 0), "moetier_generation_tokens_per_second") == pytest.approx(0.4)
+    clock.advance(RATE_WINDOW_S)
+    assert metrics.tokens_per_s() == 0.0 and metrics.completion_tokens == 10  # the rate forgets, the counter does not

@@ -297,19 +297,21 @@ def test_a_killed_replica_loses_only_its_in_flight_requests(url: str) -> None:
     survivors = [o for o in outs if o.pid is not None and o.pid != victim]
     assert survivors and all(o.ok for o in survivors)
     # 3. the other replica keeps serving while Serve replaces the dead one
+    survivor = survivors[0].pid
     for o in [_request(url, Outcome(stream=i % 2 == 0), max_tokens=4) for i in range(4)]:
-        assert o.ok and o.pid != victim, o
-    # 4. the replacement comes up and serves: two replicas again, neither of them the victim
+        assert o.ok and o.pid == survivor, o
+    # 4. the replacement comes up and serves. Serve's status is no signal for this: its controller notices
+    #    the death only at the next health check (health_check_period_s), so until then it still counts
+    #    the victim as RUNNING. What is checked is the replacement itself answering, within a deadline, and
+    #    every request answered meanwhile (by the survivor, until the proxy routes to the replacement).
     deadline = time.monotonic() + 180
-    while _replicas_running() < 2:
-        assert time.monotonic() < deadline, "Serve did not replace the killed replica"
-        time.sleep(0.5)
     pids: set[str | None] = set()
-    for _ in range(6):
-        outs, pool, futures = _load(url, 8, max_tokens=4)
+    while not pids - {victim, survivor}:
+        assert time.monotonic() < deadline, f"no replacement answered within 180 s (answered: {pids})"
+        outs, pool, futures = _load(url, 4, max_tokens=4)
         _finish(pool, futures)
         assert all(o.ok for o in outs), [(o.status, o.error, o.exception) for o in outs if not o.ok]
         pids |= {o.pid for o in outs}
-        if len(pids) == 2:
-            break
-    assert len(pids) == 2 and victim not in pids
+        time.sleep(0.2)
+    assert victim not in pids
+    assert _replicas_running() == 2  # the replacement answered, so Serve counts it RUNNING

@@ -2,13 +2,14 @@
 past queue_timeout_s ends with APIError 503 "queue_timeout", one running past request_timeout_s with a
 StepEvent "timeout" (its slot freed), a sequence the runner fails alone with APIError 503 (a failed expert read,
 file and expert named) or 500 (non-finite values) while the others finish; health() and the snapshot's
-worker counters say so."""
+worker counters say so. The time limits run on a FakeClock that the SlowRunner moves on one second per step:
+a job's age is a count of steps, whatever the machine's load."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,18 +24,19 @@ from moetier.serve.errors import APIError
 from moetier.serve.metrics import ServerMetrics
 from moetier.serve.worker import Item, Job, Worker, WorkerLimits
 from moetier.types import ExpertKey
-from serve.conftest import SlowRunner
+from serve.conftest import FakeClock, SlowRunner, open_gate
 
 PATH = "/models/x/model-00001-of-00002.safetensors"
 
 
 @contextmanager
-def running(runner: BatchRunner, limits: WorkerLimits) -> Iterator[Worker]:
-    worker = Worker(runner, limits, ServerMetrics())
+def running(runner: BatchRunner, limits: WorkerLimits, clock: Callable[[], float] = time.monotonic) -> Iterator[Worker]:
+    worker = Worker(runner, limits, ServerMetrics(), clock)
     worker.start()
     try:
         yield worker
     finally:
+        open_gate(runner)  # a test that failed with its gate shut: the worker can stop
         worker.stop()
 
 
@@ -61,22 +63,24 @@ def test_limits_are_validated(engine: Engine) -> None:
 
 
 def test_queue_timeout_is_a_503_and_the_running_job_goes_on(engine: Engine) -> None:
-    runner = SlowRunner(engine, max_batch=1, delay=0.01)
-    with running(runner, WorkerLimits(max_queue=4, queue_timeout_s=0.3)) as worker:
+    """Both jobs are submitted at the same fake time; the first takes the one slot in step 1 (so it never counts as
+    queued) and holds it for 60 steps; the second has waited 3 steps (3 s > 2.5 s) after step 3."""
+    clock = FakeClock()
+    runner = SlowRunner(engine, max_batch=1, clock=clock)
+    runner.gate.clear()  # no step (no tick of the clock) before both are submitted
+    with running(runner, WorkerLimits(max_queue=4, queue_timeout_s=2.5), clock) as worker:
 
         async def main() -> tuple[list[Item], list[Item]]:
             loop = asyncio.get_running_loop()
-            first = worker.submit(SeqRequest([5, 6, 7], 60), loop)  # holds the one slot for > 0.6 s
-            await asyncio.sleep(0.05)
+            first = worker.submit(SeqRequest([5, 6, 7], 60), loop)  # holds the one slot for 60 steps
             second = worker.submit(SeqRequest([8, 9], 5), loop)
+            runner.gate.set()
             return await asyncio.gather(collect(first), collect(second))
 
-        t0 = time.monotonic()
         first, second = asyncio.run(main())
-        assert time.monotonic() - t0 < 20
         err = second[-1]
         assert len(second) == 1 and isinstance(err, APIError)
-        assert (err.status, err.code) == (503, "queue_timeout") and "0.3 s" in err.message
+        assert (err.status, err.code) == (503, "queue_timeout") and "2.5 s" in err.message
         last = first[-1]
         assert isinstance(last, StepEvent) and last.finish_reason == "length" and len(first) == 60
         snap = snapshot(worker)
@@ -86,23 +90,26 @@ def test_queue_timeout_is_a_503_and_the_running_job_goes_on(engine: Engine) -> N
 
 
 def test_request_timeout_ends_the_job_and_frees_its_slot(engine: Engine) -> None:
-    runner = SlowRunner(engine, max_batch=1, delay=0.01)
-    with running(runner, WorkerLimits(request_timeout_s=0.4)) as worker:
+    """One fake second per step, a 4.5 s limit: the long job is 5 s old after its 5th token and ends there; the short
+    one (3 tokens, submitted after) finishes at most 4 steps after its submission (the long one's cancellation may
+    take one), inside the limit."""
+    clock = FakeClock()
+    runner = SlowRunner(engine, max_batch=1, clock=clock)
+    with running(runner, WorkerLimits(request_timeout_s=4.5), clock) as worker:
 
         async def main() -> tuple[list[Item], list[Item]]:
             loop = asyncio.get_running_loop()
-            long = worker.submit(SeqRequest([5, 6, 7], 900), loop)  # 9 s without the limit
+            long = worker.submit(SeqRequest([5, 6, 7], 900), loop)  # 900 steps without the limit
             items = await collect(long)
             short = worker.submit(SeqRequest([8, 9], 3), loop)  # the slot is free again
             return items, await collect(short)
 
-        t0 = time.monotonic()
         long, short = asyncio.run(main())
-        assert time.monotonic() - t0 < 5
         end = long[-1]
         assert isinstance(end, StepEvent) and (end.finish_reason, end.token, end.finished) == ("timeout", None, True)
-        assert 1 <= len(long) - 1 < 900  # some tokens, then the end
-        assert isinstance(short[-1], StepEvent) and short[-1].finish_reason == "length"
+        tokens = [ev.token for ev in long[:-1] if isinstance(ev, StepEvent)]
+        assert len(long) == 6 and len(tokens) == 5 and None not in tokens  # 5 tokens, then the end
+        assert isinstance(short[-1], StepEvent) and short[-1].finish_reason == "length" and len(short) == 3
         snap = snapshot(worker)
         assert snap["worker"]["request_timeouts"] == 1 and snap["runner"]["running"] == 0
         assert worker.metrics.events["finished_timeout"] == 1 == worker.metrics.events["request_timeouts"]

@@ -7,7 +7,9 @@ source wrapper that can hold a read at a gate, fail it, and count reads per key.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,35 @@ def make(path: Path, slots: int, policy: str = "lru") -> tuple[ExpertStore, Gate
     return store, src
 
 
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll `cond` until it holds (synchronisation that does not depend on how fast a busy machine gets there);
+    fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.001)
+
+
+def count_cv_waits(store: ExpertStore, monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """Counts the store's condition waits (acquire waiting for an in-flight load or for a slot). A waiter counts
+    itself with the store's lock held, and the count is read under that lock: a count of n means n waiters have
+    released the lock inside wait()."""
+    n = [0]
+    real = store._cv.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        n[0] += 1
+        return real(timeout)
+
+    monkeypatch.setattr(store._cv, "wait", wait)
+
+    def count() -> int:
+        with store._lock:
+            return n[0]
+
+    return count
+
+
 def check_budget(store: ExpertStore) -> None:
     st = store.compute
     used = list(st.slots.values()) + list(st.inflight.values())
@@ -105,7 +136,8 @@ def test_forward_waits_for_the_inflight_load_without_a_second_read(tiny_ckpt):
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(store.acquire(K(1, 2))))
     t.start()
-    t.join(0.2)
+    # the store counts the wait (under its lock) before waiting: once it reads 1, t is waiting for the load
+    wait_until(lambda: not t.is_alive() or store.prefetch_stats()["waits"] == 1, "acquire waiting for the load")
     assert t.is_alive() and not got  # waiting for the load it needs
     # a forward that does not need it is not held up
     store.acquire(K(0, 0))
@@ -118,17 +150,18 @@ def test_forward_waits_for_the_inflight_load_without_a_second_read(tiny_ckpt):
     store.close()
 
 
-def test_demand_load_waits_for_inflight_slot_when_the_rest_are_pinned(tiny_ckpt):
+def test_demand_load_waits_for_inflight_slot_when_the_rest_are_pinned(tiny_ckpt, monkeypatch):
     store, src = make(tiny_ckpt("qwen3_moe"), slots=2)
     store.acquire(K(0, 0))  # pinned: one slot
     src.gated = {K(0, 1)}
     store.prefetch([K(0, 1)])  # the other slot, in flight
     assert src.started.wait(5)
     done: list[Any] = []
+    cv_waits = count_cv_waits(store, monkeypatch)
     t = threading.Thread(target=lambda: done.append(store.acquire(K(0, 2))))
     t.start()
-    t.join(0.2)
-    assert t.is_alive()  # no slot yet, and no BudgetError either
+    wait_until(lambda: not t.is_alive() or cv_waits() == 1, "acquire waiting for a slot")
+    assert t.is_alive() and not done  # no slot yet, and no BudgetError either: it waits for the in-flight load
     src.gate.set()
     t.join(5)
     assert done and K(0, 2) in store.index and K(0, 1) not in store.index  # the registered prefetch was evicted

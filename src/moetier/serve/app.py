@@ -1,4 +1,4 @@
-"""`create_app(engine, config, runner)`: the FastAPI application of `moetier serve` (OpenAI-compatible).
+"""`create_app(engine, config, runner, clock)`: the FastAPI application of `moetier serve` (OpenAI-compatible).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text).
@@ -16,6 +16,9 @@ wrongly typed field (400, naming it), an unsupported parameter (400, naming it; 
 unknown model (404), a prompt or max_tokens that does not fit the context (400; prompts.py), more
 sequences than the server can hold (400), a full queue (429). Limits the worker enforces answer
 503 (queue wait, Retry-After) and 504 (request time); a sequence that fails alone 500.
+
+`clock` (default time.monotonic) is the one the worker's time limits and the metrics' generation rate
+are measured on (tests pass a fake one); body read timeouts are the event loop's.
 
 Sampling defaults follow OpenAI: temperature 1, top_p 1; `seed` makes a request reproducible
 whatever else is in the batch; with `n` > 1, sample i of each prompt uses seed + i. Greedy output
@@ -62,15 +65,17 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REFUSALS = {401: "refused_auth", 408: "refused_read_timeout", 413: "refused_body_too_large"}
 
 
-def create_app(engine: Engine, config: ServeConfig | None = None, runner: BatchRunner | None = None) -> FastAPI:
+def create_app(engine: Engine, config: ServeConfig | None = None, runner: BatchRunner | None = None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:  # fmt: skip
     """The server app for `engine` under `config` (default ServeConfig()); `runner` replaces the BatchRunner
-    built from config.batch (tests pass instrumented ones)."""
+    built from config.batch (tests pass instrumented ones); `clock` (monotonic seconds) is the worker's and the
+    metrics' (tests pass a fake one)."""
     # 1. the engine side: runner, worker, tokenizer, limits
     config = config or ServeConfig()
     name = config.model_name or str(engine.info.path).rstrip("/").rsplit("/", 1)[-1]
     runner = runner or BatchRunner(engine, config.batch)
-    metrics = ServerMetrics()
-    worker = Worker(runner, config.limits, metrics)
+    metrics = ServerMetrics(clock)
+    worker = Worker(runner, config.limits, metrics, clock)
     try:
         tokenizer: Any = engine.tokenizer
     except CheckpointError:

@@ -16,7 +16,9 @@ Limits (`WorkerLimits`), checked by the worker between steps (so to within one s
 - `request_timeout_s`: a job not finished this long after its submission (queue wait included) is
   cancelled in the runner and ends with a terminal StepEvent(finish_reason="timeout") (the API turns
   it into a 504 when nothing was sent yet, else ends the stream with an error event).
-Both time limits are counted in ServerMetrics only ("queue_timeouts", "request_timeouts"); the snapshot's
+Both time limits are measured on the worker's `clock` (default time.monotonic; tests pass a fake one, so a job's
+age is the time they set, not what a busy machine took): `submit` stamps the job with it, `_expire` reads it.
+Both are counted in ServerMetrics only ("queue_timeouts", "request_timeouts"); the snapshot's
 "worker" section reads them there and the runner's figures from runner.stats() (metrics.WORKER_FIGURES).
 A sequence the runner fails alone (StepEvent finish_reason "error", runtime/batch.py) ends its job with
 APIError 503 (code "expert_read_error": a disk read of an expert failed; the message names the file
@@ -42,6 +44,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,10 +80,10 @@ class Job:
 
     req: SeqRequest
     loop: asyncio.AbstractEventLoop
+    submitted: float  # time of submit on the worker's clock (Worker.clock), which the time limits count from
     events: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     seq_id: int | None = None
     finished: bool = False  # the terminal item was delivered (worker side)
-    submitted: float = field(default_factory=time.monotonic)  # monotonic time of submit
     started: bool = False  # an event arrived (it holds a slot or has finished; worker side)
 
     def deliver(self, item: Item) -> None:
@@ -89,10 +92,14 @@ class Job:
 
 
 class Worker:
-    def __init__(self, runner: BatchRunner, limits: WorkerLimits, metrics: ServerMetrics) -> None:
+    """See the module docstring; `clock` (seconds, monotonic) is what the time limits are measured on."""
+
+    def __init__(self, runner: BatchRunner, limits: WorkerLimits, metrics: ServerMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         if not isinstance(limits, WorkerLimits):
             raise ConfigError(f"Worker takes WorkerLimits, got {type(limits).__name__}")
         self.runner, self.engine, self.limits, self.metrics = runner, runner.engine, limits, metrics
+        self.clock = clock
         self.max_queue = limits.max_queue
         self.capacity = runner.max_batch + limits.max_queue
         self._cond = threading.Condition()
@@ -137,7 +144,7 @@ class Worker:
 
     def submit(self, req: SeqRequest, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request; APIError 429 when the queue is full, 503 when the worker is not running."""
-        job = Job(req, loop)
+        job = Job(req, loop, self.clock())
         with self._cond:
             if not self.alive:
                 raise APIError(503, "the server is not running (shutting down or its worker failed)")
@@ -248,7 +255,7 @@ class Worker:
         qt, rt = self.limits.queue_timeout_s, self.limits.request_timeout_s
         if qt is None and rt is None:
             return
-        now = time.monotonic()
+        now = self.clock()
         for seq_id, job in list(self._jobs.items()):
             waited = now - job.submitted
             item: Item

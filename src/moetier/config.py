@@ -255,6 +255,8 @@ class RuntimeConfig:
     native_kernels: bool = True  # build and use the C sparse kernel (kernels/native.py); False: torch ops
     kernel_cache: str | None = None  # folder of kernel builds and tipping profiles; None = ~/.cache/moetier
     dense_precision: str = "full"  # non-expert weights (attention, output head): full, int8 (Q8_0) or int4 (Q4_0)
+    native_step: bool = True  # the lean decoder's layers as two native calls each (runtime/native_step.py)
+    step_rows: int = 128  # rows per native step call (prompts run in chunks of this many tokens; its scratch)
 
     def __post_init__(self) -> None:
         if self.dense_precision not in DENSE_PRECISIONS:
@@ -267,6 +269,8 @@ class RuntimeConfig:
             raise ConfigError(f"dtype must be auto, bf16, fp32 or fp16, got {self.dtype!r}")
         if self.max_seq_len < 0:
             raise ConfigError(f"max_seq_len must not be negative, got {self.max_seq_len}")
+        if not 1 <= self.step_rows <= 4096:
+            raise ConfigError(f"step_rows must be in 1..4096, got {self.step_rows}")
         if self.kernel_cache is not None and not self.kernel_cache.strip():
             raise ConfigError("kernel_cache must be a folder or None (the default), got an empty string")
 

@@ -1,4 +1,4 @@
-"""The native decode kernels (kernels/decode.py, csrc/decode.c) against float64 references.
+"""The native decode kernels (kernels/decode.py; csrc/mm.c, csrc/step.c) against float64 references.
 
 Quantised kinds quantise the activation per block of 32 to int8 (d = max|x| / 127, round half even);
 `quantise_act` does the same in fp32 torch ops (the same IEEE operations), so the reference
@@ -36,7 +36,9 @@ def quantise_act(x: torch.Tensor) -> torch.Tensor:
     xb = x.float().reshape(x.shape[0], -1, 32)  # [M, B, 32]
     amax = xb.abs().amax(-1, keepdim=True)
     d = amax / 127
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # tensor / tensor: IEEE division, as the kernel's 127.0f / amax (torch's int / tensor multiplies by a
+    # reciprocal, one ulp off at times, which moves x * inv across a rounding tie)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     a = (xb * inv).round().clamp(-127, 127)
     return (a * d).reshape(x.shape)
 
@@ -184,6 +186,10 @@ def test_moe_refuses_bad_input(lib: object) -> None:
         decode.moe(x.float(), slots, layout, [0, 1], [0], [1.0], 32)
     with pytest.raises(ValueError, match="not a layout"):
         decode.gemv(x, torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 1, dtype=BF16), None, 4, 48)
+    with pytest.raises(ValueError, match="layout kind 3"):  # an unknown kind is refused, not read as int2
+        decode.moe(x, slots, [3, *layout[1:]], [0, 1], [0], [1.0], 32)
+    with pytest.raises(ValueError, match="outside its"):  # a down matrix past the end of the slot
+        decode.moe(x, slots, [*layout[:5], 0, layout[6] + 64, -1, -1], [0, 1], [0], [1.0], 32)
 
 
 def test_thread_count_does_not_change_results(lib: object) -> None:

@@ -73,8 +73,10 @@ def formats_available(enabled: bool, cache_dir: Path | str | None, dtype: torch.
 
 
 def isa(lib: ctypes.CDLL) -> str:
-    """The instruction set the decode kernels were compiled for: "avx2" or "c" (plain C)."""
-    return "avx2" if lib.moetier_decode_isa() == 2 else "c"
+    """The path the decode kernels were compiled for (csrc/mm.h): "avx512-bf16-vnni", "avx2+vnni", "avx2" or
+    "c" (plain C)."""
+    name: bytes = lib.moetier_isa_name()
+    return name.decode()
 
 
 def _lib() -> ctypes.CDLL:
@@ -171,9 +173,11 @@ def _moe_call(
     for e, slot in enumerate(slots):
         if not slot.is_cpu or not slot.is_contiguous():
             raise ValueError("moe: every slot must be a contiguous CPU tensor")
+        row = layout[LAYOUT * e : LAYOUT * (e + 1)]
+        _check_layout(e, row, slot.numel() * slot.element_size(), h, inter)
         desc[DESC * e] = slot.data_ptr()
         for j in range(LAYOUT):
-            desc[DESC * e + 1 + j] = layout[LAYOUT * e + j]
+            desc[DESC * e + 1 + j] = row[j]
     lib = _lib()
     p = len(tok)
     scratch = _scratch.get(lib.moetier_moe_scratch_bytes(t, h, inter, p))
@@ -183,6 +187,25 @@ def _moe_call(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"moe: the kernel refused H={h}, I={inter} for the experts' kinds")
+
+
+def _check_layout(e: int, row: list[int], nbytes: int, h: int, inter: int) -> None:
+    """ValueError unless expert e's layout row (kind, then group, q, scale, zero per matrix) is a kind the kernels
+    compute and every piece lies inside its slot's `nbytes` (w13 [2I, H], w2 [H, I])."""
+    kind = row[0]
+    if kind not in (KIND_BF16, 8, 4, 2):
+        raise ValueError(f"moe: expert {e} has layout kind {kind}; the kernels compute 16 (bf16), 8, 4 and 2")
+    for m, (n, k) in enumerate(((2 * inter, h), (h, inter))):
+        group, q, sc, z = row[1 + 4 * m : 5 + 4 * m]
+        need = [(q, n * k * (2 if kind == KIND_BF16 else kind) // (1 if kind == KIND_BF16 else 8))]
+        if kind != KIND_BF16:
+            if group <= 0 or k % group:
+                raise ValueError(f"moe: expert {e} matrix {m} has group {group}, not a divisor of K={k}")
+            need += [(sc, 2 * n * (k // group))] + ([(z, 2 * n * (k // group))] if z >= 0 else [])
+        for off, size in need:
+            if off < 0 or off + size > nbytes:
+                raise ValueError(f"moe: expert {e} matrix {m}: a piece at byte {off} of {size} bytes lies outside "
+                                 f"its {nbytes}-byte slot")  # fmt: skip
 
 
 def _rms_norm_impl(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,22 +1,25 @@
-"""Builds and loads the project's C kernels (csrc/sparse_swiglu.c, csrc/decode.c) with the system compiler.
+"""Builds and loads the project's C kernels (csrc/sparse_swiglu.c, csrc/mm.c, csrc/step.c) with the system compiler.
 
 Why C of our own: no library has a CPU kernel that gathers the rows of active neurons of several
 experts and fuses gate, mask, up, down and the weighted combine into one call; composed from torch
 ops the same math costs a dozen dispatches per expert (~5 us each), more than the skipped rows save
-at decode. The decode kernels (kernels/decode.py) run every active expert of a layer call, and the
-dense projections, in one call each, on our own pool slots (docs/engine.md says why no library was
-taken). The sources are plain C the compiler vectorises, with AVX2 / AVX512-BF16 intrinsics where the
-target has them; they are built into one library once per source, compiler (path and version),
-flags and CPU into the cache folder (`cache_dir(root)`: ROOT/kernels, ROOT = RuntimeConfig.kernel_cache, default
-~/.cache/moetier) and loaded with ctypes, so no Python headers are needed. Compilers are tried in
-order (cc, gcc, clang); a failed build leaves a `.failed` note with its error, so later starts skip
-that compiler at once. Where none works, `load()` returns None with the reasons in `load_error()`
-and callers fall back to torch ops.
+at decode. The decode kernels (kernels/decode.py, kernels/step.py) run a layer's attention half and
+its MoE half in one call each, on our own pool slots (docs/engine.md says why no library was taken).
+The sources are C with AVX-512 (BF16 + VNNI) and AVX2 (+ VNNI) paths chosen at compile time
+(csrc/mm.h); they are built with -march=native into one library once per source, compiler (path
+and version), flags and CPU into the cache folder (`cache_dir(root)`: ROOT/kernels, ROOT =
+RuntimeConfig.kernel_cache, default ~/.cache/moetier) and loaded with ctypes, so no Python headers
+are needed. Compilers are tried in order (cc, gcc, clang); a failed build leaves a `.failed` note
+with its error, so later starts skip that compiler at once. Where none works, `load()` returns None
+with the reasons in `load_error()` and callers fall back to torch ops.
+
+`isa` builds a lower path than the CPU's best for tests ("avx2", "avx2-novnni", "c": csrc/mm.h's
+MT_FORCE_* macros), so every path a CPU can run is checked against the float64 reference on it.
 
 Invariants: every switch is an argument (`enabled` = RuntimeConfig.native_kernels, `cache_dir` =
-RuntimeConfig.kernel_cache); nothing here reads the environment. `load` is cached per argument
-pair, so one process builds or opens a library once per cache folder; a build is written to a temp
-file and renamed, so a concurrent reader never sees half a library.
+RuntimeConfig.kernel_cache, `isa`); nothing here reads the environment. `load` is cached per argument
+triple, so one process builds or opens a library once per cache folder and path; a build is written to
+a temp file and renamed, so a concurrent reader never sees half a library.
 """
 
 from __future__ import annotations
@@ -35,12 +38,19 @@ from typing import Any
 
 import torch
 
-SOURCES = (Path(__file__).with_name("csrc") / "sparse_swiglu.c", Path(__file__).with_name("csrc") / "decode.c")
-HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)  # included by the sources: part of the build key
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
+HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
 ABI = 4  # csrc/sparse_swiglu.c
-DECODE_ABI = 2  # csrc/decode.c
+DECODE_ABI = 3  # csrc/step.c
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+ISA_FLAGS: dict[str, tuple[str, ...]] = {  # csrc/mm.h: the path each build compiles
+    "native": (),  # the best the CPU has
+    "avx2": ("-DMT_FORCE_AVX2",),  # AVX2 (+ 256-bit VNNI where the CPU has it)
+    "avx2-novnni": ("-DMT_FORCE_AVX2", "-DMT_NO_VNNI"),
+    "c": ("-DMT_FORCE_C",),
+}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES: list[Any] = [
@@ -68,8 +78,17 @@ _DECODE_ARGTYPES: dict[str, list[Any]] = {
     "moetier_rms_norm": [_P, _P, _I64, _I64, ctypes.c_float, _P],  # x, w, M, H, eps, y
     # x, T, H, I, n_exp, desc, start, tok, rw, out, accumulate, scratch, nthreads
     "moetier_moe": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I],
+    # the decode step (csrc/step.h; structs by pointer, kernels/step.py)
+    "moetier_isa_name": [],
+    "moetier_attn_scratch_bytes": [_P, _I64, _I64, _I64],  # layer, T, max_len, nthreads
+    "moetier_attn_half": [_P, _P],  # layer, step
+    "moetier_moe_half_scratch_bytes": [_P, _I64],  # moe, T
+    "moetier_moe_half": [_P, _P, _P, _I64],  # moe, step, desc pointers [E], mode
+    "moetier_head_scratch_bytes": [_P, _I64],  # head, T
+    "moetier_head": [_P, _P, _I64, _P, _P, _I64, _I64],  # head, x, T, logits, scratch, bytes, nthreads
 }
-_errors: dict[tuple[bool, Path], str] = {}  # (enabled, root) -> why load() returned None
+_RESTYPES: dict[str, Any] = {"moetier_rms_norm": None, "moetier_isa_name": ctypes.c_char_p}
+_errors: dict[tuple[bool, Path, str], str] = {}  # (enabled, root, isa) -> why load() returned None
 
 
 def cache_root(root: Path | str | None = None) -> Path:
@@ -125,18 +144,18 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _key(source: bytes, cc: str) -> str:
-    parts = [source, os.path.realpath(cc).encode(), _version(cc).encode(), " ".join(FLAGS).encode(),
+def _key(source: bytes, cc: str, flags: tuple[str, ...]) -> str:
+    parts = [source, os.path.realpath(cc).encode(), _version(cc).encode(), " ".join(flags).encode(),
              _cpu_id().encode(), platform.machine().encode()]  # fmt: skip
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-o", tmp, *(str(src) for src in SOURCES), "-lm"]
+        cmd = [cc, *flags, "-o", tmp, *(str(src) for src in SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
@@ -158,19 +177,22 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.moetier_sparse_moe_quant.restype, lib.moetier_sparse_moe_quant.argtypes = ctypes.c_int64, _QUANT_ARGTYPES
     for name, argtypes in _DECODE_ARGTYPES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = (None if name == "moetier_rms_norm" else ctypes.c_int64), argtypes
+        fn.restype, fn.argtypes = _RESTYPES.get(name, ctypes.c_int64), argtypes
     return lib
 
 
-def load(enabled: bool = True, cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
+def load(enabled: bool = True, cache_dir: Path | str | None = None, isa: str = "native") -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use into `cache_dir`/kernels, see `cache_root`), or
-    None when it cannot be had or `enabled` is False (RuntimeConfig.native_kernels)."""
-    return _load(bool(enabled), cache_root(cache_dir))
+    None when it cannot be had or `enabled` is False (RuntimeConfig.native_kernels). `isa`: see ISA_FLAGS."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown kernel path {isa!r}; one of {sorted(ISA_FLAGS)}")
+    return _load(bool(enabled), cache_root(cache_dir), isa)
 
 
 @functools.cache
-def _load(enabled: bool, root: Path) -> ctypes.CDLL | None:
-    key = (enabled, root)
+def _load(enabled: bool, root: Path, isa: str) -> ctypes.CDLL | None:
+    key = (enabled, root, isa)
+    flags = (*FLAGS, *ISA_FLAGS[isa])
     if not enabled:
         _errors[key] = "turned off (native_kernels = False, --no-native)"
         return None
@@ -186,14 +208,14 @@ def _load(enabled: bool, root: Path) -> ctypes.CDLL | None:
         _errors[key] = f"kernel source missing: {exc}"
         return None
     for cc in compilers:
-        target = root / "kernels" / f"{LIB_PREFIX}{_key(source, cc)}.so"
+        target = root / "kernels" / f"{LIB_PREFIX}{_key(source, cc, flags)}.so"
         failed = target.with_suffix(".failed")
         try:
             if not target.exists():
                 if failed.exists():
                     raise RuntimeError(failed.read_text().strip() + f" (remembered in {failed}; delete it to retry)")
                 try:
-                    _build(cc, target)
+                    _build(cc, target, flags)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     with contextlib.suppress(OSError):
                         failed.write_text(str(exc) + "\n")
@@ -214,9 +236,9 @@ def clear_cache() -> None:
     _errors.clear()
 
 
-def load_error(enabled: bool = True, cache_dir: Path | str | None = None) -> str | None:
-    """Why `load(enabled, cache_dir)` returned None (None if it has not failed)."""
-    return _errors.get((bool(enabled), cache_root(cache_dir)))
+def load_error(enabled: bool = True, cache_dir: Path | str | None = None, isa: str = "native") -> str | None:
+    """Why `load(enabled, cache_dir, isa)` returned None (None if it has not failed)."""
+    return _errors.get((bool(enabled), cache_root(cache_dir), isa))
 
 
 def build_key_of(lib: ctypes.CDLL) -> str:

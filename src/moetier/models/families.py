@@ -48,6 +48,10 @@ class Family:
     shared_gate_attr: str | None = None  # per-token sigmoid gate of the shared expert (Qwen2-MoE)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
     lean_attention: str | None = None  # attention kind the engine's own decoder implements, or None
+    # the router the native decode step computes (kernels/csrc/step.c), or None (the family's module routes):
+    # "softmax_topk": softmax, top-k, renormalised when config.norm_topk_prob, weights in the model dtype (Qwen,
+    # OLMoE); "softmax_topk_renorm": always renormalised, fp32 weights (Mixtral)
+    native_router: str | None = None
     extra_renames: tuple[tuple[str, str], ...] = field(default=())  # checkpoint -> model name fragments
     seam: bool = False  # run transformers' own MoE blocks with moetier's experts module (models/seam.py)
     ckpt_names: Mapping[str, str] = field(default_factory=dict)  # seam: non-expert model name -> checkpoint name
@@ -76,20 +80,23 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="mixtral", model_types=("mixtral",), architectures=("MixtralForCausalLM",),
         sources=_per_expert("w1", "w3", "w2"), intermediate_attr="intermediate_size",
-        ckpt_block="block_sparse_moe", lean_attention="llama",
+        ckpt_block="block_sparse_moe", lean_attention="llama", native_router="softmax_topk_renorm",
     ),
     Family(
         name="qwen2_moe", model_types=("qwen2_moe",), architectures=("Qwen2MoeForCausalLM",),
         sources=_QWEN_STYLE, intermediate_attr="moe_intermediate_size",
         shared_attr="shared_expert", shared_gate_attr="shared_expert_gate", lean_attention="llama",
+        native_router="softmax_topk",
     ),
     Family(
         name="qwen3_moe", model_types=("qwen3_moe",), architectures=("Qwen3MoeForCausalLM",),
         sources=_QWEN_STYLE, intermediate_attr="moe_intermediate_size", lean_attention="llama",
+        native_router="softmax_topk",
     ),
     Family(
         name="olmoe", model_types=("olmoe",), architectures=("OlmoeForCausalLM",),
         sources=_QWEN_STYLE, intermediate_attr="intermediate_size", lean_attention="llama",
+        native_router="softmax_topk",
     ),
     Family(
         name="deepseek_v2", model_types=("deepseek_v2",), architectures=("DeepseekV2ForCausalLM",),

@@ -222,6 +222,11 @@ class SlotDecoder:
                                   f"{self.cap[s]} (reserved at prefill; the model's limit is {self.max_len})")
         pos = [self.pos[s] for s in slots]
         lean, B = self.lean, len(slots)
+        if lean.fused is not None:  # the native step: each row attends its own cache, exactly (no padding)
+            out = lean.fused.run_rows(torch.tensor(tokens, device=lean.device), pos, caches)  # [B, V]
+            for s in slots:
+                self.pos[s] += 1
+            return out
         nh, hd = lean.nh, lean.hd
         pos_t = torch.tensor(pos, device=lean.device)  # [B]
         cos, sin = lean.cos[pos_t][:, None], lean.sin[pos_t][:, None]  # [B, 1, hd]

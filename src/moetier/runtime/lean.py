@@ -19,7 +19,7 @@ as transformers' RMSNorm); `run` never writes past a cache's max_len (ConfigErro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from moetier.runtime.loader import LoadedModel
 
 
 @dataclass
-class _Layer:
+class LeanLayer:
     in_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
     wqkv: torch.Tensor | QDense  # [(nh + 2 nkv) * hd, H]
@@ -42,6 +42,23 @@ class _Layer:
     q_norm: torch.Tensor | None  # [hd] (per head) or [nh * hd] (whole projection)
     k_norm: torch.Tensor | None
     mlp: nn.Module  # TieredMoE or the family's dense MLP
+
+
+class FusedStep(Protocol):
+    """The decoder's layers as native calls (runtime/native_step.py NativeStep), set by the wiring."""
+
+    def run_sequence(self, ids: torch.Tensor, p0: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     all_logits: bool, hidden: bool) -> torch.Tensor: ...
+
+    def run_rows(self, tokens: torch.Tensor, pos: list[int], caches: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> torch.Tensor: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    @property
+    def checked(self) -> torch.Tensor | None:
+        """The last logits it returned when it found every one of them finite (the caller need not scan them)."""
+        ...
 
 
 def lean_supported(loaded: LoadedModel) -> bool:
@@ -121,19 +138,20 @@ class LeanDecoder:
         self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)  # untouched pages cost no RSS
         self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.pos = 0
+        self.fused: FusedStep | None = None  # the native step, when the wiring gives one (bf16 CPU models)
 
     def _dense(self, w: torch.Tensor, bits: int | None = None) -> torch.Tensor | QDense:
         """A projection's weight as the decoder reads it: quantised to `bits` (default dense_bits) when set."""
         bits = self.dense_bits if bits is None else bits
         return decode.quantize_dense(w.detach(), bits) if bits else w
 
-    def _layer(self, layer: Any) -> _Layer:
+    def _layer(self, layer: Any) -> LeanLayer:
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
         w = _fuse(projs, "weight")
         b = _fuse(projs, "bias") if a.q_proj.bias is not None else None
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return _Layer(
+        return LeanLayer(
             in_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
             wqkv=self._dense(w), bqkv=b, wo=self._dense(a.o_proj.weight), bo=a.o_proj.bias,
@@ -171,6 +189,8 @@ class LeanDecoder:
         T = ids.shape[1]
         if p0 + T > self.max_len:
             raise ConfigError(f"sequence of {p0 + T} tokens exceeds the KV cache of {self.max_len} (raise max_seq_len)")
+        if self.fused is not None:
+            return self.fused.run_sequence(ids[0], p0, k_cache, v_cache, all_logits, hidden)
         nh, hd = self.nh, self.hd
         cos, sin = self.cos[p0 : p0 + T, None], self.sin[p0 : p0 + T, None]  # [T, 1, hd]
         mask = None
@@ -196,7 +216,7 @@ class LeanDecoder:
         return self.head(x if all_logits else x[-1:])
 
     def qkv(
-        self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, L: LeanLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed rows h [T, H], rotary cos/sin [T, 1, hd] -> q [T, nh, hd], k and v [T, nkv, hd]."""
         T, nh, nkv, hd = h.shape[0], self.nh, self.nkv, self.hd
@@ -213,7 +233,7 @@ class LeanDecoder:
         k = k * cos + _rotate_half(k) * sin  # [T, nkv, hd]
         return q, k, v
 
-    def finish_layer(self, L: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    def finish_layer(self, L: LeanLayer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Residual x [T, H] + output projection of att [T, nh * hd], then the MLP/MoE on all T rows at
         once ([1, T, H]: rows are independent, so T may be T tokens of one sequence or one of T sequences)."""
         x = x + decode.dense_linear(att, L.wo, L.bo, self.native)

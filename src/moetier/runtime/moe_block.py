@@ -39,7 +39,7 @@ from moetier.errors import ExpertReadError, MoetierError
 from moetier.kernels.experts import ExpertFn
 from moetier.kernels.qformat import QExpertViews, StoredExpertViews
 from moetier.models.families import Family
-from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler
+from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler, RoutedExecutor
 from moetier.runtime.observers import ObserverList, Route
 from moetier.store.pool import SlotViews
 from moetier.types import ExpertKey
@@ -58,6 +58,7 @@ class Pipeline:
     scheduler: LayerScheduler
     executor: Executor
     observers: ObserverList
+    routed: RoutedExecutor | None = None  # the executor again where it takes routing as is (plans in its acquire)
 
 
 class _Tiered(nn.Module):
@@ -78,12 +79,18 @@ class _Tiered(nn.Module):
     def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]: steps 3-4 of `forward` alone.
         3. the executor groups the tokens by expert and the scheduler plans the counts;
-        4. the executor moves, computes and combines the plan's experts."""
+        4. the executor moves, computes and combines the plan's experts.
+        An executor that takes routing as is (Pipeline.routed) does 3-4 in one: its bulk acquire pins the call's
+        resident experts first, then reads the others (the default scheduler's plan)."""
         p = self._pipeline()
         self.last_ids = ids
-        grouped = p.executor.group(ids, weights)
-        plan = p.scheduler.plan(self.layer, grouped.counts)
         try:
+            if p.routed is not None:  # the executor plans inside its bulk acquire (resident first)
+                out = p.routed.execute_routed(x, ids, weights)
+                if out is not None:
+                    return out
+            grouped = p.executor.group(ids, weights)
+            plan = p.scheduler.plan(self.layer, grouped.counts)
             return p.executor.execute(x, plan, grouped)
         except ExpertReadError as exc:  # the same exception, told which rows needed the expert
             if not exc.rows and isinstance(exc.key, ExpertKey) and exc.key.layer == self.layer:

@@ -16,7 +16,8 @@ Steps (numbered in `load`):
    on the seam in step 2); the pricing both the prefetcher and the hybrid scheduler use;
 5. the executor of every MoE layer, attached with its scheduler and the observers, once;
 6. the decoder (lean when the family's attention allows it; its dense projections on the native
-   kernels when loaded, quantised per RuntimeConfig.dense_precision) and the Engine.
+   kernels when loaded, quantised per RuntimeConfig.dense_precision; with the native executor and
+   RuntimeConfig.native_step, its layers as two native calls each, runtime/native_step.py) and the Engine.
 
 Invariants: every refusal of step 2 comes before any pool is allocated and closes the checkpoint's
 files; a failure after the model is built closes its store and stops the threads wiring started;
@@ -39,12 +40,13 @@ from moetier.policies.schedulers import make_scheduler
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
 from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
-from moetier.runtime.executors.native import native_fits
+from moetier.runtime.executors.native import NativeState, native_fits
 from moetier.runtime.executors.registry import EXECUTORS
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
 from moetier.runtime.loader import LoadedModel, Skeleton, build_model, open_skeleton
 from moetier.runtime.moe_block import Pipeline
+from moetier.runtime.native_step import NativeStep
 from moetier.runtime.observers import CacheScores, ObserverList
 from moetier.runtime.precision import Switching, store_capabilities
 from moetier.runtime.prefetch import NEEDS as PREFETCH_NEEDS
@@ -166,13 +168,16 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
         built = spec.build(BuildContext(loaded, cfg, prepared, pricing))
         for block in loaded.blocks:
             scheduler, executor = built.layers[block.layer]
-            block.attach(Pipeline(scheduler, executor, observers))
+            block.attach(Pipeline(scheduler, executor, observers, built.routed.get(block.layer)))
         # 6. the decoder
         decoder: Decoder
         if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):
             native_bf16 = loaded.device.type == "cpu" and decode.load(cfg.runtime.native_kernels,
                                                                       cfg.runtime.kernel_cache) is not None  # fmt: skip
-            decoder = LeanDecoder(loaded, cfg.runtime.max_seq_len, cfg.runtime.dense_precision, native_bf16)
+            lean = LeanDecoder(loaded, cfg.runtime.max_seq_len, cfg.runtime.dense_precision, native_bf16)
+            if isinstance(built.state, NativeState) and cfg.runtime.native_step:
+                lean.fused = NativeStep(lean, loaded, built.state.lib, built.state, cfg.runtime.step_rows)
+            decoder = lean
         else:
             decoder = HFDecoder(loaded.model, loaded.config)
     except BaseException:  # stop what steps 4-5 started (the mover thread, the hybrid worker); load closes the store

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -172,17 +172,58 @@ class DynamicStore:
             self._held.setdefault(key, []).append(version)
             return self.pools[version.precision].pool.views[version.slot]
 
+    def acquire_many(self, keys: Sequence[ExpertKey]) -> list[Any]:
+        """`acquire` of a layer call's experts under one lock (registered versions first: a first touch loads
+        its low version); views in the order of `keys`. On a failure the versions pinned so far are released."""
+        out: list[Any] = [None] * len(keys)
+        with self._lock:
+            pinned: list[ExpertKey] = []
+            try:
+                for i, key in enumerate(keys):
+                    version = self.index.get(key)
+                    if version is None:
+                        version = self._load_locked(key, self.lo_precision)
+                        self.misses += 1
+                    else:
+                        self.hits += 1
+                    self._pins[version] += 1
+                    self._held.setdefault(key, []).append(version)
+                    pinned.append(key)
+                    out[i] = self.pools[version.precision].pool.views[version.slot]
+            except BaseException:
+                for key in pinned:
+                    self._release_locked(key)
+                raise
+        return out
+
     def release(self, key: ExpertKey) -> None:
         with self._lock:
-            version = self._held[key].pop()
-            self._pins[version] -= 1
-            if self._pins[version] <= 0:
-                del self._pins[version]
-                st = self.pools[version.precision]
-                if version.slot in st.retired:  # replaced while this forward used it
-                    st.retired.discard(version.slot)
-                    st.free.append(version.slot)
-                    self._slot_freed.notify_all()
+            self._release_locked(key)
+
+    def release_many(self, keys: Iterable[ExpertKey]) -> None:
+        """`release` of every key `acquire_many` pinned, under one lock."""
+        with self._lock:
+            for key in keys:
+                self._release_locked(key)
+
+    def _release_locked(self, key: ExpertKey) -> None:
+        version = self._held[key].pop()
+        self._pins[version] -= 1
+        if self._pins[version] <= 0:
+            del self._pins[version]
+            st = self.pools[version.precision]
+            if version.slot in st.retired:  # replaced while this forward used it
+                st.retired.discard(version.slot)
+                st.free.append(version.slot)
+                self._slot_freed.notify_all()
+
+    def compute_pools(self) -> list[Pool]:
+        """Both precisions' pools: what a native slot table is built from (kernels/step.py)."""
+        return [st.pool for st in self.pools.values()]
+
+    def pin_limit(self) -> int | None:
+        """None: every expert is resident in one of the pools, so any number can be pinned at once."""
+        return None
 
     def _load_locked(self, key: ExpertKey, precision: Precision) -> Version:
         """Demand load under the lock (first touch only: the pools hold every expert)."""

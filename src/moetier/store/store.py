@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -88,6 +88,7 @@ class ExpertStore:
         self.prefetch_issued = self.prefetch_failed = self.prefetch_waits = 0
         self.prefetch_wait_s = 0.0
         self.faults = FaultLog()  # failed expert reads, demand and background (Engine.health)
+        self._resident = False  # every expert resident in the compute tier, for good (acquire_many)
 
     def _tier(
         self, tier: Tier, device: torch.device, budget: int | None, overhead: int, pin: bool = False
@@ -160,23 +161,96 @@ class ExpertStore:
         """Make `key` resident in the compute tier (or `tier`) and pin it; loads on a miss, waits
         for its in-flight prefetch if one is running."""
         with self._cv:
-            state = self._state(tier)
-            self._wait_inflight(state, key)
-            slot = state.slots.get(key)
-            if slot is not None:
-                state.hit(key)
-            else:
-                slot = self._load_accel(key) if state is self.accel else self._load_host(key)
-                state.misses += 1  # counted once the expert is resident, so a failed load is no miss
-            state.pins[key] += 1
-            return state.pool.views[slot]
+            return self._acquire_locked(self._state(tier), key)
+
+    def _acquire_locked(self, state: TierState, key: ExpertKey) -> Any:
+        self._wait_inflight(state, key)
+        slot = state.slots.get(key)
+        if slot is not None:
+            state.hit(key)
+        else:
+            slot = self._load_accel(key) if state is self.accel else self._load_host(key)
+            state.misses += 1  # counted once the expert is resident, so a failed load is no miss
+        state.pins[key] += 1
+        return state.pool.views[slot]
+
+    def acquire_many(self, keys: Sequence[ExpertKey]) -> list[Any]:
+        """`acquire` of a layer call's experts (distinct keys) under one lock, in the resident-first order of
+        the default plan: the resident ones are pinned first (hits), then the others are loaded in the order
+        given (misses, waiting for in-flight prefetches), so a miss never evicts an expert this call needs.
+        Returns the views in the order of `keys`. On a failure (ExpertReadError, BudgetError) the keys pinned
+        so far are released and the error propagates."""
+        state = self.compute
+        with self._cv:
+            if self._resident or (len(state.slots) == self._total and not state.inflight and not state.prefetched):
+                # every expert of the model resident: nothing can be evicted from now on (no miss needs a slot, no
+                # prefetch has anything to load), so pins and recency no longer matter; only hits are counted, and
+                # release_many has nothing to undo. Once true, for good.
+                self._resident = True
+                state.hits += len(keys)
+                slot_of, views = state.slots, state.pool.views
+                return [views[slot_of[key]] for key in keys]
+            # every key resident and none loading (a decode step with its experts cached): one pass each
+            slots = [state.slots.get(key) for key in keys]
+            if None not in slots and not (state.inflight and any(key in state.inflight for key in keys)):
+                state.hit_many(keys)
+                pins, views = state.pins, state.pool.views
+                for key in keys:
+                    pins[key] += 1
+                return [views[slot] for slot in slots]  # type: ignore[index]
+            out: list[Any] = [None] * len(keys)
+            pinned: list[ExpertKey] = []
+            try:
+                later = []
+                for i, key in enumerate(keys):
+                    slot = state.slots.get(key)
+                    if slot is None or key in state.inflight:
+                        later.append(i)
+                        continue
+                    state.hit(key)
+                    state.pins[key] += 1
+                    pinned.append(key)
+                    out[i] = state.pool.views[slot]
+                for i in later:
+                    out[i] = self._acquire_locked(state, keys[i])
+                    pinned.append(keys[i])
+            except BaseException:
+                for key in pinned:
+                    self._unpin(state, key)
+                raise
+        return out
 
     def release(self, key: ExpertKey, tier: Tier | None = None) -> None:
         with self._lock:
-            pins = self._state(tier).pins
-            pins[key] -= 1
-            if pins[key] <= 0:
-                del pins[key]
+            self._unpin(self._state(tier), key)
+
+    def release_many(self, keys: Iterable[ExpertKey]) -> None:
+        """`release` of every key `acquire_many` pinned, under one lock."""
+        pins = self.compute.pins
+        with self._lock:
+            if self._resident:
+                return  # acquire_many pinned nothing: every expert is resident for good (see there)
+            for key in keys:
+                n = pins[key] - 1
+                if n > 0:
+                    pins[key] = n
+                else:
+                    del pins[key]
+
+    @staticmethod
+    def _unpin(state: TierState, key: ExpertKey) -> None:
+        pins = state.pins
+        pins[key] -= 1
+        if pins[key] <= 0:
+            del pins[key]
+
+    def compute_pools(self) -> list[Pool]:
+        """The compute tier's pools (one here): what a native slot table is built from (kernels/step.py)."""
+        return [self.compute.pool]
+
+    def pin_limit(self) -> int | None:
+        """How many distinct experts one `acquire_many` can pin at once: the compute tier's slots."""
+        return self.compute.pool.n_slots
 
     def preload(self) -> int:
         """Load experts into the compute tier until it is full (all of them when they fit), so

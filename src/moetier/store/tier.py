@@ -14,7 +14,7 @@ an accessed one as used (once each); `slots_for_budget` returns at least 1 slot 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +73,18 @@ class TierState:
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.pf_used += 1
+
+    def hit_many(self, keys: Sequence[ExpertKey]) -> None:
+        """`hit` of each key in order (one layer call's resident experts): the same counts and policy calls."""
+        self.hits += len(keys)
+        access = self.policy.on_access
+        for key in keys:
+            access(key)
+        if self.prefetched:
+            for key in keys:
+                if key in self.prefetched:
+                    self.prefetched.discard(key)
+                    self.pf_used += 1
 
     def stats(self) -> dict[str, int]:
         return {

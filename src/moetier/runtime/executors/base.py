@@ -73,6 +73,17 @@ class Executor(Protocol):
         ...
 
 
+class RoutedExecutor(Protocol):
+    """An executor that takes a call's routing as it is (runtime/executors/native.py): it plans inside its bulk
+    acquire (the store pins the resident experts first, then reads the others: the default plan), so the block
+    skips grouping and the Plan object."""
+
+    def execute_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """x [T, H], ids/weights [T, k] -> sum_k w * expert(x) as [T, H]; None where this call cannot take the
+        routed path (the block then groups and plans as usual)."""
+        ...
+
+
 class LayerScheduler(Protocol):
     def plan(self, layer: int, counts: Mapping[int, int]) -> Plan:
         """counts: expert id -> tokens routed to it in this call -> the call's Plan."""

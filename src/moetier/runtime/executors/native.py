@@ -1,192 +1,185 @@
-"""The native executor: every routed expert of a decode-sized call in one C call (kernels/decode.py).
+"""The native executor: every routed expert of a layer call in one C call (kernels/step.py, csrc/step.h).
 
-For calls of up to `max_tokens` tokens (decode and small batches; on CPUs where oneDNN takes no
-bf16 products, such as AVX2 ones, prefill chunks of up to decode.native_rows() tokens too) the
-executor acquires every expert of the plan in plan order (resident first), hands their pool slots
-to `moetier::moe` once, and releases them: gate, up, SwiGLU, down and the weighted combine of all
-pairs run in C on both cores, in ascending expert id. Longer calls and calls whose experts do not fit
-the compute tier's slots at once take the per-expert torch path (its matmuls still reach the native
-kernels for quantised slots through kernels/qformat.linear).
+The executor takes a call's routing as it is (Pipeline.routed: the block skips grouping and the Plan
+object): `RoutedMoE` pins the call's distinct experts with one `acquire_many` (the store pins the resident
+ones first, then reads the misses: the default resident-first plan), sets their slots' descriptor rows
+from the store's slot table (built once), and runs `moetier_moe_half`: gate, up, SwiGLU, down and the
+weighted combine of every (token, expert) pair in C on both cores, experts in ascending id; then one
+`release_many`. Prompts run in chunks of RuntimeConfig.step_rows tokens. A call routing to more experts
+than the store can pin at once runs per group of that many, summed in fp32 across groups (the same bits).
+The lean decoder's native step (runtime/native_step.py) runs the same RoutedMoE between its two calls
+per layer; families served through transformers' experts seam reach it from their TieredExperts blocks.
+A call the kernels cannot take (a slot format they do not read) runs the per-expert torch path
+(`execute`; its matmuls still reach the native kernels for quantised slots through qformat.linear).
 
 Chosen by runtime/wire.py on a CPU bf16 model whose experts are SwiGLU with SiLU and no biases when the
 kernel library loads (RuntimeConfig.native_kernels) and sparsity is off; full-precision slots are read as
 bf16, quantised ones in the native formats of kernels/qformat.py (n8 / n4 / n2), both precisions of a
-dynamic store alike (the layout is given per expert).
+dynamic store alike (the layout is per slot).
 
-Invariants: outputs are summed in ascending expert id (the C kernel sums experts in the order given), so
-they do not depend on residency; every acquired expert is released, also on error. bf16 results round
-once per output (fp32 accumulation over all experts), so they differ from the torch path by rounding;
-the tests bound that difference and check every kind against a float64 reference.
+Invariants: outputs are summed in ascending expert id, so they do not depend on residency or budgets;
+every acquired expert is released, also on error. bf16 results round once per output (fp32 accumulation
+over all experts), so they differ from the torch path by rounding; the tests bound that difference and
+check every kind against a float64 reference.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from moetier.config import EngineConfig
-from moetier.errors import ConfigError
-from moetier.kernels import decode, matmul
+from moetier.errors import ConfigError, ExpertReadError
+from moetier.kernels import decode
 from moetier.kernels.experts import SwiGLU
-from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
+from moetier.kernels.step import MoeLayer, SlotTable, Step
 from moetier.models.families import Family
 from moetier.runtime.executors.base import ExpertStoreLike, Grouped, ResidentFirst, execute_per_expert, group_by_expert
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
-from moetier.store.pool import SlotViews
-from moetier.types import Domain, Plan
-
-MAX_TOKENS = 8  # calls of more tokens take the torch path where oneDNN takes bf16 (its GEMMs win there)
+from moetier.runtime.moe_block import routed_rows
+from moetier.types import Domain, ExpertKey, Plan
 
 
 class NativeState:
-    """What the engine reports of the native executor (Engine.stats()["native"])."""
+    """What the native executor shares across the model's layers: the kernel library, the store's slot table
+    (built once: kernels/step.py SlotTable), the buffers of the routed path (a Step for up to `rows` rows, made
+    on first use), and what the engine reports (Engine.stats()["native"])."""
 
     stats_key = "native"
 
-    def __init__(self, isa: str) -> None:
-        self.isa, self.calls, self.fallback_calls = isa, 0, 0
+    def __init__(self, lib: ctypes.CDLL, store: Any, hidden: int, inter: int, top_k: int, experts: int,
+                 rows: int) -> None:  # fmt: skip
+        self.lib, self.store, self.rows = lib, store, rows
+        self.hidden, self.inter, self.top_k, self.experts = hidden, inter, top_k, experts
+        self.isa, self.calls, self.fallback_calls = decode.isa(lib), 0, 0
+        self._table: SlotTable | None = None
+        self._buffers: tuple[Step, MoeLayer] | None = None
+
+    @property
+    def table(self) -> SlotTable:
+        """The descriptor rows of the store's compute pools (built on first use, then fixed)."""
+        if self._table is None:
+            self._table = SlotTable(self.store.compute_pools())
+        return self._table
+
+    def routed_buffers(self) -> tuple[Step, MoeLayer]:
+        """The routed path's Step (one layer's routing buffers, `rows` rows) and MoE struct (routed experts only:
+        the block adds its shared experts itself), made on first use (a lean model's native step has its own)."""
+        if self._buffers is None:
+            moe = MoeLayer(self.hidden, self.inter, self.experts, self.top_k)
+            step = Step(self.lib, self.rows, self.hidden, 1, self.top_k, self.experts, [], [moe], None, 0,
+                        max(os.cpu_count() or 1, torch.get_num_threads()))  # fmt: skip
+            self._buffers = (step, moe)
+        return self._buffers
 
     def stats(self) -> dict[str, Any]:
-        return {"isa": self.isa, "native_calls": self.calls, "dense_calls": self.fallback_calls}
+        out = {"isa": self.isa, "native_calls": self.calls, "dense_calls": self.fallback_calls}
+        if self._buffers is not None:
+            out["routed_scratch_bytes"] = self._buffers[0].nbytes
+        return out
 
     def close(self) -> None:
         return None
 
 
-def _layout_row(views: Any) -> tuple[torch.Tensor, list[int]] | None:
-    """A slot's (memory, layout row for moetier::moe), or None for a format the kernel does not read."""
-    if isinstance(views, SlotViews):
-        if views.row.dtype != torch.bfloat16 or views.b13 is not None or views.down_rows is not None:
-            return None
-        base = views.row.data_ptr()
-        w2_off = views.w2.data_ptr() - base
-        if not (views.w13.is_contiguous() and views.w2.is_contiguous()):
-            return None
-        return views.row, [decode.KIND_BF16, 0, 0, -1, -1, 0, w2_off, -1, -1]
-    if isinstance(views, QExpertViews):
-        if views.b13 is not None or views.w13.kind not in NATIVE_KINDS or views.w2.kind != views.w13.kind:
-            return None
-        base = views.row.data_ptr()
-        row = [views.w13.bits]
-        for w in (views.w13, views.w2):
-            assert w.zero is not None
-            row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, w.zero.data_ptr() - base]
-        return views.row, row
-    return None
+class RoutedMoE:
+    """One layer's routed experts through `moetier_moe_half` on a Step's buffers: the call's distinct experts
+    pinned with one `acquire_many` (resident first, then the misses read: the default plan), their slots'
+    descriptor rows set from the slot table, the call, one `release_many`. A call routing to more experts than
+    the store can pin at once runs per group of that many (ascending id), summed in fp32 across the groups
+    (csrc/step.h mode bits): the bits of one call. Shared by the lean decoder's native step
+    (runtime/native_step.py) and the seam's routed path (NativeExecutor.execute_routed)."""
 
+    def __init__(self, layer: int, store: Any, table: SlotTable, moe: MoeLayer, num_experts: int) -> None:
+        self.layer, self.store, self.table, self.moe = layer, store, table, moe
+        self.keys = [ExpertKey(layer, e) for e in range(num_experts)]
+        self.limit = store.pin_limit()  # distinct experts one acquire_many can pin (None: every one)
 
-def _packed(rows: list[tuple[torch.Tensor, list[int]] | None]) -> tuple[list[torch.Tensor], list[int]] | None:
-    """The slots and the flat layout `moetier::moe` takes for these experts' rows, or None when one of them is
-    in a format the kernel does not read."""
-    slots, layout = [], []
-    for r in rows:
-        if r is None:
-            return None
-        slots.append(r[0])
-        layout += r[1]
-    return slots, layout
+    def run(self, step: Step, experts: list[int], ids: torch.Tensor) -> bool:
+        """Compute the step's routed experts (`experts`: the distinct ids of ids [T, k], ascending) into
+        step.x; False, with nothing computed and nothing held, when a slot is in a format the kernels do not
+        read. An ExpertReadError leaves with `rows` set to the rows of `ids` routed to that expert."""
+        n = len(experts)
+        size = self.limit if self.limit and n > self.limit else n
+        desc, addr, all_keys = self.moe.desc, self.table.by_id.get, self.keys
+        if size < n:  # group calls read the experts whose descriptor is set: none of the call's, to begin with
+            for e in experts:
+                desc[e] = None
+        for g0 in range(0, n, size):
+            group = experts[g0 : g0 + size] if size < n else experts
+            keys = [all_keys[e] for e in group]
+            try:
+                views = self.store.acquire_many(keys)
+            except ExpertReadError as exc:  # the same exception, told which rows needed the expert
+                if not exc.rows and isinstance(exc.key, ExpertKey) and exc.key.layer == self.layer:
+                    exc.rows = routed_rows(ids, exc.key.expert)
+                raise
+            try:
+                for e, v in zip(group, views, strict=True):
+                    a = addr(id(v))
+                    if a is None:
+                        if g0 == 0:
+                            return False
+                        raise ValueError(f"layer {self.layer}: expert {e}'s slot is in a format the native kernels "
+                                         "do not read, after earlier ones of the call were")  # fmt: skip
+                    desc[e] = a
+                step.moe(self.moe, (1 if g0 == 0 else 0) | (2 if g0 + size >= n else 0))
+            finally:
+                self.store.release_many(keys)
+                if size < n:  # a group call reads only the experts set for it: clear them for the next group
+                    for e in group:
+                        desc[e] = None
+        return True
 
 
 class NativeExecutor:
-    """Steps 3-5 of one MoE layer call: up to `max_tokens` tokens in one native call, else the torch path."""
+    """Steps 3-5 of one MoE layer call: the routed experts through RoutedMoE (one native call per `state.rows`
+    rows), else the torch path."""
 
-    def __init__(
-        self, store: ExpertStoreLike, fn: Any, num_experts: int, inter: int, state: NativeState, max_tokens: int
-    ) -> None:
+    def __init__(self, store: ExpertStoreLike, fn: Any, num_experts: int, inter: int, state: NativeState,
+                 layer: int) -> None:  # fmt: skip
         self.store, self.fn, self.num_experts = store, fn, num_experts
-        self.inter, self.state, self.max_tokens = inter, state, max_tokens
-        self._rows: dict[int, tuple[Any, tuple[torch.Tensor, list[int]] | None]] = {}  # id(views) -> row
-        self.capacity = int(getattr(store, "capacity", 0))
-
-    def _row(self, views: Any) -> tuple[torch.Tensor, list[int]] | None:
-        hit = self._rows.get(id(views))
-        if hit is None or hit[0] is not views:  # keyed by identity: a pool's views live as long as the pool
-            hit = (views, _layout_row(views))
-            self._rows[id(views)] = hit
-        return hit[1]
+        self.inter, self.state, self.layer = inter, state, layer
+        self._routed: RoutedMoE | None = None
 
     def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
         """ids/weights [T, k] -> the call's tokens per expert (base.group_by_expert)."""
         return group_by_expert(ids, weights, self.num_experts)
 
-    def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
-        """x [T, H] -> sum_k w * expert(x) as [T, H]."""
+    def execute_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """x [T, H] bf16, ids/weights [T, k] -> sum_k w * expert(x) as [T, H] bf16 in one native call per
+        `state.rows` rows (rows are independent); None (the block plans and runs `execute`) for a non-bf16 x or
+        a slot format the kernels do not read."""
         t = x.shape[0]
-        tasks = plan.tasks
-        if t > self.max_tokens or x.dtype != torch.bfloat16 or not tasks:
-            self.state.fallback_calls += 1
-            return execute_per_expert(self.store, self.fn, x, plan, grouped)
-        # 1. pairs per expert in ascending expert id
-        if t == 1:
-            w_of: dict[int, float] = grouped.data
-            experts = sorted(w_of)
-            start, tok, rw = list(range(len(experts) + 1)), [0] * len(experts), [w_of[e] for e in experts]
-        else:
-            groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = grouped.data
-            experts = sorted(groups)
-            start, tok, rw = [0], [], []
-            for e in experts:
-                tk, wk = groups[e]
-                tok += tk.tolist()
-                rw += wk.float().tolist()
-                start.append(len(tok))
-        x = x.contiguous()
-        if self.capacity and len(tasks) > self.capacity:  # fewer slots than experts: groups, same bits
-            return self._in_groups(x, experts, start, tok, rw, plan, grouped)
-        # 2. move: acquire every expert in plan order (resident first), then compute in one call
-        store = self.store
-        held: list[Any] = []
-        views_of: dict[int, Any] = {}
-        try:
-            for task in tasks:
-                views_of[task.key.expert] = store.acquire(task.key)
-                held.append(task.key)
-            packed = _packed([self._row(views_of[e]) for e in experts])
-            # None: a slot format the kernel does not read (a shape its layouts refuse)
-            out = decode.moe(x, *packed, start, tok, rw, self.inter) if packed is not None else None
-        finally:
-            for key in held:
-                store.release(key)
-        if out is None:
-            self.state.fallback_calls += 1
-            return execute_per_expert(self.store, self.fn, x, plan, grouped)
+        if x.dtype != torch.bfloat16 or t == 0:
+            return None
+        step, moe = self.state.routed_buffers()
+        if self._routed is None:
+            self._routed = RoutedMoE(self.layer, self.store, self.state.table, moe, self.num_experts)
+        out = torch.empty_like(x)  # [T, H]
+        step.layer(0)
+        step.s.nthreads = torch.get_num_threads()
+        for r0 in range(0, t, step.rows):
+            r1 = min(t, r0 + step.rows)
+            n = r1 - r0
+            step.h[:n].copy_(x[r0:r1])
+            step.x[:n].zero_()  # the MoE half adds its sum to x
+            step.ids[0, :n].copy_(ids[r0:r1])
+            step.wts[0, :n].copy_(weights[r0:r1])
+            step.s.T = n
+            experts = sorted(set(step.ids_np[0, :n].ravel().tolist()))
+            if not self._routed.run(step, experts, ids[r0:r1]):
+                return None  # only the first chunk can refuse: every slot of a store has one format
+            out[r0:r1].copy_(step.x[:n])
         self.state.calls += 1
         return out
 
-    def _in_groups(
-        self, x: torch.Tensor, experts: list[int], start: list[int], tok: list[int], rw: list[float], plan: Plan,
-        grouped: Grouped,
-    ) -> torch.Tensor:  # fmt: skip
-        """A call with more experts than the compute tier has slots: groups of `capacity` experts in ascending
-        id, each acquired, added unrounded to one fp32 sum (moetier::moe_acc) and released, so the result is
-        the bits of one native call whatever the residency."""
-        key_of = {task.key.expert: task.key for task in plan.tasks}
-        acc = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
-        for g0 in range(0, len(experts), self.capacity):
-            group = experts[g0 : g0 + self.capacity]
-            held: list[Any] = []
-            try:
-                rows = []
-                for e in group:
-                    views = self.store.acquire(key_of[e])
-                    held.append(key_of[e])
-                    rows.append(self._row(views))
-                packed = _packed(rows)
-                if packed is None:
-                    break  # a slot format the kernel does not read
-                lo, hi = start[g0], start[g0 + len(group)]
-                decode.moe_acc(
-                    x, *packed, [p - lo for p in start[g0 : g0 + len(group) + 1]], tok[lo:hi], rw[lo:hi], self.inter,
-                    acc,
-                )  # fmt: skip
-            finally:
-                for key in held:
-                    self.store.release(key)
-        else:
-            self.state.calls += 1
-            return acc.to(torch.bfloat16)
+    def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
+        """x [T, H] -> sum_k w * expert(x) as [T, H] by the torch path (the calls execute_routed leaves)."""
         self.state.fallback_calls += 1
         return execute_per_expert(self.store, self.fn, x, plan, grouped)
 
@@ -214,26 +207,20 @@ def native_fits(cfg: EngineConfig, family: Family, expert_fn: Any, dtype: torch.
 
 
 def build(ctx: BuildContext) -> Built:
-    """One NativeExecutor and the resident-first scheduler per MoE layer."""
+    """One NativeExecutor (taking routing as is) and the resident-first scheduler per MoE layer."""
     loaded = ctx.loaded
     lib = decode.load(ctx.config.runtime.native_kernels, ctx.config.runtime.kernel_cache)
     if lib is None:
         raise ConfigError("the native executor needs the kernel library (kernels/native.py load_error says why)")
-    state = NativeState(decode.isa(lib))
-    inter = int(loaded.info.expert_intermediate)
-    # where oneDNN takes bf16 products its GEMMs beat the native GEMV-shaped kernel above a few tokens;
-    # elsewhere (AVX2) the native kernel wins for whole prefill chunks (docs/engine.md)
-    max_tokens = MAX_TOKENS if matmul.onednn_takes_bf16() else decode.native_rows()
+    info = loaded.info
+    inter = int(info.expert_intermediate)
+    rows = ctx.config.runtime.step_rows
+    state = NativeState(lib, loaded.store, info.hidden_size, inter, info.top_k, info.num_experts, rows)
+    execs = {b.layer: NativeExecutor(b.store, b.expert_fn, b.num_experts, inter, state, b.layer)
+             for b in loaded.blocks}  # fmt: skip
     return Built(
-        {
-            b.layer: (
-                ResidentFirst(b.store, Domain.HOST),
-                NativeExecutor(b.store, b.expert_fn, b.num_experts, inter, state, max_tokens),
-            )
-            for b in loaded.blocks
-        },
-        state,
-    )
+        {layer: (ResidentFirst(ex.store, Domain.HOST), ex) for layer, ex in execs.items()}, state, dict(execs),
+    )  # fmt: skip
 
 
 SPEC = ExecutorSpec(name="native", build=build)

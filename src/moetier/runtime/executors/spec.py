@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from moetier.config import EngineConfig
 from moetier.models.families import Family
-from moetier.runtime.executors.base import Executor, LayerScheduler
+from moetier.runtime.executors.base import Executor, LayerScheduler, RoutedExecutor
 from moetier.runtime.loader import LoadedModel, Skeleton
 from moetier.runtime.pricing import Pricing
 
@@ -47,6 +47,7 @@ class Built:
 
     layers: Mapping[int, tuple[LayerScheduler, Executor]]
     state: ExecutorState | None = None
+    routed: Mapping[int, RoutedExecutor] = field(default_factory=dict)  # layers whose executor takes routing as is
 
 
 def _no_check(config: EngineConfig, family: Family) -> None:

@@ -1,0 +1,108 @@
+/* Matrix kernels of the decode step: activation rows prepared once, weight rows read once.
+ *
+ * ISA paths, chosen at compile time (the library is built with -march=native for the CPU it runs on;
+ * kernels/native.py can force a lower path for tests with -DMT_FORCE_AVX2 / -DMT_FORCE_C):
+ *   MT_ISA 3  AVX-512 F/BW/VL with AVX512-BF16 and AVX512-VNNI: bf16 rows by vdpbf16ps, integer rows by
+ *             vpdpbusd on 64 bytes at a time (4 weight rows x up to 4 activation rows per pass);
+ *   MT_ISA 2  AVX2 + FMA: bf16 rows widened to fp32 and FMA, integer rows by vpmaddubsw (or by 256-bit
+ *             vpdpbusd where the CPU has AVX-VNNI or AVX512-VNNI/VL: MT_VNNI256), 4 weight rows a pass;
+ *   MT_ISA 0  plain C (any CPU; the compiler vectorises what it can).
+ * AVX-512 without BF16 and VNNI (Skylake-X class) takes the AVX2 path.
+ *
+ * Weight kinds (mt_w.kind), all row-major [N, K], K a multiple of 32 for the integer kinds:
+ *   16  bf16.
+ *   8   int8: q int8 = (v - 128), v in 0..255; W = (v - zero) * scale per group.
+ *   4   int4: per block of 32 values 16 bytes, byte j = v[j] | v[j + 16] << 4; W = (v - zero) * scale.
+ *   2   int2: per chunk of 128 values 32 bytes, byte j = v[j] | v[j+32] << 2 | v[j+64] << 4 | v[j+96] << 6.
+ *   scale / zero: bf16 [N, K / group], group a multiple of 32 dividing K; zero NULL = the symmetric
+ *   constant (8-bit 128, 4-bit 8, 2-bit 2), the Q8_0 / Q4_0 layout of the dense weights (group 32).
+ *
+ * Activation forms (mt_act), one record per row, 64-byte aligned:
+ *   MT_F_BF16 (for kind 16): the row rounded to bf16 (ISA 3: bf16; ISA 2: fp32, each chunk of 16 permuted
+ *             [0-3, 8-11, 4-7, 12-15] to match the widening unpack; ISA 0: fp32);
+ *   MT_F_Q8   (kinds 8 and 2) and MT_F_Q4 (kind 4): int8 per block of 32 (scale d = max|x| / 127, round to
+ *             nearest even), the block scales d, the integer block sums, the group sums
+ *             gs[g] = sum over the group's blocks of d * (block sum) for the record's group size, and (ISA 3)
+ *             the start values of the symmetric kinds' integer accumulators. ISA 3 keeps MT_F_Q4 rows
+ *             permuted per 4 blocks (low halves of the 4 blocks, then high halves) to match the nibbles.
+ *   A block holding NaN or Inf gets d = NaN, so the products that read it are NaN (NumericalError names
+ *   them) rather than finite nonsense.
+ *
+ * All products accumulate in fp32; `mt_mm` writes or accumulates (with a weight per activation row) fp32
+ * results through per-row output pointers. Nothing here allocates or starts threads: callers split rows.
+ */
+#ifndef MOETIER_MM_H
+#define MOETIER_MM_H
+#include <stdint.h>
+
+#include "bf16.h"
+
+#if defined(MT_FORCE_C)
+#define MT_ISA 0
+#elif !defined(MT_FORCE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define MT_ISA 3
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MT_ISA 2
+#else
+#define MT_ISA 0
+#endif
+
+#if MT_ISA == 2 && !defined(MT_NO_VNNI) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define MT_VNNI256 1
+#else
+#define MT_VNNI256 0
+#endif
+
+#if MT_ISA > 0
+#include <immintrin.h>
+#endif
+
+#define MT_QB 32 /* activation quantisation block */
+#define MT_ALIGN 64
+
+enum { MT_F_BF16 = 0, MT_F_Q8 = 1, MT_F_Q4 = 2 };
+
+typedef struct {
+    int64_t kind; /* 16, 8, 4, 2 */
+    const void* q;
+    const uint16_t* s; /* bf16 [N, K / group]; NULL for kind 16 */
+    const uint16_t* z; /* bf16 [N, K / group] or NULL (symmetric) */
+    int64_t group;
+} mt_w;
+
+typedef struct {
+    int form;
+    int64_t K, gsz;             /* gsz: the group size the records' group sums are for (Q forms) */
+    int64_t rec;                /* bytes per row record */
+    int64_t off_d, off_n, off_init, off_gs; /* offsets in a record (Q forms) */
+    char* base;
+} mt_act;
+
+/* bytes of one row record of `form` for K values (group sums for groups of gsz) */
+int64_t mt_act_rec_bytes(int form, int64_t K, int64_t gsz);
+/* lay `rows` records out at buf (64-byte aligned); returns the bytes used */
+int64_t mt_act_init(mt_act* A, int form, int64_t K, int64_t gsz, void* buf, int64_t rows);
+/* fill record r from fp32 values (rounded to bf16 first for MT_F_BF16) or from bf16 values */
+void mt_act_prep_f32(const mt_act* A, int64_t r, const float* x);
+void mt_act_prep_bf16(const mt_act* A, int64_t r, const uint16_t* x);
+/* the activation form a weight kind reads */
+static inline int mt_form_of(int64_t kind) { return kind == 16 ? MT_F_BF16 : (kind == 4 ? MT_F_Q4 : MT_F_Q8); }
+/* bytes of one weight row of `kind` with K values */
+static inline int64_t mt_row_bytes(int64_t kind, int64_t K) { return kind == 16 ? 2 * K : K * kind / 8; }
+
+/* rows [r0, r1) of W (K values each) against `nt` activation records arow[0..nt) of A:
+ * alpha NULL: yrow[i][r] = W_r . a_i;  else: yrow[i][r] += alpha[i] * (W_r . a_i) */
+void mt_mm(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
+           float* const* yrow, const float* alpha);
+
+/* elementwise helpers on fp32 rows */
+float mt_sumsq(const float* x, int64_t n);
+void mt_silu_mul(float* g, const float* u, int64_t n); /* g = silu(g) * u in fp32 (the down rows' activation form
+                                                          rounds it once) */
+float mt_expf(float x);
+void mt_exp_inplace(float* x, int64_t n, float shift); /* x = exp(x - shift) */
+
+/* name of the compiled path ("avx512-bf16-vnni", "avx2+vnni", "avx2", "c") */
+const char* mt_isa_name(void);
+#endif

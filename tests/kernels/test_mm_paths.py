@@ -1,0 +1,143 @@
+"""Every compiled path of the matrix kernels (csrc/mm.c) this CPU can run, against float64 references.
+
+kernels/native.py builds the library once per path (`isa`: the CPU's best, "avx2", "avx2-novnni", "c");
+each is called through its own `moetier_gemv` entry (4-row blocks, up to 4 activation rows a pass, every
+tail: rows, activation rows, K not a multiple of 64 or 128) for every weight kind, symmetric (zero
+NULL: the dense Q8_0 / Q4_0 layouts) and asymmetric (per-group zero: the expert formats).
+
+Quantised kinds quantise x per block of 32 (d = max|x| / 127, round half even); `quantise_act` does the
+same in fp32 torch ops, so the reference W @ x_q in float64 differs from the kernel only by fp32
+accumulation and the final bf16 rounding. A block holding NaN or Inf makes every output that reads it
+NaN (the engine's NumericalError depends on it), never a finite number.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetier.kernels import decode, native
+
+BF16 = torch.bfloat16
+PATHS = ("native", "avx2", "avx2-novnni", "c")
+
+
+def _flags() -> set[str]:
+    return set(native.cpu_info()[1])
+
+
+def _runs_here(isa: str) -> bool:
+    flags = _flags()
+    if isa.startswith("avx2"):
+        return {"avx2", "fma"} <= flags
+    return True
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    isa = str(request.param)
+    if not _runs_here(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    root: Path = tmp_path_factory.getbasetemp() / "kernel-cache"  # shared by the paths: one build each
+    got = native.load(True, root, isa)
+    if got is None:
+        pytest.skip(f"no native kernels here: {native.load_error(True, root, isa)}")
+    return got
+
+
+def quantise_act(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> what the kernel's int8 activation stands for, fp32 [M, K] (a * d per block of 32)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)  # [M, B, 32]
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    # tensor / tensor: IEEE division, as the kernel's 127.0f / amax (torch's int / tensor multiplies by a
+    # reciprocal, one ulp off at times, which moves x * inv across a rounding tie)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    a = (xb * inv).round().clamp(-127, 127)
+    return (a * d).reshape(x.shape)
+
+
+def gemv(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None,
+         kind: int, group: int, n: int) -> torch.Tensor:  # fmt: skip
+    """x [M, K] bf16 @ W.T -> [M, N] bf16 through this library's moetier_gemv."""
+    m, k = x.shape
+    y = torch.empty((m, n), dtype=BF16)
+    scratch = torch.empty(int(lib.moetier_gemv_scratch_bytes(m, k, kind)) + 64, dtype=torch.uint8)
+    sp, zp = (s.data_ptr() if s is not None else None), (z.data_ptr() if z is not None else None)
+    rc = lib.moetier_gemv(x.data_ptr(), m, k, n, kind, q.data_ptr(), sp, zp, group, y.data_ptr(), scratch.data_ptr(), 2)
+    assert rc == 0, f"kernel refused kind {kind}, K={k}, group {group}"
+    return y
+
+
+def weights(kind: int, n: int, k: int, group: int, sym: bool, seed: int) -> tuple[torch.Tensor, ...]:
+    """(q in the kernel layout, scale, zero or None, W float64 [N, K]) for one kind."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == 16:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(BF16)
+        return w, None, None, w.double()  # type: ignore[return-value]
+    vmax = (1 << kind) - 1
+    v = torch.randint(0, vmax + 1, (n, k), generator=g, dtype=torch.int32)
+    scale = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(BF16)
+    zc = {8: 128.0, 4: 8.0, 2: 2.0}[kind]
+    zero = None if sym else (torch.rand(n, k // group, generator=g) * vmax).to(BF16)
+    z = torch.full((n, k // group), zc, dtype=torch.float64) if zero is None else zero.double()
+    w = (v.double() - z.repeat_interleave(group, 1)) * scale.double().repeat_interleave(group, 1)
+    if kind == 8:
+        q = (v - 128).to(torch.int8)
+    elif kind == 4:
+        q = decode.pack_nibbles(v.to(torch.uint8))
+    else:
+        q = decode.pack_crumbs(v.to(torch.uint8))
+    return q.contiguous(), scale, zero, w
+
+
+def check(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
+    err = (y.double() - ref).abs()
+    bad = err > 2.0**-8 * ref.abs() + 1e-5 * scale + 1e-30  # the bf16 output rounding, fp32 sums
+    assert not bad.any(), f"max error {float(err.max())} at {bad.nonzero()[:3].tolist()}"
+
+
+CASES = [  # kind, symmetric, group, K
+    (16, True, 0, 1024), (16, True, 0, 1040), (16, True, 0, 24),
+    (8, True, 32, 1024), (8, True, 32, 96), (8, False, 64, 1088), (8, False, 1024, 1024), (8, False, 96, 96),
+    (4, True, 32, 1024), (4, True, 32, 160), (4, False, 32, 1056), (4, False, 128, 1024), (4, False, 64, 64),
+    (2, False, 64, 512), (2, True, 128, 256), (2, False, 256, 256),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "sym", "group", "k"), CASES)
+def test_every_kind_matches_float64(lib: ctypes.CDLL, kind: int, sym: bool, group: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(kind * 7 + k)
+    for m, n in ((1, 9), (3, 8), (6, 13)):  # activation rows: 1, a partial block of 4, a block and a tail
+        q, s, z, w = weights(kind, n, k, group, sym, seed=k + n)
+        x = (torch.randn(m, k, generator=gen) * torch.linspace(0.1, 3, k)).to(BF16)
+        y = gemv(lib, x, q, s, z, kind, group, n)
+        xr = x.double() if kind == 16 else quantise_act(x).double()
+        check(y, xr @ w.T, x.double().abs() @ w.abs().T)
+
+
+@pytest.mark.parametrize("kind", [16, 8, 4, 2])
+def test_nan_in_an_activation_block_reaches_the_output(lib: ctypes.CDLL, kind: int) -> None:
+    k, group = 256, 64
+    q, s, z, _ = weights(kind, 8, k, group, sym=False, seed=3)
+    x = torch.randn(2, k).to(BF16)
+    x[0, 40] = float("nan")  # row 0: NaN; row 1: finite
+    x[1, 200] = float("inf") if kind != 16 else 1.0
+    y = gemv(lib, x, q, s, z, kind, group, 8)
+    assert torch.isnan(y[0]).all(), y[0]
+    if kind != 16:  # an Inf in a quantised block: NaN, not a finite product of a saturated int8
+        assert torch.isnan(y[1]).all(), y[1]
+    else:
+        assert torch.isfinite(y[1]).all()
+
+
+def test_the_native_build_names_its_path(lib: ctypes.CDLL) -> None:
+    name = lib.moetier_isa_name().decode()
+    flags = _flags()
+    best = "avx512-bf16-vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= flags else None
+    if lib.moetier_decode_isa() // 10 == 3:
+        assert name == "avx512-bf16-vnni" and best == name
+    assert name in ("avx512-bf16-vnni", "avx2+vnni", "avx2", "c")

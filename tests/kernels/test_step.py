@@ -1,0 +1,253 @@
+"""The decode step's native calls (kernels/step.py over csrc/step.c) against float64 references of the same math.
+
+One random layer per case: the attention half (RMSNorm, QKV with bias, q/k norms per head or over the whole
+projection, clipping, RoPE at each row's position, the K/V cache write, GQA attention over each row's own
+cache, the output projection with bias, the residual, the post-attention norm, the router's softmax top-k with
+or without renormalisation) for a prompt of several rows (causal through the cache) then single-row steps and a
+batch of rows on different caches; the MoE half (routed experts from slot descriptors, a gated shared expert,
+a dense MLP layer) and the head. The reference rounds where the kernels round (bf16 outputs of projections,
+q / k after RoPE, the attention output, each residual add), so the only differences are fp32 accumulation
+and the rounding that follows it."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+from moetier.kernels import decode, native
+from moetier.kernels.step import AttnLayer, AttnSpec, Head, MoeLayer, Step, desc_row
+from moetier.store.pool import SlotViews
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    got = decode.load(True, None)
+    if got is None:
+        pytest.skip(f"no native kernels here: {native.load_error(True, None)}")
+    return got
+
+
+def r(t: torch.Tensor) -> torch.Tensor:
+    """Round to bf16, back to float64 (where the kernels round)."""
+    return t.to(BF16).double()
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def rope_table(n: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None]  # [n, hd/2]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(BF16), ang.sin().to(BF16)
+
+
+def rotate(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = u.shape[-1] // 2
+    rot = torch.cat([-u[..., half:], u[..., :half]], -1)
+    return u * cos.double() + rot * sin.double()
+
+
+class Layer:
+    """Random weights of one layer and its float64 reference."""
+
+    def __init__(self, h: int, nh: int, nkv: int, hd: int, e: int, k: int, qk: int, clip: float, bias: bool,
+                 norm_topk: bool, round_w: bool, seed: int) -> None:  # fmt: skip
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape: int, s: float = 0.1) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * s).to(BF16)
+
+        self.h, self.nh, self.nkv, self.hd, self.e, self.k = h, nh, nkv, hd, e, k
+        self.qk, self.clip, self.norm_topk, self.round_w, self.eps = qk, clip, norm_topk, round_w, 1e-6
+        n = (nh + 2 * nkv) * hd
+        self.wqkv, self.wo = rnd(n, h), rnd(h, nh * hd)
+        self.bqkv = rnd(n) if bias else None
+        self.bo = rnd(h) if bias else None
+        self.in_norm, self.post_norm = (1 + rnd(h)).contiguous(), (1 + rnd(h)).contiguous()
+        qn = hd if qk == 1 else nh * hd
+        kn = hd if qk == 1 else nkv * hd
+        self.q_norm = (1 + rnd(qn)) if qk else None
+        self.k_norm = (1 + rnd(kn)) if qk else None
+        self.router = rnd(e, h, s=0.5)
+        self.cos, self.sin = rope_table(64, hd)
+        spec = AttnSpec(h, nh, nkv, hd, self.eps, clip, qk, e, k, norm_topk, round_w)
+        self.native = AttnLayer(spec, 0, self.in_norm, self.post_norm, self.wqkv, self.bqkv, self.wo, self.bo,
+                                self.q_norm, self.k_norm, self.cos, self.sin, self.router)  # fmt: skip
+
+    def ref(self, x: torch.Tensor, pos: list[int], kc: list[torch.Tensor], vc: list[torch.Tensor]) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x [T, H] bf16 rows at `pos` writing into float64 caches kc/vc (one [nkv, 64, hd] each, per row) ->
+        (x after attention, h, top-k ids, weights), float64."""
+        T, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
+        xd = x.double()
+        hn = r(rms(xd, self.in_norm, self.eps))
+        qkv = hn @ self.wqkv.double().T + (self.bqkv.double() if self.bqkv is not None else 0)
+        qkv = r(qkv)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+        if self.qk == 2:
+            q, k = r(rms(q, self.q_norm, self.eps)), r(rms(k, self.k_norm, self.eps))  # type: ignore[arg-type]
+        if self.clip > 0:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+        if self.qk == 1:
+            q, k = r(rms(q, self.q_norm, self.eps)), r(rms(k, self.k_norm, self.eps))  # type: ignore[arg-type]
+        p = torch.tensor(pos)
+        cos, sin = self.cos[p][:, None], self.sin[p][:, None]  # [T, 1, hd]
+        q, k = r(rotate(q, cos, sin)), r(rotate(k, cos, sin))
+        for t in range(T):  # every row's K/V first: prompt rows see each other through the cache
+            kc[t][:, pos[t]] = k[t]
+            vc[t][:, pos[t]] = v[t]
+        att = torch.empty(T, nh, hd, dtype=torch.float64)
+        for t in range(T):
+            for head in range(nh):
+                g = head // (nh // nkv)
+                s = kc[t][g, : pos[t] + 1] @ q[t, head] / math.sqrt(hd)
+                att[t, head] = torch.softmax(s, -1) @ vc[t][g, : pos[t] + 1]
+        o = r(r(att.reshape(T, nh * hd)) @ self.wo.double().T + (self.bo.double() if self.bo is not None else 0))
+        xo = r(xd + o)
+        h = r(rms(xo, self.post_norm, self.eps))
+        logits = r(h @ self.router.double().T)
+        probs = torch.softmax(logits, -1)
+        w, ids = probs.topk(self.k, -1)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return xo, h, ids, (r(w) if self.round_w else w)
+
+
+CASES = {  # h, nh, nkv, hd, e, k, qk norm, clip, bias, norm_topk, round_w
+    "qwen3": (128, 4, 2, 32, 8, 2, 1, 0.0, False, True, True),
+    "qwen2": (96, 4, 4, 24, 6, 2, 0, 0.0, True, False, True),
+    "olmoe": (64, 4, 4, 16, 6, 2, 2, 0.35, False, False, True),
+    "mixtral": (64, 8, 2, 8, 4, 2, 0, 0.0, False, True, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attention_half_matches_float64(lib: ctypes.CDLL, case: str) -> None:
+    L = Layer(*CASES[case], seed=len(case))  # type: ignore[arg-type]
+    h, nkv, hd, k = L.h, L.nkv, L.hd, L.k
+    step = Step(lib, 8, h, 1, k, L.e, [L.native], [], None, 64, 2)
+    step.layer(0)
+    step.s.nthreads = 2
+    caches = [(torch.zeros(1, nkv, 64, hd, dtype=BF16), torch.zeros(1, nkv, 64, hd, dtype=BF16)) for _ in range(3)]
+    refc = [(torch.zeros(nkv, 64, hd, dtype=torch.float64), torch.zeros(nkv, 64, hd, dtype=torch.float64))
+            for _ in range(3)]  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    # a 6-row prompt on cache 0, then 3 single-row steps on it, then one row on each of the 3 caches (a batch)
+    calls = [([0] * 6, list(range(6)))] + [([0], [6 + i]) for i in range(3)] + [([0, 1, 2], [9, 0, 0])]
+    for which, pos in calls:
+        T = len(pos)
+        x = torch.randn(T, h, generator=g).to(BF16)
+        step.x[:T].copy_(x)
+        for t, (c, p) in enumerate(zip(which, pos, strict=True)):
+            step.pos[t], step.cap[t] = p, 64
+            step.kc[t], step.vc[t] = caches[c][0].data_ptr(), caches[c][1].data_ptr()
+        step.s.T = T
+        step.attn(L.native)
+        xo, hn, ids, w = L.ref(x, pos, [refc[c][0] for c in which], [refc[c][1] for c in which])
+        scale = xo.abs().amax()
+        assert float((step.x[:T].double() - xo).abs().max()) <= 2e-2 * float(scale), case
+        assert float((step.h[:T].double() - hn).abs().max()) <= 3e-2 * float(hn.abs().amax()), case
+        got_ids = step.ids[0, :T].long()
+        agree = (got_ids == ids).all(-1)
+        assert float(agree.float().mean()) >= 0.8, (case, got_ids, ids)  # bf16 near-ties may swap an expert
+        assert torch.allclose(step.wts[0, :T][agree].double(), w[agree], atol=1e-2), case
+        for c in set(which):  # the caches hold what the reference wrote (bf16 of its K and V)
+            for t, p in zip(which, pos, strict=True):
+                if t == c:
+                    got = caches[c][0][0, :, p].double()
+                    assert float((got - refc[c][0][:, p]).abs().max()) <= 2e-2 * float(refc[c][0][:, p].abs().max())
+
+
+def _bf16_slot(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, SlotViews]:
+    i2, hh = w13.shape
+    row = torch.cat([w13.reshape(-1), w2.reshape(-1)]).contiguous()
+    views = SlotViews(row[: i2 * hh].view(i2, hh), row[i2 * hh :].view(hh, i2 // 2), None, None, row, {})
+    return row, views
+
+
+def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
+    """Routed bf16 experts by descriptor (a batch of rows with repeated experts), a sigmoid-gated shared expert,
+    and a dense MLP layer (E = 0), each added to the residual."""
+    h, inter, e, k, ish = 64, 32, 6, 2, 48
+    g = torch.Generator().manual_seed(3)
+    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16), (torch.randn(h, inter, generator=g) * 0.2)
+                .to(BF16)) for _ in range(e)]  # fmt: skip
+    slots = [_bf16_slot(*w) for w in experts]
+    sh13, sh2 = (torch.randn(2 * ish, h, generator=g) * 0.2).to(BF16), (torch.randn(h, ish, generator=g) * 0.2).to(BF16)
+    gate = (torch.randn(h, generator=g) * 0.3).to(BF16)
+
+    def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        gu = x @ w13.double().T
+        n = w13.shape[0] // 2
+        a = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+        return r(a) @ w2.double().T  # the down rows read the activation rounded to bf16
+
+    for shared in (False, True):
+        moe = MoeLayer(h, inter, e, k, (sh13, sh2, gate) if shared else None)
+        step = Step(lib, 4, h, 1, k, e, [], [moe], None, 0, 2)
+        step.layer(0)
+        step.s.nthreads, step.s.T = 2, 4
+        x0 = torch.randn(4, h, generator=g).to(BF16)
+        hin = torch.randn(4, h, generator=g).to(BF16)
+        ids = torch.tensor([[1, 4], [4, 1], [0, 5], [2, 4]], dtype=torch.int32)
+        wts = torch.rand(4, 2, generator=g)
+        step.x[:4].copy_(x0)
+        step.h[:4].copy_(hin)
+        step.ids[0, :4].copy_(ids)
+        step.wts[0, :4].copy_(wts)
+        for ex in range(e):
+            row = desc_row(slots[ex][1])
+            assert row is not None
+            moe.desc[ex] = None
+        table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)  # [E, DESC]
+        for ex in set(ids.reshape(-1).tolist()):
+            moe.desc[ex] = table.data_ptr() + 8 * 10 * ex
+        step.moe(moe)
+        y = torch.zeros(4, h, dtype=torch.float64)
+        for t in range(4):
+            for j in range(k):
+                ex = int(ids[t, j])
+                y[t] += float(wts[t, j]) * swiglu(hin[t : t + 1].double(), *experts[ex])[0]
+            if shared:
+                gt = float(r(torch.sigmoid(r(hin[t].double() @ gate.double()))))
+                y[t] += gt * swiglu(hin[t : t + 1].double(), sh13, sh2)[0]
+        want = r(x0.double() + r(y))
+        assert float((step.x[:4].double() - want).abs().max()) <= 2e-2 * float(want.abs().max()), shared
+    dense = MoeLayer(h, 0, 0, 0, (sh13, sh2, None))  # a dense MLP layer
+    step = Step(lib, 2, h, 1, 1, 1, [], [dense], None, 0, 2)
+    step.layer(0)
+    step.s.nthreads, step.s.T = 2, 2
+    x0, hin = torch.randn(2, h, generator=g).to(BF16), torch.randn(2, h, generator=g).to(BF16)
+    step.x[:2].copy_(x0)
+    step.h[:2].copy_(hin)
+    step.moe(dense)
+    want = r(x0.double() + r(swiglu(hin.double(), sh13, sh2)))
+    assert float((step.x[:2].double() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_head_matches_float64_and_refuses_small_scratch(lib: ctypes.CDLL) -> None:
+    g = torch.Generator().manual_seed(5)
+    h, v = 64, 200
+    w, norm = (torch.randn(v, h, generator=g) * 0.2).to(BF16), (1 + torch.randn(h, generator=g) * 0.1).to(BF16)
+    head = Head(norm, w, 1e-6)
+    step = Step(lib, 3, h, 1, 1, 1, [], [], head, 0, 2)
+    step.s.nthreads = 2
+    x = torch.randn(3, h, generator=g).to(BF16)
+    step.x[:3].copy_(x)
+    logits, bad = step.head(head, 3)
+    want = r(r(rms(x.double(), norm, 1e-6)) @ w.double().T)
+    assert float((logits.double() - want).abs().max()) <= 2e-2 * float(want.abs().max()) and bad == 0
+    step.x[1, 5] = float("nan")  # one row's NaN: every logit of that row is NaN, and counted (the engine's check)
+    logits, bad = step.head(head, 3)
+    assert bad == v and bool(torch.isnan(logits[1]).all()) and bool(torch.isfinite(logits[[0, 2]]).all())
+    step.s.scratch_bytes = 16  # a call never writes past the scratch it is given
+    with pytest.raises(ValueError, match="scratch is too small"):
+        step.head(head, 3)

@@ -255,7 +255,7 @@ static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act*
     float t = 0.0f;
     int64_t g = 0;
 #if MT_ISA == 3
-    if (z != NULL && A->gsz == w->group) { /* 16 groups a step: bf16 s and z widened, times the record's sums */
+    if (z != NULL && A->gsz == w->group && G >= 8) { /* 16 groups a step: bf16 s and z widened, times the sums */
         const float* gs = rec_gs(A, ar);
         __m512 acc = _mm512_setzero_ps();
         for (; g < G; g += 16) {
@@ -267,6 +267,11 @@ static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act*
         return _mm512_reduce_add_ps(acc);
     }
 #endif
+    if (A->gsz == w->group) { /* a few groups (short rows, per-row int8): scalar, the record's group sums */
+        const float* gs = rec_gs(A, ar);
+        for (; g < G; g++) t += bf2f(s[g]) * (z ? bf2f(z[g]) : zc) * gs[g];
+        return t;
+    }
     for (; g < G; g++) t += bf2f(s[g]) * (z ? bf2f(z[g]) : zc) * group_sum(A, ar, w->group, g);
     return t;
 }
@@ -876,6 +881,66 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
         }
 }
 
+/* 4 weight rows against one Q record (TB = 1, decode), each row streamed front to back in turn (one sequential
+ * stream, as q4_row3 / q8_row3), their 4 accumulators reduced together; the same sums as 4 calls of the one-row
+ * kernels, in one reduction */
+static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* a, const int32_t* init, const float* dx,
+                             gdiv_t gd) {
+    const int64_t nb = K / MT_QB, G = K / w->group, full = nb / 4 * 4;
+    const int sym = w->z == NULL;
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    const uint8_t* q = (const uint8_t*)w->q + r * (K / 2);
+    const uint16_t* s = w->s + r * G;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= full; b += 8) {
+        const int64_t Gi = b / 4;
+        const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16)), r1 = _mm512_loadu_si512((const void*)(q + b * 16 + 64));
+        const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+        const __m512i l1 = _mm512_and_si512(r1, lo4), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
+        const int8_t* ag = a + Gi * 128;
+        const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
+        const __m512i i1 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16 + 16)) : _mm512_setzero_si512();
+        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
+                                               _mm512_loadu_si512((const void*)(ag + 64)));
+        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1, l1, _mm512_loadu_si512((const void*)(ag + 128))), h1,
+                                               _mm512_loadu_si512((const void*)(ag + 192)));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(wscale(s, b + 4, gd, 4), _mm512_loadu_ps(dx + Gi * 16 + 16)), a1);
+    }
+    for (; b < full; b += 4) {
+        const int64_t Gi = b / 4;
+        const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16));
+        const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+        const int8_t* ag = a + Gi * 128;
+        const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
+        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
+                                               _mm512_loadu_si512((const void*)(ag + 64)));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
+    }
+    for (; b < nb; b++) {
+        const int64_t o = full / 4 * 16 + (b - full) * 8;
+        const __m512i v = _mm512_zextsi256_si512(nib32(q, b));
+        const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init + o) : _mm512_setzero_si512();
+        const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a + b * MT_QB);
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, v, av)),
+                             _mm512_mul_ps(_mm512_set1_ps(bf2f(s[gof(gd, b)])), _mm512_maskz_loadu_ps(0xff, dx + o)), a0);
+    }
+    return _mm512_add_ps(a0, a1);
+}
+
+static inline void q4_rows4_seq3(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_t ar, float* out) {
+    const gdiv_t gd = gdiv(w->group / MT_QB);
+    const int8_t* a = (const int8_t*)rec_of(A, ar);
+    const int32_t* init = rec_init(A, ar);
+    const float* dx = rec_dx(A, ar);
+    const __m512 v0 = q4_acc1(w, K, r, a, init, dx, gd), v1 = q4_acc1(w, K, r + 1, a, init, dx, gd);
+    const __m512 v2 = q4_acc1(w, K, r + 2, a, init, dx, gd), v3 = q4_acc1(w, K, r + 3, a, init, dx, gd);
+    _mm_storeu_ps(out, hsum4x16(v0, v1, v2, v3));
+    if (w->z != NULL)
+        for (int i = 0; i < 4; i++) out[i] -= zero_term(w, K, r + i, A, ar, 0.0f);
+}
+
 /* 2-bit rows: one block at a time, 256-bit (a rarely used kind: the low tier of dynamic precision) */
 static float q2_row3(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_t ar) {
     const int64_t nb = K / MT_QB, G = K / w->group;
@@ -913,6 +978,11 @@ static void mm_avx512(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt
      * loaded once. Longer rows interleaved this way read slower from memory (512-byte rows of int4 K=1024: 14
      * against 29 GB/s one row at a time on this project's AVX-512 EPYC), so they stream one row at a time. */
     const int short4 = nt <= 2 && ((w->kind == 4 && K % 128 == 0 && K <= 512) || (w->kind == 8 && K % 64 == 0 && K <= 256));
+    if (!short4 && nt == 1 && w->kind == 4) /* decode: 4 rows in turn, reduced together */
+        for (; r + 4 <= r1; r += 4) {
+            q4_rows4_seq3(w, K, r, A, arow[0], out);
+            for (int k = 0; k < 4; k++) put(yrow, alpha, 0, r + k, out[k]);
+        }
     if (short4)
         for (; r + 4 <= r1; r += 4)
             for (int64_t i = 0; i < nt; i++) {

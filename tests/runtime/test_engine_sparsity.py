@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -480,3 +481,22 @@ def test_roofline_tipping_from_a_profile() -> None:
                                cpu_threads=8, host_mem_bytes=1 << 34, gpu_mem_bytes=None)  # fmt: skip
     with pytest.raises(ConfigError, match=r"'cpu-box' has no GPU section.*--sparsity-tipping"):
         rs.roofline_tipping(cpu_only, 2048, 512, 2, 0.94)
+
+
+def test_bf16_sparse_engine_keeps_the_native_attention_half(model_bf16: Path) -> None:
+    """A bf16 engine with sparsity runs the native step's attention half and router; each MoE half is the sparse
+    executor's call on that routing (runtime/native_step.py), and decoding agrees with the step off."""
+    bf16 = RuntimeConfig(device="cpu")
+    ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for step in (True, False):
+        cfg = EngineConfig(runtime=replace(bf16, native_step=step), sparsity=SparsityConfig(0.5, tipping=1000))
+        with moetier.load(model_bf16, cfg) as engine:
+            st = engine.stats()
+            assert st["executor"] == "sparse" and ("native_step" in st) == step
+            out[step] = engine.logits(ids).float()
+            if step:
+                assert st["native_step"]["moe"] == "executor"
+                assert engine.stats()["sparsity"]["layers"][0]["sparse_calls"] > 0
+    rel = (out[True] - out[False]).abs().amax(-1) / out[False].abs().amax(-1)
+    assert float(rel.median()) <= 0.02, rel

@@ -83,12 +83,13 @@ def _swiglu(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
 class NativeStep:
     """The lean decoder's layers and head as native calls; see the module docstring."""
 
-    def __init__(self, lean: LeanDecoder, loaded: LoadedModel, lib: ctypes.CDLL, state: NativeState,
+    def __init__(self, lean: LeanDecoder, loaded: LoadedModel, lib: ctypes.CDLL, state: NativeState | None,
                  rows: int = DEFAULT_ROWS) -> None:  # fmt: skip
+        """`state`: the native executor's (its slot table, its counters), or None when the model runs another
+        executor (sparse, dense): the attention half stays native and each MoE half is that executor's call."""
         cfg, fam = loaded.config, loaded.family
         self.lean, self.loaded, self.store = lean, loaded, loaded.store
-        self.state = state  # the native executor's: the slot table, the stats
-        self.table = state.table
+        self.state = state
         self.rows = rows
         info = loaded.info
         blocks = {b.layer: b for b in loaded.blocks if isinstance(b, TieredMoE)}
@@ -141,7 +142,9 @@ class NativeStep:
                 moe = MoeLayer(info.hidden_size, info.expert_intermediate, info.num_experts, info.top_k)
             if router_w is None:
                 moe = None  # the family's module routes: the block's own forward
-            routed = RoutedMoE(i, self.store, self.table, moe, info.num_experts) if moe is not None else None
+            routed = None
+            if moe is not None and self.state is not None:  # the native executor: its routed call; else its own
+                routed = RoutedMoE(i, self.store, self.state.table, moe, info.num_experts)
             return _Site(attn, moe, routed, block, L.mlp, block.pipeline)
         parts = _swiglu(L.mlp)  # a dense layer's MLP: bf16, as the lean decoder runs it (dense_precision is
         moe = None  # attention and the head)
@@ -157,7 +160,8 @@ class NativeStep:
         return {"calls": self.calls, "rows": self.rows, "scratch_bytes": self.step.nbytes,
                 "torch_moe_calls": self.torch_moe_calls, "torch_mlp_layers": self.torch_mlp_layers,
                 "native_router": self.sites[0].attn.native_router if self.sites else False,
-                "unreadable_slots": self.table.unreadable}  # fmt: skip
+                "unreadable_slots": self.state.table.unreadable if self.state is not None else 0,
+                "moe": "native" if self.state is not None else "executor"}  # fmt: skip
 
     def run_sequence(self, ids: torch.Tensor, p0: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      all_logits: bool, hidden: bool) -> torch.Tensor:  # fmt: skip
@@ -241,7 +245,8 @@ class NativeStep:
         if wired and site.routed is not None:
             experts = sorted(set(st.ids_np[i, :T].ravel().tolist()))
             if site.routed.run(st, experts, ids):
-                self.state.calls += 1
+                if self.state is not None:
+                    self.state.calls += 1
                 return
         self.torch_moe_calls += 1
         h = st.h[:T]

@@ -175,8 +175,12 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
             native_bf16 = loaded.device.type == "cpu" and decode.load(cfg.runtime.native_kernels,
                                                                       cfg.runtime.kernel_cache) is not None  # fmt: skip
             lean = LeanDecoder(loaded, cfg.runtime.max_seq_len, cfg.runtime.dense_precision, native_bf16)
-            if isinstance(built.state, NativeState) and cfg.runtime.native_step:
-                lean.fused = NativeStep(lean, loaded, built.state.lib, built.state, cfg.runtime.step_rows)
+            lib = decode.load(cfg.runtime.native_kernels, cfg.runtime.kernel_cache) if native_bf16 else None
+            if lib is not None and cfg.runtime.native_step and loaded.dtype == torch.bfloat16:
+                # the attention half native for every executor; the MoE half the native executor's routed call, or
+                # the chosen executor's own (sparse, dense) on the same routing
+                state = built.state if isinstance(built.state, NativeState) else None
+                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows)
             decoder = lean
         else:
             decoder = HFDecoder(loaded.model, loaded.config)

@@ -64,10 +64,10 @@ WINDOW, WARMUP = 256, 512
 
 
 def engine(model: Path, quant: Path, mode: str, budget: int | None = None, hi: str = "full", lo: str = "int4",
-           **pc: Any) -> Any:  # fmt: skip
+           native: bool = True, **pc: Any) -> Any:  # fmt: skip
     pcfg = PrecisionConfig(mode=mode, hi=hi, lo=lo, quant_dir=str(quant), **pc)
     cfg = EngineConfig(budgets=Budgets(host_expert_bytes=budget), precision=pcfg,
-                       runtime=RuntimeConfig(dtype="bf16"))  # fmt: skip
+                       runtime=RuntimeConfig(dtype="bf16", native_kernels=native))  # fmt: skip
     return moetier.load(model, cfg)
 
 
@@ -77,7 +77,8 @@ def static_budget(stats: dict[str, Any]) -> int:
 
 def expert_output_errors(ids: list[int]) -> dict[str, float]:
     """sqrt(sum ||y_q - y||^2 / sum ||y||^2) over every (token, routed expert) of 512 tokens."""
-    full = engine(MODEL, QUANT, "full")
+    # the torch path: the native step runs no block's forward (no hook) and routes a prompt in chunks
+    full = engine(MODEL, QUANT, "full", native=False)
     inputs: dict[int, torch.Tensor] = {}
     routes: dict[int, torch.Tensor] = {}
     for block in full.loaded.blocks:

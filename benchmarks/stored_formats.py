@@ -87,7 +87,12 @@ import torch  # noqa: E402
 
 import moetier  # noqa: E402
 from benchmarks._models import qwen3_bench_model  # noqa: E402
-from benchmarks.vs_llamacpp import cpu_isa, get_llamacpp, llama_bench  # noqa: E402
+from benchmarks.vs_llamacpp import (  # noqa: E402
+    cpu_isa,
+    get_llamacpp,
+    gguf_dir,
+    llama_bench,
+)
 
 TOKENIZER = REPO / "models" / "tiny-shakespeare-moe"
 TEXT = REPO / "data" / "shakespeare_heldout.txt"
@@ -222,14 +227,14 @@ def formats(names: list[str], model: Path, cache: Path) -> dict[str, Fmt]:
         if n == "bf16":
             out[n] = Fmt(n, model, ("full",))
         elif n in QCONFIGS:
-            dst = cache / "stored" / f"qwen3moe-bench-{n}"
+            dst = cache / "stored" / f"{model.name}-{n}"
             log(f"{n}: {dst} ({'present' if (dst / 'config.json').exists() else 'converting'})")
             secs = convert(model, dst, n)
             out[n] = Fmt(n, dst, ("stored", "full"), secs)
             if secs is not None:
                 log(f"{n}: converted in {secs:.0f} s")
         elif n in GGUF_FILES:
-            p = cache / "llamacpp" / "gguf" / f"qwen3moe-bench-{GGUF_FILES[n]}.gguf"
+            p = gguf_dir(cache, model) / f"qwen3moe-bench-{GGUF_FILES[n]}.gguf"
             if not p.exists():
                 raise SystemExit(f"{p} is missing: run benchmarks/vs_llamacpp.py first (it writes the GGUF files)")
             out[n] = Fmt(n, p, ("stored", "full"))
@@ -361,9 +366,9 @@ def quality_run(fmt: Fmt, mode: str, ids: list[int], window: int, ref: Any, thre
     return {**q.as_dict(), "ppl": q.ppl, "slot_bytes": slot, "kernels": kernels}
 
 
-def llamacpp_part(s: Setup, cache: Path, tokens: int, rounds: int) -> dict[str, Any]:
+def llamacpp_part(s: Setup, cache: Path, model: Path, tokens: int, rounds: int) -> dict[str, Any]:
     """moetier (stored, full; all experts resident) and llama-bench on the Q4_K_M GGUF, interleaved."""
-    path = cache / "llamacpp" / "gguf" / "qwen3moe-bench-Q4_K_M.gguf"
+    path = gguf_dir(cache, model) / "qwen3moe-bench-Q4_K_M.gguf"
     runs: dict[str, list[float]] = {"llamacpp": [], "moetier-stored": [], "moetier-full": []}
     errors: dict[str, str] = {}
     notes: dict[str, Any] = {}
@@ -512,7 +517,7 @@ def main() -> None:
             }  # fmt: skip
     kernels = next((v for row in rows.values() for st in ("warm", "cold", "quality")
                     if (v := (row.get(st) or {}).get("kernels"))), None)  # fmt: skip
-    lc = llamacpp_part(s, cache, args.tokens, args.llamacpp_rounds) if args.llamacpp else None
+    lc = llamacpp_part(s, cache, model, args.tokens, args.llamacpp_rounds) if args.llamacpp else None
 
     # report
     amx = [f for f in isa["flags"] if f.startswith("amx")]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.test_decode import quantise_act
 from moetier.kernels import decode, native
 
 BF16 = torch.bfloat16
@@ -46,18 +47,6 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     if got is None:
         pytest.skip(f"no native kernels here: {native.load_error(True, root, isa)}")
     return got
-
-
-def quantise_act(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> what the kernel's int8 activation stands for, fp32 [M, K] (a * d per block of 32)."""
-    xb = x.float().reshape(x.shape[0], -1, 32)  # [M, B, 32]
-    amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127
-    # tensor / tensor: IEEE division, as the kernel's 127.0f / amax (torch's int / tensor multiplies by a
-    # reciprocal, one ulp off at times, which moves x * inv across a rounding tie)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    a = (xb * inv).round().clamp(-127, 127)
-    return (a * d).reshape(x.shape)
 
 
 def gemv(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None,

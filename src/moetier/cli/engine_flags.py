@@ -73,6 +73,19 @@ Native = Annotated[
     typer.Option("--native/--no-native", envvar="MOETIER_NATIVE", rich_help_panel="Engine",
                  help="Build and use the C kernels (kernels/native.py: decode, sparse); --no-native runs torch ops."),
 ]  # fmt: skip
+# RuntimeConfig.native_step / step_rows
+NativeStep = Annotated[
+    bool,
+    typer.Option("--native-step/--no-native-step", rich_help_panel="Engine",
+                 help="Run each layer of the lean decoder (Mixtral, Qwen2/3-MoE, OLMoE; bf16 on the CPU) as two native "
+                      "calls (runtime/native_step.py); --no-native-step runs its attention in torch."),
+]  # fmt: skip
+StepRows = Annotated[
+    int,
+    typer.Option("--step-rows", min=1, max=4096, rich_help_panel="Engine",
+                 help="Rows one native step call takes (prompts run in chunks of this many tokens); its scratch is "
+                      "sized for them (Engine.stats()['native_step']['scratch_bytes'])."),
+]  # fmt: skip
 DensePrecision = Annotated[
     str,
     typer.Option("--dense-precision", metavar="full|int8|int4", rich_help_panel="Precision",
@@ -224,6 +237,8 @@ class EngineFlags:
     native: Native = True
     kernel_cache: KernelCache = None
     dense_precision: DensePrecision = "full"
+    native_step: NativeStep = True
+    step_rows: StepRows = 128
 
     def config(self) -> EngineConfig:
         """The EngineConfig these flags ask for; ConfigError names a bad value or combination."""
@@ -251,7 +266,7 @@ class EngineFlags:
         cache = str(self.kernel_cache) if self.kernel_cache is not None else None
         runtime = replace(
             cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,
-            seam=self.seam,
+            seam=self.seam, native_step=self.native_step, step_rows=self.step_rows,
         )
         return replace(cfg, runtime=runtime)
 

@@ -1,9 +1,12 @@
-"""The native decode kernels (csrc/decode.c) as typed torch ops, and the dense weights they read.
+"""The native decode kernels (csrc/mm.c, csrc/step.c) as typed torch ops, and the dense weights they read.
 
-Three ops, registered with torch.library under `moetier::` (tensors and plain lists in, a tensor out):
-- `moetier::rms_norm(x, w, eps) -> y`: RMSNorm of bf16 rows in fp32, rounded once (the decode step's norms);
+Three ops, registered with torch.library under `moetier::` (tensors and plain lists in, a tensor out), for the
+paths that still run torch around the kernels (the lean decoder with RuntimeConfig.native_step off, the quantised
+matmuls of qformat.linear, the float64-reference tests); the decode step itself calls the C library directly
+through kernels/step.py:
+- `moetier::rms_norm(x, w, eps) -> y`: RMSNorm of bf16 rows in fp32, rounded once;
 - `moetier::gemv(x, q, scale, zero, kind, group) -> y`: x [M, K] bf16 @ W[N, K].T -> [M, N] bf16, for a
-  bf16 weight (kind 16) or a quantised one (kind 8 / 4 / 2; csrc/decode.c gives the byte layouts);
+  bf16 weight (kind 16) or a quantised one (kind 8 / 4 / 2; csrc/mm.h gives the byte layouts);
 - `moetier::moe(x, slots, layout, start, tok, rw, inter) -> out`: every active expert of one MoE layer
   call in one call: x [T, H] bf16, the experts' pool slots (one tensor each, the slot's memory), per
   expert its format row (`layout`: kind, then per matrix group, q / scale / zero byte offsets in the
@@ -22,8 +25,8 @@ RuntimeConfig.native_kernels off, `load` returns None and callers keep torch's p
 matmul.linear) and say so in their stats.
 
 Invariants: the ops never write their inputs; scratch memory is one buffer per thread, grown when a
-larger call comes and reused after, so a steady decode allocates only its outputs; a pool slot passed to
-`moe` must stay pinned by the caller for the call (the store's acquire / release).
+larger call comes and reused after; a pool slot passed to `moe` must stay pinned by the caller for the call
+(the store's acquire / release), and its layout row is checked (a known kind, every piece inside the slot).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def _check_gemv(x: torch.Tensor, q: torch.Tensor, kind: int, group: int) -> tupl
             raise ValueError(f"gemv: bf16 weight must be contiguous [N, {k}], got {q.dtype} {list(q.shape)}")
         return m, k, q.shape[0]
     if kind not in (8, 4, 2) or k % QBLOCK or group % QBLOCK or k % group or (kind == 2 and k % 128):
-        raise ValueError(f"gemv: kind {kind} with K={k}, group {group} is not a layout of csrc/decode.c")
+        raise ValueError(f"gemv: kind {kind} with K={k}, group {group} is not a layout of csrc/mm.h")
     if q.dim() != 2 or q.element_size() != 1 or q.shape[1] * 8 != k * kind or not q.is_contiguous():
         raise ValueError(f"gemv: int{kind} weight must be contiguous [N, {k * kind // 8}] bytes, got {list(q.shape)}")
     return m, k, q.shape[0]
@@ -291,7 +294,7 @@ class QDense:
     bits: int
     n: int
     k: int
-    q: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K/2] (bits 4, csrc/decode.c nibble order)
+    q: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K/2] (bits 4, csrc/mm.h nibble order)
     scale: torch.Tensor  # bf16 [N, K/32]
 
     @property

@@ -21,7 +21,7 @@ Formats (per matrix; `kind` of QLinearWeight), W = (q - zero) * scale in canonic
   (s, (8 - zero) * s); then the int4 kernel as above. The unfold splits its work over threads
   the way the kernel does (by row block), so each thread reads back what it wrote.
 - "n8" / "n4" / "n2" (CPU, bf16, the native decode kernels loaded, K % 32 == 0 and g % 32 == 0, int2 also
-  K % 128 == 0): the layouts of csrc/decode.c (kernels/decode.py): q int8 [N, K] = q - 128, uint8
+  K % 128 == 0): the layouts of csrc/mm.h (kernels/decode.py): q int8 [N, K] = q - 128, uint8
   [N, K/2] nibbles per block of 32, uint8 [N, K/4] 2-bit fields per chunk of 128; scale and zero the
   canonical bf16 [N, G]. The C kernel quantises x to int8 per block of 32 and takes integer dot products.
 - "generic" (anything else: fp32/fp16 models, CUDA, shapes the kernels refuse, int8 with g < K):
@@ -259,7 +259,7 @@ def _convert(
     """Canonical q [N, K*bits/8], scale, zero [N, G] -> the pieces of format `kind` (may allocate)."""
     if kind == "generic":
         return {"q": q, "scale": scale, "zero": zero}
-    if kind in NATIVE_KINDS:  # scale and zero as they are; q re-laid out for csrc/decode.c
+    if kind in NATIVE_KINDS:  # scale and zero as they are; q re-laid out for csrc/mm.h
         if bits == 8:
             native = torch.bitwise_xor(q, 0x80).view(torch.int8)  # [N, K], q - 128 in two's complement
         else:

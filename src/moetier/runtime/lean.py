@@ -148,8 +148,8 @@ class LeanDecoder:
     def _layer(self, layer: Any) -> LeanLayer:
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
-        w = _fuse(projs, "weight")
-        b = _fuse(projs, "bias") if a.q_proj.bias is not None else None
+        w = fuse_projections(projs, "weight")
+        b = fuse_projections(projs, "bias") if a.q_proj.bias is not None else None
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return LeanLayer(
             in_norm=layer.input_layernorm.weight,
@@ -246,7 +246,7 @@ class LeanDecoder:
         return decode.dense_linear(self.norm(x, self.final_norm), self.lm_head, None, self.native)
 
 
-def _fuse(projs: tuple[Any, ...], attr: str) -> torch.Tensor:
+def fuse_projections(projs: tuple[Any, ...], attr: str) -> torch.Tensor:
     """Concatenate the projections' weights (or biases) and re-point the modules at views of the
     fused tensor, so the fused copy does not double the attention weights' memory."""
     fused = torch.cat([getattr(p, attr) for p in projs], 0).contiguous()

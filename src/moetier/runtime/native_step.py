@@ -13,7 +13,10 @@ Per layer, for T rows (one token of each of T sequences, or T tokens of one sequ
 The output head is a third call after the last layer. Nothing per call allocates except the logits handed
 back (a copy of the step's buffer, so a caller may keep them).
 
-A layer leaves the native MoE half, for that call only, when its block's pipeline is not the one wired
+With another executor than the native one (sparsity; stored precision) every MoE half is that executor's own
+call on the native routing (the block's `experts_forward` + shared experts): the attention half stays native.
+With the native executor, a layer leaves the native MoE half, for that call only, when its block's pipeline is
+not the one wired
 (calibration swaps it), when a routed slot is in a format the kernels do not read, or when its dense MLP
 is not a SwiGLU the kernels compute: it then runs the block's own torch path on the same h and routing
 (`experts_forward` + shared experts), with the same observers. A family without a native router routes
@@ -39,17 +42,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetier.kernels.step import AttnLayer, AttnSpec, Head, MoeLayer, Step
-from moetier.runtime.executors.native import NativeState, RoutedMoE
-from moetier.runtime.lean import LeanDecoder, LeanLayer
+from moetier.runtime.executors.native import NativeState, RoutedMoE, is_silu
+from moetier.runtime.lean import LeanDecoder, LeanLayer, fuse_projections
 from moetier.runtime.loader import LoadedModel
 from moetier.runtime.moe_block import Pipeline, TieredMoE
 from moetier.runtime.observers import Route
-
-DEFAULT_ROWS = 128  # rows per call: prompts run in chunks of this many tokens
 
 
 @dataclass
@@ -70,21 +70,20 @@ def _swiglu(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     if any(not isinstance(p, nn.Linear) or p.bias is not None for p in parts):
         return None
     act = getattr(mlp, "act_fn", None)
-    probe = torch.linspace(-6, 6, 25)
-    try:
-        if act is None or not torch.equal(act(probe), F.silu(probe)):
-            return None
-    except (TypeError, RuntimeError):
+    if act is None or not is_silu(act):
         return None
-    g, u, d = (p.weight for p in parts)  # type: ignore[union-attr]
-    return torch.cat([g, u]).to(torch.bfloat16).contiguous(), d.to(torch.bfloat16).contiguous()
+    if any(p.weight.dtype != torch.bfloat16 for p in parts):  # type: ignore[union-attr]
+        return None
+    # gate and up fused into one [2I, H] tensor, the modules re-pointed at its views: no second copy in memory
+    w13 = fuse_projections((parts[0], parts[1]), "weight")
+    return w13, parts[2].weight.detach().contiguous()  # type: ignore[union-attr]
 
 
 class NativeStep:
     """The lean decoder's layers and head as native calls; see the module docstring."""
 
     def __init__(self, lean: LeanDecoder, loaded: LoadedModel, lib: ctypes.CDLL, state: NativeState | None,
-                 rows: int = DEFAULT_ROWS) -> None:  # fmt: skip
+                 rows: int) -> None:  # fmt: skip
         """`state`: the native executor's (its slot table, its counters), or None when the model runs another
         executor (sparse, dense): the attention half stays native and each MoE half is that executor's call."""
         cfg, fam = loaded.config, loaded.family
@@ -265,4 +264,4 @@ class NativeStep:
         x.copy_(x + out.reshape(T, -1).to(x.dtype))
 
 
-__all__ = ["DEFAULT_ROWS", "NativeStep"]
+__all__ = ["NativeStep"]

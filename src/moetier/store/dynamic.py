@@ -162,36 +162,29 @@ class DynamicStore:
         """Views of the registered version of `key`, pinned until release(key); loads the low
         version on the first touch."""
         with self._lock:
-            version = self.index.get(key)
-            if version is None:
-                version = self._load_locked(key, self.lo_precision)
-                self.misses += 1
-            else:
-                self.hits += 1
-            self._pins[version] += 1
-            self._held.setdefault(key, []).append(version)
-            return self.pools[version.precision].pool.views[version.slot]
+            return self._acquire_locked(key)
+
+    def _acquire_locked(self, key: ExpertKey) -> Any:
+        version = self.index.get(key)
+        if version is None:
+            version = self._load_locked(key, self.lo_precision)
+            self.misses += 1
+        else:
+            self.hits += 1
+        self._pins[version] += 1
+        self._held.setdefault(key, []).append(version)
+        return self.pools[version.precision].pool.views[version.slot]
 
     def acquire_many(self, keys: Sequence[ExpertKey]) -> list[Any]:
         """`acquire` of a layer call's experts under one lock (registered versions first: a first touch loads
         its low version); views in the order of `keys`. On a failure the versions pinned so far are released."""
-        out: list[Any] = [None] * len(keys)
+        out: list[Any] = []
         with self._lock:
-            pinned: list[ExpertKey] = []
             try:
-                for i, key in enumerate(keys):
-                    version = self.index.get(key)
-                    if version is None:
-                        version = self._load_locked(key, self.lo_precision)
-                        self.misses += 1
-                    else:
-                        self.hits += 1
-                    self._pins[version] += 1
-                    self._held.setdefault(key, []).append(version)
-                    pinned.append(key)
-                    out[i] = self.pools[version.precision].pool.views[version.slot]
+                for key in keys:
+                    out.append(self._acquire_locked(key))
             except BaseException:
-                for key in pinned:
+                for key in keys[: len(out)]:
                     self._release_locked(key)
                 raise
         return out

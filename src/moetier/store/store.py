@@ -181,7 +181,7 @@ class ExpertStore:
         Returns the views in the order of `keys`. On a failure (ExpertReadError, BudgetError) the keys pinned
         so far are released and the error propagates."""
         state = self.compute
-        with self._cv:
+        with self._lock:  # the condition's own lock (a miss below may wait on self._cv while holding it)
             if self._resident or (len(state.slots) == self._total and not state.inflight and not state.prefetched):
                 # every expert of the model resident: nothing can be evicted from now on (no miss needs a slot, no
                 # prefetch has anything to load), so pins and recency no longer matter; only hits are counted, and

@@ -668,16 +668,40 @@ static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+/* the zero terms of 4 consecutive rows with 4G <= 16 groups in all (short rows): their s and z are one
+ * contiguous run each, widened in one go, times the record's group sums tiled over the 4 rows */
+static inline void zero_terms4(const mt_w* w, int64_t G, int64_t r, const mt_act* A, int64_t ar, float* out) {
+    static const int32_t TILE[4][16] = {{0}, {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
+                                        {0}, {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}};
+    const __mmask16 m = (__mmask16)((1u << (4 * G)) - 1);
+    const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w->s + r * G)), 16));
+    const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w->z + r * G)), 16));
+    const __m512 g = _mm512_maskz_loadu_ps((__mmask16)((1u << G) - 1), rec_gs(A, ar));
+    const __m512 gt = G == 1 ? _mm512_set1_ps(_mm512_cvtss_f32(g)) : _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)TILE[G - 1]), g);
+    float prod[16];
+    _mm512_storeu_ps(prod, _mm512_mul_ps(_mm512_mul_ps(sv, zv), gt));
+    for (int i = 0; i < 4; i++) {
+        float t = 0.0f;
+        for (int64_t k = 0; k < G; k++) t += prod[i * G + k];
+        out[i] -= t;
+    }
+}
+
 /* short 4-bit rows (K a multiple of 128 up to 512: 4 such rows are one contiguous run of at most 1 KB), 4
- * rows against one Q4 record: the per-row costs (setup, reduction, zero term) shared by the 4 */
+ * rows against one Q4 record: the per-row costs (setup, reduction, zero term) shared by the 4; with groups of
+ * 128 or more (each 4-block step inside one group) the 4 rows' scales are widened once and broadcast per step */
 static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_t ar, float* out) {
     const int64_t G = K / w->group;
     const gdiv_t gd = gdiv(w->group / MT_QB);
-    const int sym = w->z == NULL;
+    const int sym = w->z == NULL, fast = w->group % 128 == 0 && (G == 1 || G == 2 || G == 4);
     const __m512i lo4 = _mm512_set1_epi8(15);
     const int8_t* a = (const int8_t*)rec_of(A, ar);
     const int32_t* init = rec_init(A, ar);
     const float* dx = rec_dx(A, ar);
+    __m512 svall = _mm512_setzero_ps();
+    if (fast)
+        svall = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << (4 * G)) - 1), w->s + r * G)), 16));
     __m512 acc[4];
     for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / MT_QB; b += 4) {
@@ -685,16 +709,23 @@ static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
         const __m512i alo = _mm512_loadu_si512((const void*)(a + Gi * 128)), ahi = _mm512_loadu_si512((const void*)(a + Gi * 128 + 64));
         const __m512i iv = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
         const __m512 dv = _mm512_loadu_ps(dx + Gi * 16);
+        const int64_t gi = fast ? gof(gd, b) : 0;
         for (int i = 0; i < 4; i++) {
             const __m512i raw = _mm512_loadu_si512((const void*)((const uint8_t*)w->q + (r + i) * (K / 2) + b * 16));
             const __m512i l = _mm512_and_si512(raw, lo4), h = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
             const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv, l, alo), h, ahi);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wscale(w->s + (r + i) * G, b, gd, 4), dv), acc[i]);
+            const __m512 sc = fast ? _mm512_permutexvar_ps(_mm512_set1_epi32((int)(i * G + gi)), svall)
+                                   : wscale(w->s + (r + i) * G, b, gd, 4);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sc, dv), acc[i]);
         }
     }
     _mm_storeu_ps(out, hsum4x16(acc[0], acc[1], acc[2], acc[3]));
-    if (!sym)
-        for (int i = 0; i < 4; i++) out[i] -= zero_term(w, K, r + i, A, ar, 0.0f);
+    if (!sym) {
+        if (4 * G <= 16 && A->gsz == w->group && (G == 1 || G == 2 || G == 4))
+            zero_terms4(w, G, r, A, ar, out);
+        else
+            for (int i = 0; i < 4; i++) out[i] -= zero_term(w, K, r + i, A, ar, 0.0f);
+    }
 }
 
 /* short 8-bit rows (K a multiple of 64 up to 256), 4 rows against one Q8 record; a row with one group (a
@@ -723,8 +754,12 @@ static inline void q8_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
     __m128 v = hsum4x16(acc[0], acc[1], acc[2], acc[3]);
     if (one) v = _mm_mul_ps(v, _mm_setr_ps(bf2f(w->s[r]), bf2f(w->s[r + 1]), bf2f(w->s[r + 2]), bf2f(w->s[r + 3])));
     _mm_storeu_ps(out, v);
-    if (!sym)
-        for (int i = 0; i < 4; i++) out[i] -= zero_term(w, K, r + i, A, ar, 0.0f);
+    if (!sym) {
+        if (4 * G <= 16 && A->gsz == w->group && (G == 1 || G == 2 || G == 4))
+            zero_terms4(w, G, r, A, ar, out);
+        else
+            for (int i = 0; i < 4; i++) out[i] -= zero_term(w, K, r + i, A, ar, 0.0f);
+    }
 }
 
 /* Blocks of 4 weight rows x up to MAXT activation rows, for calls of several activation rows (prefill, batches):
@@ -1095,6 +1130,17 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 float mt_expf(float x) { return expf(x); }
+
+void mt_round_bf16(float* x, int64_t n) {
+    int64_t j = 0;
+#if MT_ISA == 3
+    for (; j + 16 <= n; j += 16) {
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)); /* round to nearest even; NaN stays NaN */
+        _mm512_storeu_ps(x + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16)));
+    }
+#endif
+    for (; j < n; j++) x[j] = bf2f(f2bf(x[j]));
+}
 
 void mt_exp_inplace(float* x, int64_t n, float shift) {
     int64_t j = 0;

@@ -101,6 +101,7 @@ float mt_sumsq(const float* x, int64_t n);
 void mt_silu_mul(float* g, const float* u, int64_t n); /* g = silu(g) * u in fp32 (the down rows' activation form
                                                           rounds it once) */
 float mt_expf(float x);
+void mt_round_bf16(float* x, int64_t n); /* x = x rounded to bf16 (nearest even), as fp32 */
 void mt_exp_inplace(float* x, int64_t n, float shift); /* x = exp(x - shift) */
 
 /* name of the compiled path ("avx512-bf16-vnni", "avx2+vnni", "avx2", "c") */

@@ -32,6 +32,14 @@ static inline void span(int64_t n, int64_t align, int nt, int me, int64_t* lo, i
     *hi = *lo + per < n ? *lo + per : n;
 }
 
+/* this thread's share (4-row blocks) of rows [0, N) of W against T activation records */
+static inline void mm_share(const mt_w* w, int64_t K, int64_t N, const mt_act* A, const int32_t* ident, int64_t T,
+                            float* const* rows, int nt, int me) {
+    int64_t lo, hi;
+    span(N, 4, nt, me, &lo, &hi);
+    if (hi > lo) mt_mm(w, K, lo, hi, A, ident, T, rows, NULL);
+}
+
 static inline int kind_ok(int64_t kind, int64_t K, int64_t group) {
     if (kind == 16) return 1;
     if (kind != 8 && kind != 4 && kind != 2) return 0;
@@ -308,16 +316,20 @@ static inline void axpy_bf16(float* o, float p, const uint16_t* v, int64_t n) {
 
 /* top-k of probs [E] (descending, ties: lower id first) -> ids, values */
 static void topk(const float* pr, int64_t E, int64_t k, int32_t* ids, float* val) {
-    for (int64_t i = 0; i < k; i++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < i; j++) taken |= ids[j] == e;
-            if (taken) continue;
-            if (best < 0 || pr[e] > pr[best] || (pr[best] != pr[best] && pr[e] == pr[e])) best = e;
+    /* insertion into a descending list of k: a later id never displaces an equal value (ties: lower id first);
+     * NaN compares false, so a row of NaN keeps valid ids and carries its NaN values on */
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const float v = pr[e];
+        if (n == k && !(v > val[k - 1])) continue;
+        int64_t j = n < k ? n++ : k - 1;
+        while (j > 0 && v > val[j - 1]) {
+            val[j] = val[j - 1];
+            ids[j] = ids[j - 1];
+            j--;
         }
-        ids[i] = (int32_t)best;
-        val[i] = pr[best];
+        val[j] = v;
+        ids[j] = (int32_t)e;
     }
 }
 
@@ -369,17 +381,15 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
             mt_act_prep_bf16(&ax, t, hn);
         }
         /* 2. QKV projection */
-        {
-            int64_t lo, hi;
-            span(N, 4, nt, me, &lo, &hi);
-            if (hi > lo) mt_mm(&L->wqkv, H, lo, hi, &ax, ident, T, rq, NULL);
-        }
+        mm_share(&L->wqkv, H, N, &ax, ident, T, rq, nt, me);
 #pragma omp barrier
         /* 3. bias, rounding, q/k norms, clip, RoPE, K/V into the caches */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float* r = qkv + t * N;
-            for (int64_t j = 0; j < N; j++) r[j] = round_bf(r[j] + (L->bqkv ? bf2f(L->bqkv[j]) : 0.0f));
+            if (L->bqkv)
+                for (int64_t j = 0; j < N; j++) r[j] += bf2f(L->bqkv[j]);
+            mt_round_bf16(r, N);
             float *q = r, *k = r + D, *v = r + D + nkv * hd;
             if (L->qk_norm == 2) {
                 rms_f32(q, L->q_norm, D, L->eps);
@@ -434,17 +444,14 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                 for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
                 for (int64_t p = 0; p < n; p++) axpy_bf16(o, s[p], vc + p * hd, hd);
                 const float iz = 1.0f / z;
-                for (int64_t j = 0; j < hd; j++) o[j] = round_bf(o[j] * iz);
+                for (int64_t j = 0; j < hd; j++) o[j] *= iz;
+                mt_round_bf16(o, hd);
             }
         }
         /* 5. the output projection's activation */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) mt_act_prep_f32(&ao, t, att + t * D);
-        {
-            int64_t lo, hi;
-            span(H, 4, nt, me, &lo, &hi);
-            if (hi > lo) mt_mm(&L->wo, D, lo, hi, &ao, ident, T, ry, NULL);
-        }
+        mm_share(&L->wo, D, H, &ao, ident, T, ry, nt, me);
 #pragma omp barrier
         /* 6. residual, post-attention norm, the router's activation */
 #pragma omp for schedule(static)
@@ -458,9 +465,7 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
         /* 7. router logits, then softmax, top-k, renormalisation per row */
         if (L->router) {
             mt_w rw = {16, L->router_w, NULL, NULL, 0};
-            int64_t lo, hi;
-            span(E, 4, nt, me, &lo, &hi);
-            if (hi > lo) mt_mm(&rw, H, lo, hi, &ar, ident, T, rl, NULL);
+            mm_share(&rw, H, E, &ar, ident, T, rl, nt, me);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {

@@ -184,7 +184,7 @@ class NativeExecutor:
         return execute_per_expert(self.store, self.fn, x, plan, grouped)
 
 
-def _is_silu(act: Any) -> bool:
+def is_silu(act: Any) -> bool:
     """Whether an activation (F.silu, nn.SiLU, transformers' ACT2FN["silu"], ...) computes SiLU."""
     probe = torch.linspace(-8, 8, 33)
     try:
@@ -201,7 +201,7 @@ def native_fits(cfg: EngineConfig, family: Family, expert_fn: Any, dtype: torch.
         and dtype == torch.bfloat16
         and not cfg.sparsity.enabled
         and isinstance(expert_fn, SwiGLU)
-        and _is_silu(expert_fn.act)
+        and is_silu(expert_fn.act)
         and "down_bias" not in family.sources
     )
 

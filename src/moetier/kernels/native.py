@@ -41,7 +41,7 @@ import torch
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
 HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
-ABI = 4  # csrc/sparse_swiglu.c
+ABI = 5  # csrc/sparse_swiglu.c
 DECODE_ABI = 3  # csrc/step.c
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -65,7 +65,7 @@ _QUANT_ARGTYPES: list[Any] = [
     _I64, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),  # bits, g, n_exp, wptr (6 per expert), start
     ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),  # tok, rw
     _P, ctypes.c_int, _P,  # out, accumulate, mask_out
-    _P, _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, wbuf, nthreads
+    _P, _P, _P, _P, _P, _P, ctypes.c_int,  # xs, act, flat, ys, wbuf, qbuf (int4 integer path), nthreads
 ]  # fmt: skip
 _I = ctypes.c_int
 _DECODE_ARGTYPES: dict[str, list[Any]] = {
@@ -175,6 +175,8 @@ def _open(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int64, _ARGTYPES
     lib.moetier_sparse_moe_quant.restype, lib.moetier_sparse_moe_quant.argtypes = ctypes.c_int64, _QUANT_ARGTYPES
+    qbytes = lib.moetier_sparse_quant_qbytes  # x_bf16, H, I, bits, group, n_tok, pairs, nthreads
+    qbytes.restype, qbytes.argtypes = ctypes.c_int64, [ctypes.c_int, *[_I64] * 7]
     for name, argtypes in _DECODE_ARGTYPES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = _RESTYPES.get(name, ctypes.c_int64), argtypes

@@ -296,14 +296,17 @@ class NativeSparse:
 
 class NativeSparseQuant:
     """The C kernel for quantized experts in the rows layout (`moetier quantize --for-sparsity`): every
-    matrix row-major [rows, H], quantised along H in groups of `group`, `bits` 8, 4 or 2."""
+    matrix row-major [rows, H], quantised along H in groups of `group`, `bits` 8, 4 or 2. int4 rows under
+    bf16 activations (groups a multiple of 32) take the integer path: gate and up rows by mm.c's integer
+    dot products against x quantised to int8 per block of 32 (as the dense int4 experts read it), the down
+    rows of a few tokens together with their up rows; the others dequantise rows to fp32."""
 
     def __init__(self, lib: ctypes.CDLL, hidden: int, inter: int, dtype: torch.dtype, bits: int, group: int) -> None:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"the native sparse kernel takes bf16 or fp32 activations, not {dtype}")
         if bits not in (8, 4, 2) or group < 1 or hidden % group or group % (8 // bits):
             raise ValueError(f"native sparse: {bits}-bit groups of {group} do not fit rows of {hidden}")
-        self.fn = lib.moetier_sparse_moe_quant
+        self.fn, self.qbytes = lib.moetier_sparse_moe_quant, lib.moetier_sparse_quant_qbytes
         self.build_key = native.build_key_of(lib)
         self.hidden, self.inter, self.dtype, self.bits, self.group = hidden, inter, dtype, bits, group
         self._scratch = _Scratch()
@@ -325,15 +328,17 @@ class NativeSparseQuant:
             raise ValueError("native sparse: each quantized expert needs 6 addresses (w13, w2: q, scale, zero)")
         n_tok, h = x.shape
         n_exp, pairs, i, threads = len(experts), len(tokens), self.inter, torch.get_num_threads()
-        f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i + threads * h, n_exp * (i // block))
+        qbytes = int(self.qbytes(int(x.dtype == torch.bfloat16), h, i, self.bits, self.group, n_tok, pairs, threads))
+        f32, i32 = self._scratch.get(2 * n_tok * h + pairs * i + threads * h + (qbytes + 64) // 4, n_exp * (i // block))
         base = f32.data_ptr()
+        qbuf = -(-(base + 4 * (2 * n_tok * h + pairs * i + threads * h)) // 64) * 64 if qbytes else None
         return int(
             self.fn(
                 x.data_ptr(), int(x.dtype == torch.bfloat16), n_tok, h, i, block, threshold, self.bits, self.group,
-                n_exp, (_I64 * (6 * n_exp))(*(a for e in experts for a in e)), (_I64 * (n_exp + 1))(*starts),
+                n_exp, (_I64 * (6 * n_exp))(*[a for e in experts for a in e]), (_I64 * (n_exp + 1))(*starts),
                 (_I32 * pairs)(*tokens), (_F32 * pairs)(*weights), out.data_ptr(), int(accumulate),
                 mask_out.data_ptr() if mask_out is not None else None, base, base + 4 * (2 * n_tok * h),
-                i32.data_ptr(), base + 4 * (n_tok * h), base + 4 * (2 * n_tok * h + pairs * i), threads,
+                i32.data_ptr(), base + 4 * (n_tok * h), base + 4 * (2 * n_tok * h + pairs * i), qbuf, threads,
             )
         )  # fmt: skip
 

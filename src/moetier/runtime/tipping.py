@@ -43,7 +43,7 @@ from moetier.kernels.sparse import (
 from moetier.policies.sparsity import tipping_point
 
 PROFILE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: quantized rows' dense side is the native kernel at threshold 0
 
 
 def _profile_key(
@@ -154,7 +154,10 @@ def tipping_profile(
         x = x_all[:c].contiguous()
         y = torch.empty_like(x)
 
-        def dense(x: torch.Tensor = x) -> None:
+        def dense(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
+            if isinstance(kernel, NativeSparseQuant) and not masked:  # the engine's dense path on quantized rows
+                kernel(x, [kernel.address(pick())], list(range(c)), [1.0] * c, [0, c], y, 0.0, block)
+                return
             w13, w2, _ = dense_weights(pick(), dtype)
             if masked:
                 masked_dense(x, w13, w2, act, thr, block)  # 1-2 rows: matmul.linear picks the kernel per call

@@ -1185,15 +1185,15 @@ void mt_silu_mul(float* g, const float* u, int64_t n) {
     for (; j + 16 <= n; j += 16) {
         const __m512 x = _mm512_loadu_ps(g + j);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(g + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + j)));
+        _mm512_storeu_ps(g + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), u ? _mm512_loadu_ps(u + j) : one));
     }
 #elif MT_ISA == 2
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; j + 8 <= n; j += 8) {
         const __m256 x = _mm256_loadu_ps(g + j);
         const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+        _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), u ? _mm256_loadu_ps(u + j) : one));
     }
 #endif
-    for (; j < n; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    for (; j < n; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * (u ? u[j] : 1.0f);
 }

@@ -99,7 +99,7 @@ void mt_mm(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, co
 /* elementwise helpers on fp32 rows */
 float mt_sumsq(const float* x, int64_t n);
 void mt_silu_mul(float* g, const float* u, int64_t n); /* g = silu(g) * u in fp32 (the down rows' activation form
-                                                          rounds it once) */
+                                                          rounds it once); u NULL: g = silu(g) */
 float mt_expf(float x);
 void mt_round_bf16(float* x, int64_t n); /* x = x rounded to bf16 (nearest even), as fp32 */
 void mt_exp_inplace(float* x, int64_t n, float shift); /* x = exp(x - shift) */

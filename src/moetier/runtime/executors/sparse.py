@@ -213,8 +213,8 @@ class SparseExecutor:
 
     def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
         """x [T, H] -> sum_k w * expert(x) as [T, H]. The plan's tasks under the tipping point carry the
-        sparsity target (gather path); the others run the original dense expert (or, `masked`, the masked
-        dense matmuls)."""
+        sparsity target (gather path); the others run the original dense expert (on quantized rows with the
+        native kernel: that kernel at threshold 0), or, `masked`, the masked dense matmuls."""
         # 1. split the plan by path
         call: _Call = grouped.data
         groups = call.groups
@@ -222,7 +222,10 @@ class SparseExecutor:
         sparse = [t for t in plan.tasks if t.sparsity > 0]
         dense = [t for t in plan.tasks if t.sparsity == 0]
         c.shared += x.shape[0] * self.shared
-        if not sparse and not self.masked:  # 2a. every task dense: the dense executor's computation, exactly
+        # quantized rows with the native kernel: the unmasked expert is that kernel at threshold 0 (every
+        # neuron computed, the same integer products as the gather path), not torch on dequantised copies
+        kernel_dense = isinstance(self.kernel, NativeSparseQuant) and not self.masked
+        if not sparse and not self.masked and not kernel_dense:  # 2a. every task dense: the dense executor's
             assert self.fn is not None
             n = sum(task.tokens for task in dense)
             c.active += n * self.inter
@@ -235,7 +238,10 @@ class SparseExecutor:
         out = torch.zeros_like(xc)
         # 2b. gather path: one native call per chunk of experts the compute tier can pin at once
         if sparse:
-            self._sparse(store, xc, out, sparse, groups)
+            self._sparse(store, xc, out, sparse, groups, self.threshold, accumulate=False, dense=False)
+        if kernel_dense and dense:
+            self._sparse(store, xc, out, dense, groups, 0.0, accumulate=bool(sparse), dense=True)
+            dense = []
         # 3. dense path for the big calls: the original expert, or the masked matmuls
         for task in dense:
             toks, ws = groups[task.key.expert]
@@ -269,7 +275,7 @@ class SparseExecutor:
 
     def _native(
         self, x: torch.Tensor, out: torch.Tensor, chunk: Sequence[Any], views: Sequence[Any], groups: Groups,
-        accumulate: bool,
+        threshold: float, accumulate: bool,
     ) -> int:  # fmt: skip
         """One kernel call for a chunk of experts. When the chunk covers only some of the call's tokens
         (prefill with a mix of paths), the kernel sees just those rows, gathered, and its output is
@@ -284,45 +290,62 @@ class SparseExecutor:
         slots: list[Any] = [self.kernel.address(v) for v in views]
         rows = sorted(set(toks))
         if len(rows) == x.shape[0]:  # every token (rows == 0..T-1): in place
-            return self.kernel(x, slots, toks, ws, starts, out, self.threshold, self.block, accumulate=accumulate)
+            return self.kernel(x, slots, toks, ws, starts, out, threshold, self.block, accumulate=accumulate)
         where = {t: j for j, t in enumerate(rows)}
         idx = torch.tensor(rows, device=x.device)
         y = torch.empty((len(rows), x.shape[1]), dtype=out.dtype, device=out.device)  # [R, H]
-        active = self.kernel(x[idx], slots, [where[t] for t in toks], ws, starts, y, self.threshold, self.block)
+        active = self.kernel(x[idx], slots, [where[t] for t in toks], ws, starts, y, threshold, self.block)
         out.index_add_(0, idx, y)
         return active
 
-    def _sparse(self, store: Any, x: torch.Tensor, out: torch.Tensor, tasks: Sequence[Any], groups: Groups) -> None:
+    def _sparse(
+        self, store: Any, x: torch.Tensor, out: torch.Tensor, tasks: Sequence[Any], groups: Groups, threshold: float,
+        accumulate: bool, dense: bool,
+    ) -> None:  # fmt: skip
+        """`tasks` through the gather path at `threshold` into `out` (`accumulate`: out already holds other
+        tasks' results); `dense`: the dense path of quantized rows (threshold 0, every neuron), counted so."""
         c = self.counts
         cap = max(1, int(getattr(store, "capacity", 1)))
         for first in range(0, len(tasks), cap):
             chunk = tasks[first : first + cap]
             keys: list[ExpertKey] = []
+            many = getattr(store, "acquire_many", None)  # one lock for the chunk where the store has it
             try:
-                views = []
-                for task in chunk:
-                    views.append(store.acquire(task.key))
-                    keys.append(task.key)
+                if many is not None:
+                    views = many([task.key for task in chunk])
+                    keys = [task.key for task in chunk]
+                else:
+                    views = []
+                    for task in chunk:
+                        views.append(store.acquire(task.key))
+                        keys.append(task.key)
                 if self.kernel is not None:
-                    active = self._native(x, out, chunk, views, groups, accumulate=first > 0)
+                    active = self._native(x, out, chunk, views, groups, threshold, accumulate=accumulate or first > 0)
                 else:
                     active = 0
                     for task, v in zip(chunk, views, strict=True):
                         toks, ws = groups[task.key.expert]
                         w13, _, rows = dense_weights(v, x.dtype)
-                        y, n = sparse_torch(x[toks], w13, rows, self.act, self.threshold, self.block)
+                        y, n = sparse_torch(x[toks], w13, rows, self.act, threshold, self.block)
                         add_weighted(out, toks, ws, y)
                         active += n
             finally:
-                for key in keys:
-                    store.release(key)
+                if many is not None:
+                    store.release_many(keys)
+                else:
+                    for key in keys:
+                        store.release(key)
             n_tok = sum(task.tokens for task in chunk)
             c.active += active
             c.total += n_tok * self.inter
-            c.masked_active += active
-            c.masked_total += n_tok * self.inter
-            c.sparse_calls += len(chunk)
-            c.sparse_tokens += n_tok
+            if dense:
+                c.dense_calls += len(chunk)
+                c.dense_tokens += n_tok
+            else:
+                c.masked_active += active
+                c.masked_total += n_tok * self.inter
+                c.sparse_calls += len(chunk)
+                c.sparse_tokens += n_tok
 
 
 @dataclass

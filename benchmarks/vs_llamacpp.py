@@ -354,7 +354,7 @@ def gguf_summary(gguf: Any, path: Path, top_k: int, n_experts: int) -> dict[str,
     """Tensor types per kind of weight, and the bytes a decode token reads from this file."""
     reader = gguf.GGUFReader(str(path))
     kinds: dict[str, dict[str, int]] = {}
-    per_token = 0.0
+    per_token = experts = dense = 0.0
     for t in reader.tensors:
         kind = weight_kind(t.name)
         tname = t.tensor_type.name
@@ -365,9 +365,13 @@ def gguf_summary(gguf: Any, path: Path, top_k: int, n_experts: int) -> dict[str,
             per_token += nbytes / int(t.shape[-1])  # one row per token
         elif "_exps" in kind:
             per_token += nbytes * top_k / n_experts
+            experts += nbytes * top_k / n_experts
         else:
             per_token += nbytes
-    return {"types": kinds, "bytes_per_token": per_token, "file_bytes": path.stat().st_size}
+            if kind.startswith("attn_") or kind == "output":  # the projections and the head (not norms, router)
+                dense += nbytes
+    return {"types": kinds, "bytes_per_token": per_token, "file_bytes": path.stat().st_size,
+            "expert_bytes_per_token": experts, "dense_bytes_per_token": dense}  # fmt: skip
 
 
 def format_types(kinds: dict[str, dict[str, int]]) -> str:
@@ -657,20 +661,26 @@ class DecodeSplit:
         self.kernel_s, self.kernel_calls, self.forwards = 0.0, 0, 0
 
 
-def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False) -> Result:
+def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: str | None = None) -> Result:
+    """One moetier candidate: the benchmark checkpoint at `experts` / `dense` precision, or (`gguf`) llama.cpp's own
+    GGUF file of that type, opened with the default precision ("auto": computed as stored where the native kernels
+    can) and dense weights as the engine holds them by default."""
     torch.set_num_threads(s.threads)
+    if gguf is not None and gguf not in s.ggufs:
+        raise RuntimeError(f"no {gguf} GGUF file (conversion failed, see setup errors)")
+    model = str(s.ggufs[gguf]) if gguf is not None else str(s.model)
     budget = None
     note = []
     if disk:
         key = f"expert_bytes_{experts}"
         if key not in s.cached:
-            with moetier.load(str(s.model), moetier_config(s, experts, dense)) as info:
+            with moetier.load(model, moetier_config(s, experts, dense)) as info:
                 s.cached[key] = expert_pool_bytes(info)[1]
         if s.cached[key] is None:
             raise RuntimeError("the engine's store exposes no slot_bytes/keys: cannot size a 25% budget")
         budget = s.cached[key] // 4
         note.append(f"host budget {budget / 2**20:.0f} MiB")
-    with moetier.load(str(s.model), moetier_config(s, experts, dense, budget)) as engine:
+    with moetier.load(model, moetier_config(s, experts, dense, budget)) as engine:
         slot, _ = expert_pool_bytes(engine)
         preload = getattr(engine.store, "preload", None)
         if not disk:  # every expert resident, as llama.cpp's are: no first-touch read in a timed decode
@@ -709,11 +719,32 @@ def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False) -> Resul
     torch_moe = (stats.get("native_step") or {}).get("torch_moe_calls")
     if torch_moe:
         note.append(f"{torch_moe} MoE halves ran in torch (their time counts as outside)")
+    if gguf is not None:
+        held = sorted((stats.get("precision") or {}).keys())
+        note.append(f"experts held as {', '.join(held)}; {stats.get('dense_stored', 0)} dense weights as stored")
     if dense != "full" and not re.search(r"dense_(precision|bits)", json.dumps(stats, default=str)):
         note.append("engine stats do not report the dense precision")
-    return {"prefill": prefill, "decode": decode,
-            "bytes_per_token": moetier_bytes_per_token(s, experts, dense, slot if not disk else None),
+    if gguf is not None:  # the file's own bytes where the engine computes them as stored
+        bpt = gguf_bytes_per_token(s, gguf, slot, stats)
+    else:
+        bpt = moetier_bytes_per_token(s, experts, dense, slot if not disk else None)
+    return {"prefill": prefill, "decode": decode, "bytes_per_token": bpt,
             "kernels": stats.get("kernels"), "note": "; ".join(note)}  # fmt: skip
+
+
+def gguf_bytes_per_token(s: Setup, gtype: str, slot: int | None, stats: dict[str, Any]) -> float:
+    """Weights a token reads from a GGUF file as the engine holds it: the file's per-token bytes (llama.cpp's
+    figure) with the experts' part replaced by the engine's slots and, unless it computes them as stored, the
+    dense weights' part by bf16."""
+    info, c, p = s.gguf_info[gtype], s.config, s.params
+    k, layers = c["num_experts_per_tok"], c["num_hidden_layers"]
+    total = float(info["bytes_per_token"])
+    file_experts = float(info.get("expert_bytes_per_token", 0.0))
+    if slot is not None and file_experts:
+        total += slot * k * layers - file_experts
+    if not stats.get("dense_stored") and "dense_bytes_per_token" in info:  # dense weights decoded to bf16
+        total += (p["attention"] + p["head"]) * 2 - float(info["dense_bytes_per_token"])
+    return total
 
 
 def candidates(disk: bool) -> dict[str, Callable[[Setup], Result]]:
@@ -725,6 +756,8 @@ def candidates(disk: bool) -> dict[str, Callable[[Setup], Result]]:
     for e in ("full", "int8", "int4"):
         for d in ("full", "int8", "int4"):
             out[f"moetier-e{e}-d{d}"] = partial(moetier_row, experts=e, dense=d)
+    for t in GGUF_TYPES[1:]:
+        out[f"moetier-gguf-{t}"] = partial(moetier_row, experts="auto", dense="full", gguf=t)
     if disk:
         out["llamacpp-bf16-cold-mmap"] = partial(llamacpp_row, gtype="bf16", cold=True)
         out["moetier-efull-dfull-disk25"] = partial(moetier_row, experts="full", dense="full", disk=True)
@@ -895,6 +928,8 @@ def parse_depths(text: str) -> list[int]:
 
 def anchor_of(name: str) -> str | None:
     """The llama.cpp row a candidate is compared with: the same expert precision."""
+    if name.startswith("moetier-gguf-"):
+        return "llamacpp-" + name.removeprefix("moetier-gguf-")
     m = re.match(r"moetier-e(\w+?)-d", name)
     anchor = MATCH.get(m.group(1)) if m else ("llamacpp-bf16" if name.startswith("transformers") else None)
     if anchor and "disk25" in name and "efull" in name:

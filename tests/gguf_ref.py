@@ -95,6 +95,8 @@ def encode(name: str, a: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQ
         return a.astype(np.float16), t
     if t.name in K_SCALES:
         return random_k_blocks(a.shape, t, seed=sum(name.encode())), t
+    if t.name in SCALE_AT:
+        return random_blocks(a.shape, t, seed=sum(name.encode())), t
     return gguf.quants.quantize(a, t), t
 
 
@@ -116,6 +118,34 @@ def random_k_blocks(shape: tuple[int, ...], t: gguf.GGMLQuantizationType, seed: 
     return raw.reshape(*shape[:-1], shape[-1] // block * size)
 
 
+# types gguf-py cannot quantise: byte offset of the block's scale (fp16 d; MXFP4: an e8m0 exponent byte)
+SCALE_AT = {"IQ4_NL": 0, "IQ4_XS": 0, "IQ3_S": 0, "IQ3_XXS": 0, "IQ2_XXS": 0, "IQ2_XS": 0, "IQ2_S": 0, "MXFP4": 0}
+
+
+def random_blocks(shape: tuple[int, ...], t: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Valid bytes of type `t` for a tensor of `shape` (last axis in values): gguf-py's quantiser of random normal
+    values where it has one, random K-quant blocks, else random blocks with finite scales of a small magnitude;
+    uint8 [..., row bytes] (F16 / BF16 as their raw bytes too)."""
+    rng = np.random.default_rng(seed)
+    if t.name in K_SCALES:
+        return random_k_blocks(shape, t, seed)
+    if t.name in SCALE_AT:
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        n = int(np.prod(shape)) // block
+        raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        off = SCALE_AT[t.name]
+        if t.name == "MXFP4":
+            raw[:, off] = rng.integers(118, 124, n)  # 2^-9 .. 2^-4
+        else:
+            raw[:, off : off + 2] = (rng.uniform(0.2, 1.0, (n, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        return raw.reshape(*shape[:-1], shape[-1] // block * size)
+    a = rng.standard_normal(shape).astype(np.float32) * 0.05
+    if t == gguf.GGMLQuantizationType.F16:
+        return a.astype(np.float16).view(np.uint8)
+    q = gguf.quants.quantize(a, t)
+    return q.view(np.uint8) if q.dtype != np.uint8 else q
+
+
 def decode(raw: np.ndarray, t: gguf.GGMLQuantizationType) -> np.ndarray:
     if t in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return raw.astype(np.float32)
@@ -123,9 +153,10 @@ def decode(raw: np.ndarray, t: gguf.GGMLQuantizationType) -> np.ndarray:
 
 
 def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokenizer: bool = False,
-               meta: dict[str, Any] | None = None, skip_meta: tuple[str, ...] = ()) -> Path:  # fmt: skip
+               meta: dict[str, Any] | None = None, skip_meta: tuple[str, ...] = (),
+               types: dict[str, str] | None = None) -> Path:  # fmt: skip
     """GGUF file `out` of the tiny checkpoint `src`; `meta` overrides / adds `<arch>.KEY` values, `skip_meta` drops
-    keys."""
+    keys, `types` gives some tensors (GGUF name) another type than `qtype` (a mixed file such as Q4_K_M)."""
     cfg = json.loads((src / "config.json").read_text())
     arch = ARCH[family]
     w = gguf.GGUFWriter(str(out), arch)
@@ -156,7 +187,7 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
     if tokenizer:
         add_tokenizer(w)
     for name, a in gguf_tensors(src, family).items():
-        raw, t = encode(name, a, qtype)
+        raw, t = encode(name, a, (types or {}).get(name, qtype))
         w.add_tensor(name, raw, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -115,7 +115,7 @@ class SchedulerConfig:
     profile: str | None = None
 
 
-PRECISION_MODES = ("full", "int8", "int4", "int2", "stored", "dynamic")
+PRECISION_MODES = ("auto", "full", "int8", "int4", "int2", "stored", "dynamic")
 STORED = "stored"  # slots hold the checkpoint's own (quantised) bytes; its bits depend on the checkpoint
 _BITS = PRECISION_BITS
 
@@ -124,6 +124,8 @@ _BITS = PRECISION_BITS
 class PrecisionConfig:
     """Expert precision. A static mode keeps every expert at one precision; "dynamic" keeps
     hot experts at `hi` and cold ones at `lo` under the compute tier's expert budget (DynaExq).
+    "auto" (the default) is "stored" for a checkpoint whose experts the native kernels compute as stored (GGUF
+    block types ggml computes: kernels/ggml.py), else "full"; runtime/wire.py resolves it when a model is opened.
 
     `groups` overrides the quantisation group size per precision, e.g. (("int4", 64),); the
     quantized disk tiers are looked up under `quant_dir` (default MODEL/moetier-quant).
@@ -140,7 +142,7 @@ class PrecisionConfig:
     the host DRAM cache (Budgets.host_cache_bytes) between decisions.
     """
 
-    mode: str = "full"
+    mode: str = "auto"
     hi: str = "full"
     lo: str = "int4"
     groups: tuple[tuple[str, int], ...] = ()

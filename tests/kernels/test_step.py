@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moetier.kernels import decode, native
-from moetier.kernels.step import AttnLayer, AttnSpec, Head, MoeLayer, Step, desc_row
+from moetier.kernels.step import DESC, AttnLayer, AttnSpec, Head, MoeLayer, Step, desc_row
 from moetier.store.pool import SlotViews
 
 BF16 = torch.bfloat16
@@ -209,7 +209,7 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
             moe.desc[ex] = None
         table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)  # [E, DESC]
         for ex in set(ids.reshape(-1).tolist()):
-            moe.desc[ex] = table.data_ptr() + 8 * 10 * ex
+            moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
         step.moe(moe)
         y = torch.zeros(4, h, dtype=torch.float64)
         for t in range(4):

@@ -207,7 +207,7 @@ class EngineFlags:
     seam: Seam = False
     trace: TraceFile = None
     trace_scores: TraceScores = False
-    precision: PrecisionMode = "full"
+    precision: PrecisionMode = "auto"
     hi: HiPrecision = "full"
     lo: LoPrecision = "int4"
     group: Groups = None

@@ -137,10 +137,11 @@ _PREC = "Precision"
 PrecisionMode = Annotated[
     str,
     typer.Option("--precision", rich_help_panel=_PREC,
-                 help="Expert precision: full, int8, int4, int2 (static; quantized tiers from `moetier quantize`), "
-                      "stored (a quantized checkpoint's experts kept in slots as stored: FP8, MXFP4, GPTQ/AWQ, GGUF "
-                      "blocks; decoded per call), or dynamic (hot experts at --hi, cold at --lo, under the expert "
-                      "budget)."),
+                 help="Expert precision: auto (stored where the native kernels compute the checkpoint's experts "
+                      "as stored, GGUF block types; else full), full, int8, int4, int2 (static; quantized tiers from "
+                      "`moetier quantize`), stored (a quantized checkpoint's experts kept in slots as stored: GGUF "
+                      "blocks computed natively; FP8, MXFP4, GPTQ/AWQ decoded per call), or dynamic (hot experts "
+                      "at --hi, cold at --lo, under the expert budget)."),
 ]  # fmt: skip
 HiPrecision = Annotated[
     str,

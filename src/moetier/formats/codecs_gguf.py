@@ -18,6 +18,8 @@ Two codecs per block type:
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from moetier.formats.encoded import Codec
 
@@ -28,7 +30,12 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "IQ3_S": (256, 110), "IQ3_XXS": (256, 98), "IQ2_S": (256, 82),
+    "IQ2_XS": (256, 74), "IQ2_XXS": (256, 66), "IQ1_S": (256, 50), "IQ1_M": (256, 56), "MXFP4": (32, 17),
 }  # fmt: skip
+# types decoded by gguf-py's numpy reference (grid lookups; exact, slower than the torch decoders below): only
+# where a slot is decoded (--precision full, or stored without ggml); computed as stored they never decode
+NUMPY_DECODED = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "MXFP4")
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -172,6 +179,9 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
     """The bytes of a GGUF tensor of `type_name` (uint8, any shape) -> fp32 [shape]."""
     _, type_size = BLOCK_SIZES[type_name]
     blocks = raw.reshape(-1, type_size)  # [n_blocks, type_size]
+    if type_name in NUMPY_DECODED:
+        values = gguf_quants.dequantize(blocks.contiguous().numpy(), GGMLQuantizationType[type_name])
+        return torch.from_numpy(values.astype("float32", copy=False)).reshape(shape)
     return _BLOCK_DECODERS[type_name](blocks).reshape(shape)
 
 

@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
-from moetier.formats.codecs_gguf import BLOCK_SIZES
+from moetier.formats.codecs_gguf import BLOCK_SIZES, unpermute_rows
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -311,6 +312,34 @@ def location(
         codec += "+unpermute"
     part = TensorLocation(name + ":blocks", t.file, offset, nbytes, "U8", part_shape)
     return TensorLocation(name, t.file, offset, nbytes, codec, shape, (part,))
+
+
+def read_blocks(loc: TensorLocation) -> tuple[str, torch.Tensor] | None:
+    """A 2-D GGUF block tensor as stored, for the kernels that compute it so (kernels/ggml.py): (type name,
+    uint8 [N, row bytes]) with its rows in transformers' order (a llama q/k permuted by llama.cpp's converter
+    comes back un-permuted: rows are whole blocks); None for a location that is no such tensor (plain floats,
+    an expert slice, another codec). Reads the bytes with pread (no memory map)."""
+    codec = loc.dtype
+    if not codec.startswith("gguf:") or len(loc.parts) != 1 or len(loc.shape) != 2:
+        return None
+    name, _, extra = codec.removeprefix("gguf:").partition("+")
+    part = loc.parts[0]
+    buf = bytearray(part.nbytes)
+    try:
+        fd = os.open(part.file, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [buf], part.offset)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"{part.file}: cannot read tensor {loc.name!r}: {exc}") from exc
+    if got != part.nbytes:
+        raise CheckpointError(f"{part.file}: tensor {loc.name!r} is truncated ({got} of {part.nbytes} bytes)")
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    n = loc.shape[0]
+    if extra == "unpermute":
+        raw = unpermute_rows(raw.view(part.shape))
+    return name, raw.reshape(n, part.nbytes // n).contiguous()
 
 
 class GGUFIndex(CheckpointIndex):

@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
-from moetier.kernels import matmul, native
+from moetier.kernels import ggml, matmul, native
 
 KIND_BF16 = 16
 QBLOCK = 32  # activation (and dense weight) quantisation block
-DESC = 10  # int64 per expert of the C descriptor: address, kind, then 4 per matrix
-LAYOUT = DESC - 1  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
+DESC = 11  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, then w2's kind
+LAYOUT = 9  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
 NATIVE_ROWS = 16  # rows up to which the native kernels beat torch's oneDNN GEMMs (AVX-512 / AMX CPUs)
 NATIVE_ROWS_NO_ONEDNN = 512  # the same where oneDNN takes no bf16 product (AVX2): torch's own bf16 GEMM is slower
 
@@ -115,6 +115,15 @@ def _check_gemv(x: torch.Tensor, q: torch.Tensor, kind: int, group: int) -> tupl
         if q.dtype != _BF16 or q.dim() != 2 or q.shape[1] != k or not q.is_contiguous():
             raise ValueError(f"gemv: bf16 weight must be contiguous [N, {k}], got {q.dtype} {list(q.shape)}")
         return m, k, q.shape[0]
+    if kind >= ggml.KIND_BASE:  # a GGUF block type (kernels/ggml.py): rows of its blocks, as stored
+        name = ggml.type_name(kind)
+        if name is None or name not in ggml.register(_lib()) or k % ggml.block_of(name):
+            raise ValueError(f"gemv: kind {kind} ({name or 'no ggml type'}) with K={k} is not a registered ggml "
+                             f"type whose blocks tile K ({ggml.load_error() or 'ggml available'})")  # fmt: skip
+        if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] != ggml.row_bytes(name, k) or not q.is_contiguous():
+            raise ValueError(f"gemv: a {name} weight must be contiguous uint8 [N, {ggml.row_bytes(name, k)}], got "
+                             f"{q.dtype} {list(q.shape)}")  # fmt: skip
+        return m, k, q.shape[0]
     if kind not in (8, 4, 2) or k % QBLOCK or group % QBLOCK or k % group or (kind == 2 and k % 128):
         raise ValueError(f"gemv: kind {kind} with K={k}, group {group} is not a layout of csrc/mm.h")
     if q.dim() != 2 or q.element_size() != 1 or q.shape[1] * 8 != k * kind or not q.is_contiguous():
@@ -126,7 +135,8 @@ def _gemv_impl(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, kind: int, group: int
 ) -> torch.Tensor:
     m, k, n = _check_gemv(x, q, kind, group)
-    if kind != KIND_BF16 and (scale is None or scale.numel() != n * (k // group) or scale.dtype != _BF16):
+    scaled = kind < ggml.KIND_BASE and kind != KIND_BF16
+    if scaled and (scale is None or scale.numel() != n * (k // group) or scale.dtype != _BF16):
         raise ValueError(f"gemv: scale must be bf16 [{n}, {k // group}]")
     if zero is not None and (zero.numel() != n * (k // group) or zero.dtype != _BF16):
         raise ValueError(f"gemv: zero must be bf16 [{n}, {k // group}] or None")
@@ -181,6 +191,7 @@ def _moe_call(
         desc[DESC * e] = slot.data_ptr()
         for j in range(LAYOUT):
             desc[DESC * e + 1 + j] = row[j]
+        desc[DESC * e + 10] = row[0]  # both matrices of the op's experts have one kind
     lib = _lib()
     p = len(tok)
     scratch = _scratch.get(lib.moetier_moe_scratch_bytes(t, h, inter, p))
@@ -289,17 +300,35 @@ def moe_acc(
 @dataclass(frozen=True, eq=False)
 class QDense:
     """A dense matrix [N, K] quantised in blocks of 32 with one bf16 scale each (symmetric: int8 q in
-    [-127, 127], stored minus nothing; int4 v in [0, 15] around 8, as llama.cpp's Q8_0 / Q4_0)."""
+    [-127, 127], stored minus nothing; int4 v in [0, 15] around 8, as llama.cpp's Q8_0 / Q4_0), or (`bits` a
+    ggml kind, >= ggml.KIND_BASE) a GGUF file's own blocks, computed as stored (`stored_dense`)."""
 
-    bits: int
+    bits: int  # 8, 4, or a ggml kind
     n: int
     k: int
-    q: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K/2] (bits 4, csrc/mm.h nibble order)
-    scale: torch.Tensor  # bf16 [N, K/32]
+    q: torch.Tensor  # int8 [N, K] (bits 8), uint8 [N, K/2] (bits 4, csrc/mm.h nibble order), uint8 [N, row bytes]
+    scale: torch.Tensor  # bf16 [N, K/32]; empty for a ggml kind (its scales are inside its blocks)
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * 2
+
+
+def stored_dense(type_name: str, q: torch.Tensor, k: int) -> QDense | None:
+    """A GGUF block matrix q uint8 [N, row bytes] of `type_name` (K values a row) as a QDense the kernels compute
+    as stored, or None when ggml does not compute that type in the loaded library."""
+    kind = ggml.kind_of(type_name, _lib())
+    if kind is None or q.dim() != 2 or q.shape[1] != ggml.row_bytes(type_name, k):
+        return None
+    return QDense(kind, q.shape[0], k, q.contiguous(), torch.empty(0, dtype=_BF16))
+
+
+def concat_dense(parts: list[QDense]) -> QDense | None:
+    """Row-wise concatenation of stored QDense matrices of one kind and K (q, k, v into one projection), or None."""
+    if not parts or len({(p.bits, p.k) for p in parts}) != 1 or parts[0].bits < ggml.KIND_BASE:
+        return None
+    q = torch.cat([p.q for p in parts]).contiguous()
+    return QDense(parts[0].bits, q.shape[0], parts[0].k, q, parts[0].scale)
 
 
 def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
 HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
 ABI = 5  # csrc/sparse_swiglu.c
-DECODE_ABI = 3  # csrc/step.c
+DECODE_ABI = 4  # csrc/step.c
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS: dict[str, tuple[str, ...]] = {  # csrc/mm.h: the path each build compiles
@@ -86,6 +86,8 @@ _DECODE_ARGTYPES: dict[str, list[Any]] = {
     "moetier_moe_half": [_P, _P, _P, _I64],  # moe, step, desc pointers [E], mode
     "moetier_head_scratch_bytes": [_P, _I64],  # head, T
     "moetier_head": [_P, _P, _I64, _P, _P, _I64, _I64],  # head, x, T, logits, scratch, bytes, nthreads
+    # ggml's block types (csrc/mm.h, kernels/ggml.py): type, vec_dot, blck, tsize, vec_dot_type, from_float, vblk, vsize
+    "moetier_gg_register": [_I64, _P, _I64, _I64, _I64, _P, _I64, _I64],
 }
 _RESTYPES: dict[str, Any] = {"moetier_rms_norm": None, "moetier_isa_name": ctypes.c_char_p}
 _errors: dict[tuple[bool, Path, str], str] = {}  # (enabled, root, isa) -> why load() returned None

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
+from moetier.kernels import ggml
 from moetier.kernels.decode import KIND_BF16, QBLOCK, QDense
-from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
+from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews, StoredExpertViews, StoredWeight
 from moetier.store.pool import SlotViews
 
 I64, F32, P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-DESC = 10  # int64 per slot descriptor: address, kind, then (group, q, scale, zero) per matrix
+DESC = 11  # int64 per slot descriptor: address, kind, then (group, q, scale, zero) per matrix, then w2's kind
 _BF16 = torch.bfloat16
 
 
@@ -251,17 +252,19 @@ class Step:
         return self.out[:rows], rc
 
 
-def desc_row(views: Any) -> list[int] | None:
+def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
     """A slot's descriptor row (csrc/step.h): address, kind, then per matrix (w13 [2I, H], w2 [H, I]) its group
-    and the byte offsets of q, scale and zero from the address (-1: none); None for a format the kernels do not
-    read (fp32 / fp16 slots, biases, down rows, non-native quantised kinds)."""
+    and the byte offsets of q, scale and zero from the address (-1: none), then w2's kind; None for a format the
+    kernels do not read (fp32 / fp16 slots, biases, down rows, non-native quantised kinds). With `lib`, a
+    stored-form slot of GGUF blocks whose types ggml computes (kernels/ggml.py) is read as stored."""
     if isinstance(views, SlotViews):
         if views.row.dtype != _BF16 or views.b13 is not None or views.down_rows is not None:
             return None
         if not (views.w13.is_contiguous() and views.w2.is_contiguous()) or not views.row.is_cpu:
             return None
         base = views.row.data_ptr()
-        return [base, KIND_BF16, 0, views.w13.data_ptr() - base, -1, -1, 0, views.w2.data_ptr() - base, -1, -1]
+        return [base, KIND_BF16, 0, views.w13.data_ptr() - base, -1, -1, 0, views.w2.data_ptr() - base, -1, -1,
+                KIND_BF16]  # fmt: skip
     if isinstance(views, QExpertViews):
         if views.b13 is not None or views.b2 is not None or views.w13.kind not in NATIVE_KINDS:
             return None
@@ -273,20 +276,67 @@ def desc_row(views: Any) -> list[int] | None:
             if w.zero is None:
                 return None
             row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, w.zero.data_ptr() - base]
-        return row
+        return [*row, views.w13.bits]
+    if isinstance(views, StoredExpertViews) and lib is not None:
+        return _stored_row(views, lib)
     return None
+
+
+def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int] | None:
+    """(kernel kind, address of its first row) of a stored matrix whose rows are one GGUF block type ggml computes,
+    laid out as one [N, K] run of rows in the slot (gate then up adjacent), or None."""
+    segs = sorted(w.segments, key=lambda s: s.rows[0][1])
+    codecs = {s.tensor.codec for s in segs}
+    if len(codecs) != 1:
+        return None
+    codec = next(iter(codecs))
+    if codec is None or not codec.startswith("gguf:") or "+" in codec:
+        return None
+    name = codec.removeprefix("gguf:")
+    kind = ggml.kind_of(name, lib)
+    if kind is None:
+        return None
+    rb = ggml.row_bytes(name, w.k)
+    addr, row = None, 0
+    for s in segs:
+        if len(s.parts) != 1 or not s.parts[0].is_cpu or not s.parts[0].is_contiguous():
+            return None
+        p = s.parts[0]
+        if any(op != "copy" for op, _, _ in s.rows) or len(s.rows) != 1:
+            return None
+        _, r0, r1 = s.rows[0]
+        if r0 != row or p.numel() * p.element_size() != (r1 - r0) * rb:
+            return None
+        if addr is None:
+            addr = p.data_ptr()
+        elif p.data_ptr() != addr + row * rb:  # gate and up must be one run of rows
+            return None
+        row = r1
+    if addr is None or row != w.n:
+        return None
+    return kind, addr
+
+
+def _stored_row(views: StoredExpertViews, lib: ctypes.CDLL) -> list[int] | None:
+    if views.b13 is not None or views.b2 is not None or not views.row.is_cpu:
+        return None
+    k13, k2 = stored_kind(views.w13, lib), stored_kind(views.w2, lib)
+    if k13 is None or k2 is None:
+        return None
+    base = views.row.data_ptr()
+    return [base, k13[0], 0, k13[1] - base, -1, -1, 0, k2[1] - base, -1, -1, k2[0]]
 
 
 class SlotTable:
     """The descriptor row of every slot of the given pools (their `views` lists), built once."""
 
-    def __init__(self, pools: Iterable[Any]) -> None:
+    def __init__(self, pools: Iterable[Any], lib: ctypes.CDLL | None = None) -> None:
         rows: list[list[int]] = []
         owners: list[Any] = []
         self.unreadable = 0
         for pool in pools:
             for views in pool.views:
-                row = desc_row(views)
+                row = desc_row(views, lib)
                 if row is None:
                     self.unreadable += 1
                     continue

@@ -443,6 +443,7 @@ class Engine:
             "decoder": type(self.decoder).__name__,
             "kernels": self._kernels(),
             "dense_precision": self.config.runtime.dense_precision,
+            "dense_stored": getattr(self.decoder, "stored_weights", 0),  # projections / head computed as stored
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (

@@ -18,6 +18,7 @@ as transformers' RMSNorm); `run` never writes past a cache's max_len (ConfigErro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -99,17 +100,23 @@ def kv_token_bytes(cfg: Any, dtype: torch.dtype) -> int:
 
 class LeanDecoder:
     def __init__(
-        self, loaded: LoadedModel, max_seq_len: int = 0, dense_precision: str = "full", native: bool = False
+        self, loaded: LoadedModel, max_seq_len: int = 0, dense_precision: str = "full", native: bool = False,
+        stored: Callable[[str], QDense | None] | None = None,
     ) -> None:
         """`native`: the decode kernels are loaded (kernels/decode.py); the projections of up to
         decode.native_rows() rows take them. `dense_precision` int8 / int4 quantises the attention projections
         (Q8_0 / Q4_0 blocks, needs `native`) and the output head (Q8_0 under both); the bf16 copies stay in the
-        model's modules."""
+        model's modules. `stored` (checkpoint tensor name -> its blocks as a stored QDense, or None) gives the
+        projections and the head of a GGUF file as the file stores them (a fused q/k/v only when all three have
+        one type), computed by ggml's dot products; the rest as above."""
         cfg, model = loaded.config, loaded.model
         if dense_precision != "full" and not native:
             raise ConfigError(f"dense precision {dense_precision} needs the native decode kernels")
         self.native = native
         self.dense_bits = decode.DENSE_BITS.get(dense_precision, 0)
+        self.stored = stored if native and not self.dense_bits else None
+        self._names = {id(p): n for n, p in model.named_parameters()}  # parameter -> checkpoint tensor name
+        self.stored_weights = 0  # projections (fused q/k/v counted once) and head computed as stored
         inner: Any = model.model  # the family's base model (embed_tokens, layers, norm, rotary_emb)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.nh, self.nkv, self.hd = attention_dims(cfg)
@@ -125,7 +132,7 @@ class LeanDecoder:
         full: Any = model
         head = full.get_output_embeddings()
         # the output head at 8 bits under int4, as llama.cpp's Q4_0 files keep it at 6 (Q6_K; no 6-bit kernel here)
-        self.lm_head = self._dense(head.weight, 8 if self.dense_bits else 0)  # [V, H]
+        self.lm_head = self._stored_or((head.weight,)) or self._dense(head.weight, 8 if self.dense_bits else 0)
         self.layers = [self._layer(layer) for layer in inner.layers]
         self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
         # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
@@ -145,16 +152,31 @@ class LeanDecoder:
         bits = self.dense_bits if bits is None else bits
         return decode.quantize_dense(w.detach(), bits) if bits else w
 
+    def _stored_or(self, params: tuple[torch.Tensor, ...]) -> QDense | None:
+        """The weights `params` (rows concatenated) as the checkpoint stores them, when `stored` gives every one
+        in one block type; else None."""
+        if self.stored is None:
+            return None
+        got = [self.stored(self._names.get(id(p), "")) for p in params]
+        if any(g is None for g in got):
+            return None
+        one = got[0] if len(got) == 1 else decode.concat_dense([g for g in got if g is not None])
+        if one is not None:
+            self.stored_weights += 1
+        return one
+
     def _layer(self, layer: Any) -> LeanLayer:
         a = layer.self_attn
         projs = (a.q_proj, a.k_proj, a.v_proj)
+        stored_qkv = self._stored_or(tuple(p.weight for p in projs))
+        stored_o = self._stored_or((a.o_proj.weight,))
         w = fuse_projections(projs, "weight")
         b = fuse_projections(projs, "bias") if a.q_proj.bias is not None else None
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return LeanLayer(
             in_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            wqkv=self._dense(w), bqkv=b, wo=self._dense(a.o_proj.weight), bo=a.o_proj.bias,
+            wqkv=stored_qkv or self._dense(w), bqkv=b, wo=stored_o or self._dense(a.o_proj.weight), bo=a.o_proj.bias,
             q_norm=qn.weight if qn is not None else None,
             k_norm=kn.weight if kn is not None else None,
             mlp=layer.mlp,

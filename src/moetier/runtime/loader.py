@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +58,7 @@ class LoadedModel:
     store: ExpertStore | DynamicStore
     dtype: torch.dtype
     device: torch.device
+    index: Any = None  # the checkpoint's CheckpointIndex (non-expert tensors as stored, for the decoder)
 
 
 def open_skeleton(path: str | os.PathLike[str], cfg: EngineConfig) -> Skeleton:
@@ -97,4 +99,4 @@ def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
     except BaseException:
         store.close()
         raise
-    return LoadedModel(sk.info, family, config, model, blocks, store, dtype, device)
+    return LoadedModel(sk.info, family, config, model, blocks, store, dtype, device, o.index)

@@ -57,7 +57,7 @@ def make_source(
 ) -> ExpertSource:  # fmt: skip
     """The disk tier of one precision: the checkpoint itself, or its quantized copy (in the native decode
     kernels' slot formats when `native`)."""
-    if precision == "full":
+    if precision in ("full", "auto"):  # "auto" unresolved (a store built outside runtime/wire.py load): full
         return FullSource(reader, dtype)
     if precision == Precision.STORED.value:
         return StoredSource(reader, dtype)

@@ -1,7 +1,9 @@
 """The one place that wires a model from its EngineConfig: `load(path, config) -> Engine`.
 
 Steps (numbered in `load`):
-1. open the checkpoint skeleton (runtime/loader.py): config, family, index, dtype, expert reader;
+1. open the checkpoint skeleton (runtime/loader.py): config, family, index, dtype, expert reader; resolve
+   precision "auto" (`resolve_precision`: "stored" where the native kernels compute the checkpoint's stored
+   experts, GGUF blocks through ggml, else "full");
 2. choose the executor variant (runtime/executors EXECUTORS: sparse when SparsityConfig is on,
    hybrid on CUDA with SchedulerConfig.name set, native on a CPU bf16 SwiGLU model when the kernel
    library loads, else dense) and refuse impossible combinations
@@ -28,13 +30,17 @@ may attach their own pipelines).
 from __future__ import annotations
 
 import os
-from typing import cast
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
 from moetier.config import EngineConfig
-from moetier.errors import ConfigError
-from moetier.kernels import decode, native
+from moetier.errors import CheckpointError, ConfigError
+from moetier.formats.gguf import read_blocks
+from moetier.kernels import decode, ggml, native
+from moetier.kernels.decode import QDense
 from moetier.models.families import Family
 from moetier.policies.schedulers import make_scheduler
 from moetier.runtime.decode_hf import HFDecoder
@@ -63,6 +69,7 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
     # 1. the skeleton: no pool, no weights yet
     sk = open_skeleton(path, cfg)
     try:
+        cfg = resolve_precision(cfg, sk)
         # 2. the executor variant; refusals; what it prepares
         spec = choose_executor(cfg, sk.device.type == "cuda", native_ok(cfg, sk))
         refuse(cfg, spec, store_capabilities(cfg), sk.opened.family, sk.device.type == "cuda")
@@ -99,8 +106,55 @@ def native_ok(cfg: EngineConfig, sk: Skeleton) -> bool:
         if not (cfg.runtime.lean and o.family.lean_attention):
             raise ConfigError(f"--dense-precision {cfg.runtime.dense_precision} needs the lean decoder (this family "
                               "or --no-lean runs transformers' modules)")  # fmt: skip
-    stored = Precision.STORED.value in cfg.precision.precisions  # slots in the checkpoint's own coding: torch decodes
-    return fits and lib is not None and not stored
+    # slots in the checkpoint's own coding: native where ggml computes every stored expert tensor, else torch decodes
+    stored = Precision.STORED.value in cfg.precision.precisions
+    return fits and lib is not None and (not stored or stored_native(cfg, sk))
+
+
+def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
+    """Whether the native kernels compute this checkpoint's experts as stored: a CPU bf16 model the native
+    executor fits, every expert stored alike, its matrices GGUF block types ggml computes (kernels/ggml.py), no
+    biases."""
+    o = sk.opened
+    if sk.device.type == "cuda" or not native_fits(cfg, o.family, o.expert_fn, o.dtype, False):
+        return False
+    lib = decode.load(cfg.runtime.native_kernels, cfg.runtime.kernel_cache)
+    if lib is None:
+        return False
+    try:
+        tensors = o.reader.stored_tensors()
+    except CheckpointError:  # experts stored unlike each other (a mixed-type GGUF): one slot layout cannot hold them
+        return False
+    if not tensors:
+        return False
+    for t in tensors:
+        codec = t.codec or ""
+        if not codec.startswith("gguf:") or "+" in codec or ggml.kind_of(codec.removeprefix("gguf:"), lib) is None:
+            return False
+    return True
+
+
+def stored_dense_reader(index: Any) -> Callable[[str], QDense | None]:
+    """checkpoint tensor name -> its GGUF blocks as a QDense the kernels compute as stored, or None (not a GGUF
+    block tensor, or a type ggml does not compute)."""
+
+    def read(name: str) -> QDense | None:
+        loc = index.tensors.get(name)
+        got = read_blocks(loc) if loc is not None else None
+        if got is None:
+            return None
+        type_name, q = got
+        return decode.stored_dense(type_name, q, int(loc.shape[1]))
+
+    return read
+
+
+def resolve_precision(cfg: EngineConfig, sk: Skeleton) -> EngineConfig:
+    """`cfg` with precision "auto" resolved: "stored" where `stored_native`, else "full"."""
+    if cfg.precision.mode != "auto":
+        return cfg
+    mode = Precision.STORED.value if stored_native(cfg, sk) else "full"
+    return replace(cfg, precision=replace(cfg.precision, mode=mode))
 
 
 def choose_executor(cfg: EngineConfig, cuda: bool, native_ok: bool = False) -> ExecutorSpec:
@@ -174,7 +228,10 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
         if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):
             native_bf16 = loaded.device.type == "cpu" and decode.load(cfg.runtime.native_kernels,
                                                                       cfg.runtime.kernel_cache) is not None  # fmt: skip
-            lean = LeanDecoder(loaded, cfg.runtime.max_seq_len, cfg.runtime.dense_precision, native_bf16)
+            stored = None
+            if native_bf16 and Precision.STORED.value in cfg.precision.precisions and loaded.index is not None:
+                stored = stored_dense_reader(loaded.index)  # GGUF projections and head computed as stored too
+            lean = LeanDecoder(loaded, cfg.runtime.max_seq_len, cfg.runtime.dense_precision, native_bf16, stored)
             lib = decode.load(cfg.runtime.native_kernels, cfg.runtime.kernel_cache) if native_bf16 else None
             if lib is not None and cfg.runtime.native_step and loaded.dtype == torch.bfloat16:
                 # the attention half native for every executor; the MoE half the native executor's routed call, or

@@ -31,11 +31,78 @@ const char* mt_isa_name(void) {
 #endif
 }
 
+/* ============================================================================ ggml's block types */
+
+mt_gg_type mt_gg_types[MT_GG_TYPES];
+mt_gg_form mt_gg_forms[MT_GG_FORMS] = {{-1, NULL, 0, 0}, {-1, NULL, 0, 0}, {-1, NULL, 0, 0},
+                                       {-1, NULL, 0, 0}, {-1, NULL, 0, 0}, {-1, NULL, 0, 0}};
+
+int64_t moetier_gg_register(int64_t type, void* dot, int64_t blck, int64_t tsize, int64_t vtype, void* from,
+                            int64_t vblk, int64_t vsize) {
+    if (type < 0 || type >= MT_GG_TYPES || !dot || !from || blck <= 0 || tsize <= 0 || vblk <= 0 || vsize <= 0)
+        return -1;
+    int f = -1;
+    for (int i = 0; i < MT_GG_FORMS && f < 0; i++)
+        if (mt_gg_forms[i].vtype == vtype) f = i;
+    for (int i = 0; i < MT_GG_FORMS && f < 0; i++)
+        if (mt_gg_forms[i].vtype < 0) {
+            mt_gg_forms[i].from = (mt_gg_from_t)from;
+            mt_gg_forms[i].vblk = vblk;
+            mt_gg_forms[i].vsize = vsize;
+            mt_gg_forms[i].vtype = vtype; /* last: a reader that sees the type sees the rest */
+            f = i;
+        }
+    if (f < 0) return -2;
+    mt_gg_types[type].blck = blck;
+    mt_gg_types[type].tsize = tsize;
+    mt_gg_types[type].form = MT_F_GG + f;
+    mt_gg_types[type].dot = (mt_gg_dot_t)dot;
+    return 0;
+}
+
+/* rows [r0, r1) of a ggml-kind weight against nt records: one dot call per (row, record) */
+static void mm_gg(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
+                  float* const* yrow, const float* alpha) {
+    const mt_gg_type* t = &mt_gg_types[w->kind - MT_KIND_GG];
+    const int64_t rb = K / t->blck * t->tsize;
+    const char* q = (const char*)w->q;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < nt; i++) {
+            float v;
+            t->dot((int)K, &v, 0, q + r * rb, 0, A->base + (int64_t)arow[i] * A->rec, 0, 1);
+            if (alpha)
+                yrow[i][r] += alpha[i] * v;
+            else
+                yrow[i][r] = v;
+        }
+}
+
+/* a ggml record: the row (fp32, or bf16 widened a chunk at a time) through the form's from_float */
+static void prep_gg(const mt_act* A, int64_t r, const float* xf, const uint16_t* xb) {
+    const mt_gg_form* f = &mt_gg_forms[A->form - MT_F_GG];
+    char* o = A->base + r * A->rec;
+    if (xf) {
+        f->from(xf, o, A->K);
+        return;
+    }
+    float tmp[1024];
+    const int64_t chunk = 1024 / f->vblk * f->vblk;
+    for (int64_t j = 0; j < A->K; j += chunk) {
+        const int64_t n = A->K - j < chunk ? A->K - j : chunk;
+        for (int64_t l = 0; l < n; l++) tmp[l] = bf2f(xb[j + l]);
+        f->from(tmp, o + j / f->vblk * f->vsize, n);
+    }
+}
+
 /* ============================================================================ activation records */
 
 /* Q record: q int8 [K] | d fp32 [nb] | n int32 [nb] | init int32 [8 nb] | dx fp32 [8 nb] | gs fp32 [K/gsz] */
 int64_t mt_act_rec_bytes(int form, int64_t K, int64_t gsz) {
     if (form == MT_F_BF16) return al64(K * (MT_ISA == 3 ? 2 : 4));
+    if (form >= MT_F_GG) {
+        const mt_gg_form* f = &mt_gg_forms[form - MT_F_GG];
+        return f->vtype < 0 ? 0 : al64(K / f->vblk * f->vsize);
+    }
     const int64_t nb = K / MT_QB, ng = gsz > 0 ? K / gsz : 0;
     return al64(K) + 2 * al64(nb * 4) + 2 * al64(nb * 8 * 4) + al64(ng * 4);
 }
@@ -44,7 +111,7 @@ int64_t mt_act_init(mt_act* A, int form, int64_t K, int64_t gsz, void* buf, int6
     const int64_t nb = K / MT_QB;
     A->form = form;
     A->K = K;
-    A->gsz = form == MT_F_BF16 ? 0 : gsz;
+    A->gsz = form == MT_F_BF16 || form >= MT_F_GG ? 0 : gsz;
     A->rec = mt_act_rec_bytes(form, K, A->gsz);
     A->off_d = al64(K);
     A->off_n = A->off_d + al64(nb * 4);
@@ -190,6 +257,10 @@ static void prep_q(const mt_act* A, int64_t r, const float* xf, const uint16_t* 
 
 void mt_act_prep_f32(const mt_act* A, int64_t r, const float* x) {
     const int64_t K = A->K;
+    if (A->form >= MT_F_GG) {
+        prep_gg(A, r, x, NULL);
+        return;
+    }
     if (A->form != MT_F_BF16) {
         prep_q(A, r, x, NULL);
         return;
@@ -217,6 +288,10 @@ void mt_act_prep_f32(const mt_act* A, int64_t r, const float* x) {
 
 void mt_act_prep_bf16(const mt_act* A, int64_t r, const uint16_t* x) {
     const int64_t K = A->K;
+    if (A->form >= MT_F_GG) {
+        prep_gg(A, r, NULL, x);
+        return;
+    }
     if (A->form != MT_F_BF16) {
         prep_q(A, r, NULL, x);
         return;
@@ -1076,6 +1151,10 @@ static void mm_avx512(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt
 
 void mt_mm(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
            float* const* yrow, const float* alpha) {
+    if (mt_is_gg(w->kind)) {
+        mm_gg(w, K, r0, r1, A, arow, nt, yrow, alpha);
+        return;
+    }
 #if MT_ISA == 3
     mm_avx512(w, K, r0, r1, A, arow, nt, yrow, alpha);
 #elif MT_ISA == 2

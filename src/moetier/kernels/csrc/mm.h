@@ -28,11 +28,18 @@
  *   A block holding NaN or Inf gets d = NaN, so the products that read it are NaN (NumericalError names
  *   them) rather than finite nonsense.
  *
+ * Weight kinds MT_KIND_GG + t (t a ggml type id: GGUF's Q4_K, Q6_K, IQ4_XS, ...): rows of the type's own blocks
+ * (K / block values a row, the file's bytes as stored), computed by ggml's CPU dot product for that type, which a
+ * caller registers once (moetier_gg_register: ggml-python's `ggml_get_type_traits_cpu`, kernels/ggml.py). Their
+ * activation form is MT_F_GG + i for the i-th registered vec_dot type: a record is the row converted by that
+ * type's `from_float` (ggml's Q8_0 / Q8_K / F16 ... blocks). One row and one activation a dot call.
+ *
  * All products accumulate in fp32; `mt_mm` writes or accumulates (with a weight per activation row) fp32
  * results through per-row output pointers. Nothing here allocates or starts threads: callers split rows.
  */
 #ifndef MOETIER_MM_H
 #define MOETIER_MM_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -61,10 +68,43 @@
 #define MT_QB 32 /* activation quantisation block */
 #define MT_ALIGN 64
 
-enum { MT_F_BF16 = 0, MT_F_Q8 = 1, MT_F_Q4 = 2 };
+enum { MT_F_BF16 = 0, MT_F_Q8 = 1, MT_F_Q4 = 2, MT_F_GG = 3 };
+#define MT_GG_FORMS 6                /* vec_dot types a process may register */
+#define MT_NFORM (MT_F_GG + MT_GG_FORMS)
+#define MT_KIND_GG 1000              /* kind = MT_KIND_GG + ggml type id */
+#define MT_GG_TYPES 64
+
+/* ggml's CPU function types (ggml-cpu.h: ggml_vec_dot_t, ggml_from_float_t) */
+typedef void (*mt_gg_dot_t)(int n, float* s, size_t bs, const void* x, size_t bx, const void* y, size_t by, int nrc);
+typedef void (*mt_gg_from_t)(const float* x, void* y, int64_t k);
 
 typedef struct {
-    int64_t kind; /* 16, 8, 4, 2 */
+    mt_gg_dot_t dot;      /* NULL: not registered */
+    int64_t blck, tsize;  /* values and bytes per block of the weight type */
+    int form;             /* the activation form its dot reads */
+} mt_gg_type;
+
+typedef struct {
+    int64_t vtype;        /* ggml type of the activation blocks; -1: free */
+    mt_gg_from_t from;
+    int64_t vblk, vsize;
+} mt_gg_form;
+
+extern mt_gg_type mt_gg_types[MT_GG_TYPES];
+extern mt_gg_form mt_gg_forms[MT_GG_FORMS];
+/* register weight type `type` (0 ok, -1 bad arguments, -2 no free activation form) */
+int64_t moetier_gg_register(int64_t type, void* dot, int64_t blck, int64_t tsize, int64_t vtype, void* from,
+                            int64_t vblk, int64_t vsize);
+static inline int mt_is_gg(int64_t kind) { return kind >= MT_KIND_GG && kind < MT_KIND_GG + MT_GG_TYPES; }
+/* whether kind is a registered ggml kind whose blocks and activation blocks tile K */
+static inline int mt_gg_ok(int64_t kind, int64_t K) {
+    if (!mt_is_gg(kind)) return 0;
+    const mt_gg_type* t = &mt_gg_types[kind - MT_KIND_GG];
+    return t->dot != NULL && K % t->blck == 0 && K % mt_gg_forms[t->form - MT_F_GG].vblk == 0;
+}
+
+typedef struct {
+    int64_t kind; /* 16, 8, 4, 2, or MT_KIND_GG + a ggml type */
     const void* q;
     const uint16_t* s; /* bf16 [N, K / group]; NULL for kind 16 */
     const uint16_t* z; /* bf16 [N, K / group] or NULL (symmetric) */
@@ -87,9 +127,15 @@ int64_t mt_act_init(mt_act* A, int form, int64_t K, int64_t gsz, void* buf, int6
 void mt_act_prep_f32(const mt_act* A, int64_t r, const float* x);
 void mt_act_prep_bf16(const mt_act* A, int64_t r, const uint16_t* x);
 /* the activation form a weight kind reads */
-static inline int mt_form_of(int64_t kind) { return kind == 16 ? MT_F_BF16 : (kind == 4 ? MT_F_Q4 : MT_F_Q8); }
+static inline int mt_form_of(int64_t kind) {
+    if (mt_is_gg(kind)) return mt_gg_types[kind - MT_KIND_GG].form;
+    return kind == 16 ? MT_F_BF16 : (kind == 4 ? MT_F_Q4 : MT_F_Q8);
+}
 /* bytes of one weight row of `kind` with K values */
-static inline int64_t mt_row_bytes(int64_t kind, int64_t K) { return kind == 16 ? 2 * K : K * kind / 8; }
+static inline int64_t mt_row_bytes(int64_t kind, int64_t K) {
+    if (mt_is_gg(kind)) return K / mt_gg_types[kind - MT_KIND_GG].blck * mt_gg_types[kind - MT_KIND_GG].tsize;
+    return kind == 16 ? 2 * K : K * kind / 8;
+}
 
 /* rows [r0, r1) of W (K values each) against `nt` activation records arow[0..nt) of A:
  * alpha NULL: yrow[i][r] = W_r . a_i;  else: yrow[i][r] += alpha[i] * (W_r . a_i) */

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 3
+#define ABI 4
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -42,6 +42,7 @@ static inline void mm_share(const mt_w* w, int64_t K, int64_t N, const mt_act* A
 
 static inline int kind_ok(int64_t kind, int64_t K, int64_t group) {
     if (kind == 16) return 1;
+    if (mt_is_gg(kind)) return mt_gg_ok(kind, K);
     if (kind != 8 && kind != 4 && kind != 2) return 0;
     if (K % MT_QB || group <= 0 || group % MT_QB || K % group) return 0;
     return kind != 2 || K % 128 == 0;
@@ -75,7 +76,8 @@ typedef struct {
 
 static int64_t moe_core_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
     int64_t b = 0;
-    for (int f = 0; f < 3; f++) b += al64(mt_act_rec_bytes(f, H, MT_QB) * T) + al64(mt_act_rec_bytes(f, I, MT_QB) * P);
+    for (int f = 0; f < MT_NFORM; f++)
+        b += al64(mt_act_rec_bytes(f, H, MT_QB) * T) + al64(mt_act_rec_bytes(f, I, MT_QB) * P);
     b += al64(P * 2 * I * 4) + 3 * al64(P * 8) + al64(P * 4) + al64(P * 4) + 64;
     return b;
 }
@@ -85,22 +87,20 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
     const int64_t T = c->T, H = c->H, I = c->I, n = c->n, P = c->start[n];
     if (P == 0) return 0;
     if (moe_core_bytes(T, H, I, P) > bytes) return -2;
-    int used[3] = {0, 0, 0};
-    int64_t g13[3] = {0, 0, 0}, g2[3] = {0, 0, 0};
+    int used13[MT_NFORM] = {0}, used2[MT_NFORM] = {0};
+    int64_t g13[MT_NFORM] = {0}, g2[MT_NFORM] = {0};
     for (int64_t j = 0; j < n; j++) {
-        if (c->w13[j].kind != c->w2[j].kind || !kind_ok(c->w13[j].kind, H, c->w13[j].group) ||
-            !kind_ok(c->w2[j].kind, I, c->w2[j].group))
-            return -1;
-        const int f = mt_form_of(c->w13[j].kind);
-        if (!used[f]) g13[f] = c->w13[j].group, g2[f] = c->w2[j].group;
-        used[f] = 1;
+        if (!kind_ok(c->w13[j].kind, H, c->w13[j].group) || !kind_ok(c->w2[j].kind, I, c->w2[j].group)) return -1;
+        const int f13 = mt_form_of(c->w13[j].kind), f2 = mt_form_of(c->w2[j].kind);
+        if (!used13[f13]) g13[f13] = c->w13[j].group;
+        if (!used2[f2]) g2[f2] = c->w2[j].group;
+        used13[f13] = used2[f2] = 1;
     }
     char* cur = scratch;
-    mt_act ah[3], ad[3];
-    for (int f = 0; f < 3; f++) {
-        if (!used[f]) continue;
-        take(&cur, mt_act_init(&ah[f], f, H, f ? g13[f] : 0, cur, T));
-        take(&cur, mt_act_init(&ad[f], f, I, f ? g2[f] : 0, cur, P));
+    mt_act ah[MT_NFORM], ad[MT_NFORM];
+    for (int f = 0; f < MT_NFORM; f++) {
+        if (used13[f]) take(&cur, mt_act_init(&ah[f], f, H, f ? g13[f] : 0, cur, T));
+        if (used2[f]) take(&cur, mt_act_init(&ad[f], f, I, f ? g2[f] : 0, cur, P));
     }
     float* hb = (float*)take(&cur, P * 2 * I * 4);
     float** hp = (float**)take(&cur, P * 8);
@@ -120,8 +120,8 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
         /* 0. the rows' activations in the forms the experts read */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            for (int f = 0; f < 3; f++)
-                if (used[f]) mt_act_prep_bf16(&ah[f], t, x + t * H);
+            for (int f = 0; f < MT_NFORM; f++)
+                if (used13[f]) mt_act_prep_bf16(&ah[f], t, x + t * H);
         /* 1. gate and up rows of every expert: a thread's share of all experts' rows */
         {
             int64_t lo, hi;
@@ -158,7 +158,7 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
 static inline mt_w desc_w(const int64_t* d, int m) {
     const char* base = (const char*)(intptr_t)d[0];
     const int64_t* p = d + 2 + 4 * m;
-    mt_w w = {d[1], base + p[1], p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL,
+    mt_w w = {m ? d[10] : d[1], base + p[1], p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL,
               p[3] >= 0 ? (const uint16_t*)(base + p[3]) : NULL, p[0]};
     return w;
 }
@@ -600,7 +600,7 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     mt_w* w = (mt_w*)take(&cur, n_exp * 2 * (int64_t)sizeof(mt_w));
     for (int64_t e = 0; e < n_exp; e++) {
         const int64_t kind = desc[e * MT_DESC + 1];
-        if (kind != 16 && kind != 8 && kind != 4 && kind != 2) return -1;
+        if (kind != 16 && kind != 8 && kind != 4 && kind != 2 && !mt_is_gg(kind)) return -1;
         w[e] = desc_w(desc + e * MT_DESC, 0);
         w[n_exp + e] = desc_w(desc + e * MT_DESC, 1);
     }

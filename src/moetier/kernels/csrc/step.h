@@ -10,7 +10,8 @@
  * moetier_moe_half(M, S, desc): x += sum over each row's (expert, weight) pairs of weight * SwiGLU_e(h)
  *   (experts in ascending id, fp32 sums, rounded once) + the shared expert (sigmoid-gated where the family
  *   gates it); desc[e] points at expert e's slot descriptor (DESC int64: slot address, kind, then per
- *   matrix w13 [2I, H] and w2 [H, I]: group, q / scale / zero byte offsets from the address, -1 for none),
+ *   matrix w13 [2I, H] and w2 [H, I]: group, q / scale / zero byte offsets from the address, -1 for none,
+ *   then w2's kind: the two matrices may differ, e.g. a GGUF file's Q4_K gate/up and Q6_K down),
  *   NULL for experts no row routed to. A dense MLP layer is the shared slot with E = 0. `mode`: 3 for one
  *   call; a call whose experts do not fit the compute tier's slots at once runs as groups of them in
  *   ascending id, the first with bit 1 (start the fp32 sum), the last with bit 2 (shared expert, residual),
@@ -30,7 +31,7 @@
 
 #include "mm.h"
 
-#define MT_DESC 10
+#define MT_DESC 11
 
 typedef struct {
     int64_t H, nh, nkv, hd, max_pos;

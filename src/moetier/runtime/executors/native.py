@@ -63,7 +63,7 @@ class NativeState:
     def table(self) -> SlotTable:
         """The descriptor rows of the store's compute pools (built on first use, then fixed)."""
         if self._table is None:
-            self._table = SlotTable(self.store.compute_pools())
+            self._table = SlotTable(self.store.compute_pools(), self.lib)
         return self._table
 
     def routed_buffers(self) -> tuple[Step, MoeLayer]:

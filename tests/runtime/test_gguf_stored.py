@@ -1,0 +1,119 @@
+"""GGUF experts computed as stored: precision "auto" resolves to "stored" where ggml computes every expert
+tensor's block type (runtime/wire.py resolve_precision), the slots hold the file's own blocks (the budget
+counts stored bytes), the native executor and decode step read them (kernels/ggml.py, csrc/mm.h), and so do
+the attention projections and the output head.
+
+The reference is transformers in fp32 on the twin checkpoint holding the values the file decodes to (numpy
+reference, tests/gguf_ref.py). The bf16 engine with `--precision full` (everything decoded to bf16 at load)
+differs from it by bf16 rounding; computing as stored adds ggml's 8-bit activation blocks (Q8_0 / Q8_K) at
+every product (each product within 1% of the float64 reference: tests/kernels/test_ggml.py), which these
+random two-layer models amplify through routing: its mean error measured 1.1-2.2x the bf16 engine's, so the
+bound is 3x; a wrong row, type or layout is off by the logits' whole scale (over 10x).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from transformers import AutoModelForCausalLM
+
+import moetier
+from gguf_ref import dequantized_twin, write_gguf
+from moetier import EngineConfig, PrecisionConfig, RuntimeConfig
+from moetier.errors import CheckpointError
+from moetier.kernels import ggml
+from moetier.models.tiny import build_tiny_checkpoint
+
+SIZES = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256}  # K-quant rows of 256
+BF16 = RuntimeConfig(device="cpu", dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("gguf_stored")
+    src = build_tiny_checkpoint("qwen3_moe", root / "src", **SIZES)
+    cache: dict[str, Path] = {}
+
+    def get(qtype: str, types: dict[str, str] | None = None) -> Path:
+        key = qtype + repr(sorted((types or {}).items()))
+        if key not in cache:
+            cache[key] = write_gguf(src, root / f"m{len(cache)}.gguf", "qwen3_moe", qtype, types=types)
+        return cache[key]
+
+    get.src, get.root = src, root  # type: ignore[attr-defined]
+    return get
+
+
+def _twin_logits(files, qtype: str, ids: torch.Tensor) -> torch.Tensor:
+    twin = dequantized_twin(files.src, files.root / f"twin_{qtype}", "qwen3_moe", qtype)
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _run(path: Path, mode: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    with moetier.load(path, EngineConfig(runtime=BF16, precision=PrecisionConfig(mode=mode))) as engine:
+        return engine.logits(ids).float(), engine.stats()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0"])
+def test_auto_computes_gguf_experts_as_stored(files, qtype):
+    assert ggml.available(), ggml.load_error()
+    path = files(qtype)
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(7))
+    got, st = _run(path, "auto", ids)
+    full, ref = _run(path, "full", ids)
+    want = _twin_logits(files, qtype, ids)
+    blck, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    assert st["executor"] == "native" and st["native_step"]["moe"] == "native"
+    assert st["native_step"]["torch_moe_calls"] == 0 and st["native"]["native_calls"] > 0
+    cfg = json.loads((files.src / "config.json").read_text())
+    o_in = cfg["num_attention_heads"] * cfg["head_dim"]  # o_proj's K: the writer keeps rows of partial blocks F32
+    assert st["dense_stored"] == 2 * (1 + (o_in % blck == 0)) + 1  # per layer q/k/v (and o), and the head
+    assert ref["dense_stored"] == 0
+    held = st["precision"]["stored"]
+    per_expert = 3 * 256 * 256 // blck * size  # gate, up, down: the file's own bytes
+    assert held["bytes"] == held["experts"] * per_expert  # the slots count stored bytes
+    assert ref["precision"]["full"]["bytes"] == ref["precision"]["full"]["experts"] * 3 * 256 * 256 * 2
+    scale = want.abs().max().item()
+    assert scale > 1.0
+    bf16_err = (full - want).abs().mean().item()
+    err = (got - want).abs().mean().item()
+    assert err <= 3.0 * bf16_err, f"mean error {err:.4f} against the bf16 engine's {bf16_err:.4f}"
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.75
+
+
+def test_generate_on_stored_experts_matches_full_greedy_start(files):
+    path = files("Q8_0")
+    prompt = list(range(5, 17))
+    out = {}
+    for mode in ("auto", "full"):
+        with moetier.load(path, EngineConfig(runtime=BF16, precision=PrecisionConfig(mode=mode))) as engine:
+            out[mode] = engine.generate(prompt, max_new_tokens=4, stop_at_eos=False).token_ids
+    assert out["auto"][0] == out["full"][0]  # Q8_0: the first greedy token survives the activation blocks
+
+
+def test_fp32_models_and_explicit_full_decode_as_before(files):
+    path = files("Q4_K")
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    fp32 = RuntimeConfig(device="cpu", dtype="fp32", lean=False)
+    with moetier.load(path, EngineConfig(runtime=fp32)) as engine:  # exactness runs decode to fp32
+        engine.logits(ids)
+        assert set(engine.stats()["precision"]) == {"full"}
+    _, st = _run(path, "full", ids)
+    assert set(st["precision"]) == {"full"}
+
+
+def test_a_mixed_file_resolves_to_full_and_explicit_stored_names_the_tensor(files):
+    """Q4_K_M-style: one layer's down projections in Q6_K. One stored slot layout cannot hold both yet."""
+    path = files("Q4_K", {"blk.1.ffn_down_exps.weight": "Q6_K"})
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    _, st = _run(path, "auto", ids)
+    assert set(st["precision"]) == {"full"}
+    with pytest.raises(CheckpointError, match=r"down_proj.*stored unlike"):
+        _run(path, "stored", ids)

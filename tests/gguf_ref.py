@@ -212,15 +212,15 @@ def add_tokenizer(w: gguf.GGUFWriter) -> None:
     w.add_eos_token_id(0)
 
 
-def dequantized_twin(src: Path, out: Path, family: str, qtype: str) -> Path:
-    """A transformers checkpoint whose weights are what the `qtype` GGUF of `src` decodes to (numpy reference),
-    q/k rows back in transformers' order."""
+def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[str, str] | None = None) -> Path:
+    """A transformers checkpoint whose weights are what the `qtype` GGUF of `src` (`types`: as write_gguf)
+    decodes to (numpy reference), q/k rows back in transformers' order."""
     cfg = json.loads((src / "config.json").read_text())
     sd = load_file(src / "model.safetensors")
     back = {v: k for k, v in _GLOBAL.items()}
     twin: dict[str, torch.Tensor] = {}
     for name, a in gguf_tensors(src, family).items():
-        raw, t = encode(name, a, qtype)
+        raw, t = encode(name, a, (types or {}).get(name, qtype))
         deq = decode(raw, t).reshape(a.shape)
         if name.startswith("blk."):
             layer, rest = name.split(".", 2)[1:]

@@ -6,9 +6,11 @@ the attention projections and the output head.
 The reference is transformers in fp32 on the twin checkpoint holding the values the file decodes to (numpy
 reference, tests/gguf_ref.py). The bf16 engine with `--precision full` (everything decoded to bf16 at load)
 differs from it by bf16 rounding; computing as stored adds ggml's 8-bit activation blocks (Q8_0 / Q8_K) at
-every product (each product within 1% of the float64 reference: tests/kernels/test_ggml.py), which these
-random two-layer models amplify through routing: its mean error measured 1.1-2.2x the bf16 engine's, so the
-bound is 3x; a wrong row, type or layout is off by the logits' whole scale (over 10x).
+every product (each product within 1% of the float64 reference: tests/kernels/test_ggml.py). On these random
+models a router near-tie can flip one token's experts under that rounding (seen: one token of twelve off by
+the logits' scale, the others at twice the bf16 engine's error), so the comparison is per token, by the median
+over tokens of the mean |error|: at most 3x the bf16 engine's. A wrong row, type or layout puts every token off
+by the logits' scale (over 10x).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def _twin_logits(files, qtype: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits.float()
 
 
+def _token_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Median over tokens of the mean |logit error| of each (logits [1, T, V])."""
+    return (got - want).abs().mean(-1).median().item()
+
+
 def _run(path: Path, mode: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
     with moetier.load(path, EngineConfig(runtime=BF16, precision=PrecisionConfig(mode=mode))) as engine:
         return engine.logits(ids).float(), engine.stats()
@@ -81,9 +88,8 @@ def test_auto_computes_gguf_experts_as_stored(files, qtype):
     assert ref["precision"]["full"]["bytes"] == ref["precision"]["full"]["experts"] * 3 * 256 * 256 * 2
     scale = want.abs().max().item()
     assert scale > 1.0
-    bf16_err = (full - want).abs().mean().item()
-    err = (got - want).abs().mean().item()
-    assert err <= 3.0 * bf16_err, f"mean error {err:.4f} against the bf16 engine's {bf16_err:.4f}"
+    err, bf16_err = _token_err(got, want), _token_err(full, want)
+    assert err <= 3.0 * bf16_err, f"token error {err:.4f} against the bf16 engine's {bf16_err:.4f}"
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.75
 
@@ -109,11 +115,35 @@ def test_fp32_models_and_explicit_full_decode_as_before(files):
     assert set(st["precision"]) == {"full"}
 
 
-def test_a_mixed_file_resolves_to_full_and_explicit_stored_names_the_tensor(files):
-    """Q4_K_M-style: one layer's down projections in Q6_K. One stored slot layout cannot hold both yet."""
-    path = files("Q4_K", {"blk.1.ffn_down_exps.weight": "Q6_K"})
-    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
-    _, st = _run(path, "auto", ids)
-    assert set(st["precision"]) == {"full"}
-    with pytest.raises(CheckpointError, match=r"down_proj.*stored unlike"):
-        _run(path, "stored", ids)
+def test_a_mixed_file_runs_each_layer_in_its_own_type(files):
+    """Q4_K_M-style: layer 1's down projections in Q6_K, the rest Q4_K. Slots of the larger layout hold either;
+    each layer's experts are read and computed in their own type, by the native kernels."""
+    types = {"blk.1.ffn_down_exps.weight": "Q6_K"}
+    path = files("Q4_K", types)
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    got, st = _run(path, "auto", ids)
+    full, _ = _run(path, "full", ids)
+    assert set(st["precision"]) == {"stored"}
+    assert st["native_step"]["moe"] == "native" and st["native_step"]["torch_moe_calls"] == 0
+    assert st["native_step"]["unreadable_slots"] == 0
+    q4k, q6k = (GGML_QUANT_SIZES[GGMLQuantizationType[t]] for t in ("Q4_K", "Q6_K"))
+    slot = 2 * 256 * 256 // q4k[0] * q4k[1] + 256 * 256 // q6k[0] * q6k[1]  # the larger layout: Q6_K down
+    held = st["precision"]["stored"]
+    assert held["bytes"] == held["experts"] * slot
+    twin_name = "Q4_K_mixed"
+    twin = dequantized_twin_mixed(files, twin_name, types)
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    err, bf16_err = _token_err(got, want), _token_err(full, want)
+    assert err <= 3.0 * bf16_err, f"token error {err:.4f} against the bf16 engine's {bf16_err:.4f}"
+    # the torch path (no native executor) reads the same slots per layer
+    with moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="bf16", native_kernels=False),
+                                         precision=PrecisionConfig(mode="stored"))) as engine:  # fmt: skip
+        slow = engine.logits(ids).float()
+        assert engine.stats()["executor"] == "dense"
+    assert _token_err(slow, want) <= 3.0 * bf16_err
+
+
+def dequantized_twin_mixed(files, name: str, types: dict[str, str]) -> Path:
+    return dequantized_twin(files.src, files.root / f"twin_{name}", "qwen3_moe", "Q4_K", types=types)

@@ -361,6 +361,28 @@ class ExpertReader:
                 )
         return first or ()
 
+    def stored_layouts(self) -> tuple[list[tuple[StoredTensor, ...]], dict[int, int]]:
+        """How the experts are stored, per MoE layer: (the distinct layouts, layer -> index of its layout). The
+        experts of one layer must be stored alike (CheckpointError naming the tensor otherwise); layers may
+        differ, as a Q4_K_M GGUF file's do (Q4_K down projections in some layers, Q6_K in others)."""
+        layouts: list[tuple[StoredTensor, ...]] = []
+        of_layer: dict[int, int] = {}
+        first: dict[int, tuple[StoredTensor, ...]] = {}
+        for key, plan in self.plans.items():
+            got = tuple(self._stored(r) for r in plan)
+            want = first.setdefault(key.layer, got)
+            if got != want:
+                loc = next(r.loc for r, a, b in zip(plan, got, want, strict=True) if a != b)
+                raise CheckpointError(
+                    f"{loc.file}: expert tensor {loc.name!r} (layer {key.layer}, expert {key.expert}) is stored "
+                    "unlike the layer's first expert; stored-form slots need a layer's experts stored alike"
+                )
+            if key.layer not in of_layer:
+                if got not in layouts:
+                    layouts.append(got)
+                of_layer[key.layer] = layouts.index(got)
+        return layouts, of_layer
+
     def _stored(self, r: _Read) -> StoredTensor:
         if r.parts:
             parts = tuple((STORED_DTYPES[p.loc.dtype], p.shape) for p in r.parts)

@@ -51,6 +51,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -231,6 +232,43 @@ class StoredFormat:
             w2=StoredWeight("stored", n2, k2, tuple(segments["w2"])),
             b13=b13, b2=b2, row=row, dests=dests, pieces=pieces,
         )  # fmt: skip
+
+
+@dataclass(eq=False)
+class StoredVariants:
+    """One slot of a pool whose MoE layers store their experts differently (a Q4_K_M GGUF file: Q4_K down
+    projections in some layers, Q6_K in others): the slot read as each layout; `for_layer` gives the views of the
+    layout a layer's experts are stored in. The store hands these out as they are; whoever knows the layer (the
+    source reading an expert in, the executors computing one) takes its variant."""
+
+    row: torch.Tensor  # uint8 [slot_bytes], the whole slot
+    variants: list[StoredExpertViews]
+    of_layer: dict[int, int]
+
+    def for_layer(self, layer: int) -> StoredExpertViews:
+        return self.variants[self.of_layer[layer]]
+
+
+def for_layer(views: Any, layer: int) -> Any:
+    """The views of one expert of `layer` in a slot: a mixed stored slot's variant for that layer, else `views`."""
+    return views.for_layer(layer) if isinstance(views, StoredVariants) else views
+
+
+class MixedStoredFormat:
+    """Stored-form slots for experts whose layout differs by layer: one StoredFormat per distinct layout on
+    slots of the largest's size (the budget counts that), `of_layer` the layout of each MoE layer."""
+
+    def __init__(self, layout: ExpertLayout, layouts: list[tuple[StoredTensor, ...]], of_layer: dict[int, int],
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        self.layout, self.dtype = layout, dtype
+        self.formats = [StoredFormat(layout, t, dtype) for t in layouts]
+        self.of_layer = dict(of_layer)
+        self.slot_bytes = max(f.slot_bytes for f in self.formats)
+        self.compute_scratch_bytes = max(f.compute_scratch_bytes for f in self.formats)
+
+    def views(self, row: torch.Tensor) -> StoredVariants:
+        _check_row(row, self.slot_bytes)
+        return StoredVariants(row, [f.views(row[: f.slot_bytes]) for f in self.formats], self.of_layer)
 
 
 # --------------------------------------------------------------------------- per-kind pieces and packing

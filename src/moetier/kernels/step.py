@@ -24,7 +24,7 @@ import torch
 
 from moetier.kernels import ggml
 from moetier.kernels.decode import KIND_BF16, QBLOCK, QDense
-from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews, StoredExpertViews, StoredWeight
+from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews, StoredExpertViews, StoredVariants, StoredWeight
 from moetier.store.pool import SlotViews
 
 I64, F32, P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -332,20 +332,42 @@ class SlotTable:
 
     def __init__(self, pools: Iterable[Any], lib: ctypes.CDLL | None = None) -> None:
         rows: list[list[int]] = []
-        owners: list[Any] = []
+        owners: list[tuple[int, Any]] = []  # (variant, views): variant -1 for a plain slot
         self.unreadable = 0
+        self.of_layer: dict[int, int] = {}  # a mixed stored pool's layer -> variant (qformat.StoredVariants)
         for pool in pools:
             for views in pool.views:
+                if isinstance(views, StoredVariants):  # one row per layout the slot may hold
+                    self.of_layer = views.of_layer
+                    for j, v in enumerate(views.variants):
+                        row = desc_row(v, lib)
+                        if row is None:
+                            self.unreadable += 1
+                            continue
+                        rows.append(row)
+                        owners.append((j, views))
+                    continue
                 row = desc_row(views, lib)
                 if row is None:
                     self.unreadable += 1
                     continue
                 rows.append(row)
-                owners.append(views)
+                owners.append((-1, views))
         self.table = torch.tensor(rows or [[0] * DESC], dtype=torch.int64)  # [S, DESC]
         base = self.table.data_ptr()
-        self._addr = {id(v): base + 8 * DESC * i for i, v in enumerate(owners)}
+        self._addr = {id(v): base + 8 * DESC * i for i, (j, v) in enumerate(owners) if j < 0}
+        self._variant: dict[int, dict[int, int]] = {}  # variant -> id(slot views) -> row address
+        for i, (j, v) in enumerate(owners):
+            if j >= 0:
+                self._variant.setdefault(j, {})[id(v)] = base + 8 * DESC * i
         self._owners = owners  # keeps id() keys valid
+
+    def for_layer(self, layer: int) -> dict[int, int]:
+        """id(views) -> descriptor row address for the experts of `layer`: `by_id`, or in a pool whose layers
+        store their experts differently, the rows of that layer's layout."""
+        if layer in self.of_layer:
+            return self._variant.get(self.of_layer[layer], {})
+        return self._addr
 
     def addr(self, views: Any) -> int | None:
         """The address of this slot's descriptor row, None for a slot the kernels do not read."""

@@ -37,7 +37,7 @@ from torch import nn
 
 from moetier.errors import ExpertReadError, MoetierError
 from moetier.kernels.experts import ExpertFn
-from moetier.kernels.qformat import QExpertViews, StoredExpertViews
+from moetier.kernels.qformat import QExpertViews, StoredExpertViews, for_layer
 from moetier.models.families import Family
 from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler, RoutedExecutor
 from moetier.runtime.observers import ObserverList, Route
@@ -110,7 +110,7 @@ class _Tiered(nn.Module):
             except MoetierError:  # unreadable now: no verdict on it
                 continue
             try:
-                bad = nonfinite_piece(views)
+                bad = nonfinite_piece(for_layer(views, self.layer))
             finally:
                 self.store.release(key)
             if bad is not None:

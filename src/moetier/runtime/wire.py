@@ -122,12 +122,12 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
     if lib is None:
         return False
     try:
-        tensors = o.reader.stored_tensors()
-    except CheckpointError:  # experts stored unlike each other (a mixed-type GGUF): one slot layout cannot hold them
+        layouts, _ = o.reader.stored_layouts()  # per layer group (a Q4_K_M file's layers differ)
+    except CheckpointError:  # a layer's experts stored unlike each other
         return False
-    if not tensors:
+    if not layouts:
         return False
-    for t in tensors:
+    for t in (t for tensors in layouts for t in tensors):
         codec = t.codec or ""
         if not codec.startswith("gguf:") or "+" in codec or ggml.kind_of(codec.removeprefix("gguf:"), lib) is None:
             return False

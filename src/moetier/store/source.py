@@ -7,7 +7,8 @@ A source fills one pool slot with one expert at its precision:
   (formats/qtier.py) into a staging area of canonical tensors allocated once, then packs
   it into the slot's compute format (kernels/qformat.py);
 - `StoredSource` reads the checkpoint's own stored bytes of an expert (FP8 + scales, MXFP4,
-  GPTQ words ...) into a uint8 slot (kernels/qformat.py StoredFormat), dequantised per call;
+  GPTQ words ...) into a uint8 slot (kernels/qformat.py StoredFormat; MixedStoredFormat where layers store
+  their experts differently, slots of the largest layout), computed as stored or dequantised per call;
   its slots count stored bytes, and only the biases are decoded when read.
 
 `make_pool` builds the fixed-slot pool of a precision. Every source is thread-safe (one
@@ -31,7 +32,7 @@ import torch
 from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.qtier import QuantTier, layer_file
 from moetier.formats.safetensors import ExpertReader
-from moetier.kernels.qformat import ExpertFormat, StoredFormat
+from moetier.kernels.qformat import ExpertFormat, MixedStoredFormat, StoredFormat, for_layer
 from moetier.store.pool import QuantPool, SlotPool, StoredPool
 from moetier.types import ExpertKey, Precision
 
@@ -159,12 +160,17 @@ class StoredSource:
 
     def __init__(self, reader: ExpertReader, dtype: torch.dtype) -> None:
         self.reader, self.dtype = reader, dtype
-        self.fmt = StoredFormat(reader.layout, reader.stored_tensors(), dtype)
+        layouts, of_layer = reader.stored_layouts()  # one per layer group: a Q4_K_M file's layers differ
+        self.fmt: StoredFormat | MixedStoredFormat = (
+            StoredFormat(reader.layout, layouts[0] if layouts else (), dtype) if len(layouts) <= 1
+            else MixedStoredFormat(reader.layout, layouts, of_layer, dtype)
+        )  # fmt: skip
         self.slot_bytes = self.fmt.slot_bytes
         self.staging_bytes = reader.staging_bytes  # the biases' reads go through the reader's staging
 
     def read_into(self, key: ExpertKey, views: Any) -> int:
-        return self.reader.read_stored(key, views.dests, views.pieces)
+        v = for_layer(views, key.layer)
+        return self.reader.read_stored(key, v.dests, v.pieces)
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
         return StoredPool(self.fmt, n_slots, device, pin=pin)

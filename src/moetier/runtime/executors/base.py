@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from moetier.errors import ConfigError
+from moetier.kernels.qformat import for_layer
 from moetier.policies.plan import plan_layer
 from moetier.types import Domain, ExpertKey, Plan
 
@@ -145,7 +146,7 @@ def execute_per_expert(store: ExpertStoreLike, fn: Any, x: torch.Tensor, plan: P
         w_of: dict[int, float] = grouped.data
         ys: dict[int, torch.Tensor] = {}
         for task in plan.tasks:  # 1. move + compute, in plan order
-            views = store.acquire(task.key)
+            views = for_layer(store.acquire(task.key), task.key.layer)
             try:
                 ys[task.key.expert] = fn(x, views)  # [1, H]
             finally:
@@ -158,7 +159,7 @@ def execute_per_expert(store: ExpertStoreLike, fn: Any, x: torch.Tensor, plan: P
     for task in plan.tasks:  # 1. move + compute, in plan order
         e = task.key.expert
         tok, w = groups[e]  # [c], [c]
-        views = store.acquire(task.key)
+        views = for_layer(store.acquire(task.key), task.key.layer)
         try:
             y = fn(x[tok], views)  # [c, H]
             outs[e] = (tok, (y * w[:, None]).to(out.dtype))

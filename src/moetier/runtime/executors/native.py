@@ -105,7 +105,7 @@ class RoutedMoE:
         read. An ExpertReadError leaves with `rows` set to the rows of `ids` routed to that expert."""
         n = len(experts)
         size = self.limit if self.limit and n > self.limit else n
-        desc, addr, all_keys = self.moe.desc, self.table.by_id.get, self.keys
+        desc, addr, all_keys = self.moe.desc, self.table.for_layer(self.layer).get, self.keys
         if size < n:  # group calls read the experts whose descriptor is set: none of the call's, to begin with
             for e in experts:
                 desc[e] = None

@@ -157,7 +157,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HELDOUT = REPO / "data" / "shakespeare_heldout.txt"
 LLAMACPP_VERSION = "0.3.36"  # newest llama-cpp-python 0.3.x on PyPI when this was written
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
-GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M")
+GGUF_TYPES = ("bf16", "Q8_0", "Q4_0", "Q4_K_M", "IQ4_XS")
 PATCH_MARK = "# moetier vs_llamacpp"
 ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16")
 DENSE_BYTES = {"full": 2.0, "int8": 34 / 32, "int4": 18 / 32}  # per weight: bf16, Q8_0, Q4_0 blocks of 32
@@ -486,6 +486,7 @@ class Setup:
     max_seq_len: int  # moetier's KV cache: the deepest measurement
     quant_dir: str | None = None
     cached: dict[str, Any] = field(default_factory=dict)
+    gguf_rows: list[str] = field(default_factory=list)  # GGUF types of the moetier-gguf-* candidates run
 
     def depth_prompt(self, depth: int) -> list[int]:
         """Depth D's prompt: D random ids, or one for D = 0 (decode from a near-empty context)."""
@@ -823,6 +824,28 @@ def moetier_kl(src: Path, text: Path, precision: str, quant_dir: str, threads: i
     return {k: payload.get(k) for k in keys} | {"seconds": round(time.perf_counter() - t0, 1)}
 
 
+def moetier_gguf_kl(src: Path, ggufs: dict[str, Path], text: Path, out: Path, types: list[str],
+                    threads: int) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """moetier on llama.cpp's own GGUF files (default precision: computed as stored) against moetier's bf16 model
+    on the same text: the reference's log-probabilities saved once (`moetier eval --save-logits`), then each
+    file's `moetier eval FILE --kl-ref` (the GGUF's tokenizer is the bundled one, converted)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    base = out / "kl_base_moetier_bf16.npz"
+    common = ["--text", str(text), "--max-tokens", str(KL_TOKENS), "--window", str(KL_WINDOW), "--device", "cpu"]
+    base.unlink(missing_ok=True)
+    run([sys.executable, "-c", CLI, "eval", str(src), "--precision", "full", *common, "--save-logits", str(base)],
+        env=env)  # fmt: skip
+    res: dict[str, dict[str, Any]] = {}
+    keys = ("kl_mean", "kl_stderr", "kl_median", "kl_p99", "top1_pct", "ppl", "ref_ppl", "kl_tokens", "window")
+    for t in types:
+        t0 = time.perf_counter()
+        proc = run([sys.executable, "-c", CLI, "eval", str(ggufs[t]), *common, "--kl-ref", str(base), "--json"],
+                   env=env)  # fmt: skip
+        payload = json.loads(proc.stdout.strip().splitlines()[-1])
+        res[t] = {k: payload.get(k) for k in keys} | {"seconds": round(time.perf_counter() - t0, 1)}
+    return res
+
+
 def llamacpp_kl(lc: LlamaCpp, ggufs: dict[str, Path], text: Path, out: Path, types: list[str],
                 threads: int) -> dict[str, dict[str, Any]]:  # fmt: skip
     """llama-perplexity: the bf16 GGUF's logits saved (--kl-divergence-base), then each type's KL against them."""
@@ -864,10 +887,18 @@ def run_kl(s: Setup, cache: Path, lc: LlamaCpp | None) -> dict[str, Any]:
         except Exception as e:
             res["errors"][f"moetier-{prec}"] = f"{type(e).__name__}: {e}"[-1500:]
             log(traceback.format_exc())
+    gguf_types = [t for t in s.gguf_rows if t in s.ggufs]
+    if gguf_types:
+        try:
+            res["moetier_gguf"] = moetier_gguf_kl(src, s.ggufs, text, out, gguf_types, s.threads)
+        except Exception as e:
+            res["errors"]["moetier-gguf"] = f"{type(e).__name__}: {e}"[-1500:]
+            log(traceback.format_exc())
     try:
         if lc is None:
             raise RuntimeError("llama.cpp is not built")
-        res["llamacpp"] = llamacpp_kl(lc, s.ggufs, text, out, [t for _, t in KL_PAIRS], s.threads)
+        types = list(dict.fromkeys([*(t for _, t in KL_PAIRS), *gguf_types]))
+        res["llamacpp"] = llamacpp_kl(lc, s.ggufs, text, out, types, s.threads)
     except Exception as e:
         res["errors"]["llamacpp"] = f"{type(e).__name__}: {e}"[-1500:]
         log(traceback.format_exc())
@@ -896,6 +927,19 @@ def print_kl(kl: dict[str, Any]) -> None:
         if m and c and m["kl_mean"] is not None and c["kl_mean"] is not None:
             print(f"  {prec} vs {gtype}: moetier KL {'<=' if m['kl_mean'] <= c['kl_mean'] else '>'} llama.cpp KL "
                   f"({m['kl_mean'] / c['kl_mean']:.2f}x)" if c["kl_mean"] else "")  # fmt: skip
+    for gtype, m in (kl.get("moetier_gguf") or {}).items():
+        c = kl["llamacpp"].get(gtype)
+        for name, r in ((f"moetier-gguf-{gtype}", m), (f"llamacpp-{gtype}", c)):
+            if r is None:
+                print(f"  {name:<26}  -")
+                continue
+            print(f"  {name:<26}{fmt(r.get('kl_tokens'), 'd'):>7}{fmt(r['kl_mean'], '.5f'):>10}"
+                  f"{fmt(r.get('kl_stderr'), '.5f'):>9}{fmt(r.get('kl_median'), '.5f'):>9}"
+                  f"{fmt(r.get('kl_p99'), '.4f'):>9}{fmt(r.get('top1_pct'), '.2f'):>9}{fmt(r.get('ppl'), '.2f'):>10}"
+                  f"{fmt(r.get('ref_ppl'), '.2f'):>10}")  # fmt: skip
+        if m and c and m.get("kl_mean") is not None and c.get("kl_mean"):
+            print(f"  {gtype} (same file): moetier KL {'<=' if m['kl_mean'] <= c['kl_mean'] else '>'} llama.cpp KL "
+                  f"({m['kl_mean'] / c['kl_mean']:.2f}x)")  # fmt: skip
     for k, v in kl["errors"].items():
         print(f"  KL error ({k}): {v.splitlines()[-1] if v else v}")
 
@@ -1080,7 +1124,8 @@ def main() -> None:
     bandwidth = Bandwidth(args.threads)
     s = Setup(model, args.threads, prompt, context, depths, args.tokens, checkpoint_params(model), config, ggufs,
               gguf_info, lc, bandwidth, max_seq_len,
-              str(Path(args.quant_dir).resolve()) if args.quant_dir else None)  # fmt: skip
+              str(Path(args.quant_dir).resolve()) if args.quant_dir else None,
+              gguf_rows=[n.removeprefix("moetier-gguf-") for n in names if n.startswith("moetier-gguf-")])  # fmt: skip
 
     # 3-5. interleaved rounds; round 0 is the warm-up; bandwidth is measured before each decode measurement
     runs: dict[str, list[Result]] = {n: [] for n in names}

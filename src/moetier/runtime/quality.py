@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from moetier.config import EngineConfig, RuntimeConfig
+from moetier.config import EngineConfig, PrecisionConfig, RuntimeConfig
 from moetier.errors import ConfigError, NumericalError
 from moetier.formats.qtier import source_fingerprint
 from moetier.models.open import open_index
@@ -304,7 +304,7 @@ def reference_config(candidate: EngineConfig) -> EngineConfig:
     rt = candidate.runtime
     runtime = RuntimeConfig(device=rt.device, dtype="fp32", lean=rt.lean, max_seq_len=rt.max_seq_len,
                             native_kernels=rt.native_kernels, kernel_cache=rt.kernel_cache)  # fmt: skip
-    return EngineConfig(runtime=runtime)
+    return EngineConfig(runtime=runtime, precision=PrecisionConfig(mode="full"))
 
 
 def model_fingerprint(model: Path) -> str:

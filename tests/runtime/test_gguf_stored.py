@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM
 import moetier
 from gguf_ref import dequantized_twin, write_gguf
 from moetier import EngineConfig, PrecisionConfig, RuntimeConfig
-from moetier.errors import CheckpointError
 from moetier.kernels import ggml
 from moetier.models.tiny import build_tiny_checkpoint
 

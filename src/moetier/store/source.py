@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -173,7 +173,8 @@ class StoredSource:
         return self.reader.read_stored(key, v.dests, v.pieces)
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
-        return StoredPool(self.fmt, n_slots, device, pin=pin)
+        # a mixed format's slots are StoredVariants: the consumers take a layer's variant (qformat.for_layer)
+        return StoredPool(cast(Any, self.fmt), n_slots, device, pin=pin)
 
     def locate(self, key: ExpertKey, piece: str | None = None) -> str:
         return self.reader.locate(key, piece)

@@ -839,8 +839,8 @@ def moetier_gguf_kl(src: Path, ggufs: dict[str, Path], text: Path, out: Path, ty
     keys = ("kl_mean", "kl_stderr", "kl_median", "kl_p99", "top1_pct", "ppl", "ref_ppl", "kl_tokens", "window")
     for t in types:
         t0 = time.perf_counter()
-        proc = run([sys.executable, "-c", CLI, "eval", str(ggufs[t]), *common, "--kl-ref", str(base), "--json"],
-                   env=env)  # fmt: skip
+        proc = run([sys.executable, "-c", CLI, "eval", str(ggufs[t]), *common, "--kl-ref", str(base),
+                    "--kl-other-checkpoint", "--json"], env=env)  # fmt: skip
         payload = json.loads(proc.stdout.strip().splitlines()[-1])
         res[t] = {k: payload.get(k) for k in keys} | {"seconds": round(time.perf_counter() - t0, 1)}
     return res

@@ -75,6 +75,11 @@ def test_kl_ref_file_of_another_model_text_or_window(tiny: Path, text_file: Path
     _save_tokenizer(other)
     assert_user_error(invoke("eval", other, "--text", text_file, "--window", 16, "--kl-ref", path), "error:",
                       str(path), "another checkpoint")  # fmt: skip
+    # the same text and vocabulary from another checkpoint (a quantized file of the model): accepted when asked
+    crossed = last_json(invoke("eval", other, "--text", text_file, "--window", 16, "--kl-ref", path,
+                               "--kl-other-checkpoint", "--json"))  # fmt: skip
+    assert crossed["kl_mean"] > 0 and 0 <= crossed["top1_pct"] <= 100
+    assert_user_error(invoke(*base, "--window", 16, "--kl-other-checkpoint"), "error:", "--kl-ref FILE")
 
 
 def test_bad_kl_flags(tiny: Path, text_file: Path, tmp_path: Path) -> None:

@@ -65,6 +65,13 @@ KlRef = Annotated[
                       "full precision, sparsity off (scored first, then unloaded); or a FILE written by "
                       "--save-logits (same model, text, --max-tokens and window)."),
 ]  # fmt: skip
+KlOther = Annotated[
+    bool,
+    typer.Option("--kl-other-checkpoint", rich_help_panel="Quality",
+                 help="With --kl-ref FILE: accept logits saved from another checkpoint of the same model (a GGUF or "
+                      "quantized file against its bf16 original); the vocabulary and the token ids must still "
+                      "match."),
+]  # fmt: skip
 SaveLogits = Annotated[
     Path | None,
     typer.Option("--save-logits", metavar="FILE", rich_help_panel="Quality",
@@ -111,6 +118,7 @@ def eval_(
     max_tokens: Annotated[int | None, typer.Option(min=2, help="Score only the first N tokens.")] = None,
     window: Window = 0,
     kl_ref: KlRef = None,
+    kl_other_checkpoint: KlOther = False,
     save_logits: SaveLogits = None,
     flags: EngineFlags = DEFAULT_FLAGS,
     run_dir: RunDirOpt = None,
@@ -126,6 +134,8 @@ def eval_(
         body = read_text(text)
         arg = open_model(model, err, flags.kernel_cache)
         config, path = arg.defaults(config), arg.path
+        if kl_other_checkpoint and (kl_ref is None or kl_ref == "full"):
+            raise ConfigError("--kl-other-checkpoint goes with --kl-ref FILE (logits saved from the other checkpoint)")
         if kl_ref is not None and save_logits is not None:
             raise ConfigError("--save-logits and --kl-ref go in separate runs: save the reference, then compare")
         if save_logits is not None and save_logits.is_dir():
@@ -151,7 +161,8 @@ def eval_(
                 if ref is not None:
                     source = f"reference logits file {kl_ref}" if kl_ref != "full" else "the fp32 reference"
                     vocab = int(getattr(engine.loaded.config, "vocab_size", ref.vocab))
-                    ref.check_matches(source, vocab, model_fingerprint(path), ids)
+                    fingerprint = None if kl_other_checkpoint else model_fingerprint(path)
+                    ref.check_matches(source, vocab, fingerprint, ids)
                     quality = compare(engine, ids, win, ref, source, on_window).summary
                     ppl, nll, tokens = quality.ppl, math.log(quality.ppl), quality.tokens
                 elif save_logits is not None:

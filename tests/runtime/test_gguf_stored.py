@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import moetier
 from gguf_ref import dequantized_twin, write_gguf
-from moetier import EngineConfig, PrecisionConfig, RuntimeConfig
+from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig
 from moetier.kernels import ggml
 from moetier.models.tiny import build_tiny_checkpoint
 
@@ -146,3 +146,25 @@ def test_a_mixed_file_runs_each_layer_in_its_own_type(files):
 
 def dequantized_twin_mixed(files, name: str, types: dict[str, str]) -> Path:
     return dequantized_twin(files.src, files.root / f"twin_{name}", "qwen3_moe", "Q4_K", types=types)
+
+
+def test_dynamic_precision_with_stored_cold_experts_stays_native(files):
+    """--precision dynamic --hi full --lo stored on a mixed GGUF: bf16 slots and stored slots of both layouts in one
+    engine, every MoE half on the native kernels (the slot table serves each layer its layout and the bf16 rows)."""
+    types = {"blk.1.ffn_down_exps.weight": "Q6_K"}
+    path = files("Q4_K", types)
+    prec = PrecisionConfig(mode="dynamic", hi="full", lo="stored", warmup_tokens=0, period=4)
+    cfg = EngineConfig(runtime=BF16, budgets=Budgets(host_expert_bytes=6 << 20), precision=prec)
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    with moetier.load(path, cfg) as engine:
+        got = engine.logits(ids).float()
+        engine.generate(list(range(5, 17)), max_new_tokens=8, stop_at_eos=False)
+        st = engine.stats()
+    assert set(st["precision"]) == {"full", "stored"}
+    assert st["native_step"]["moe"] == "native" and st["native_step"]["torch_moe_calls"] == 0
+    full, _ = _run(path, "full", ids)
+    twin = dequantized_twin_mixed(files, "Q4_K_mixed", types)
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    assert _token_err(got, want) <= 3.0 * _token_err(full, want)

@@ -356,17 +356,18 @@ class SlotTable:
         self.table = torch.tensor(rows or [[0] * DESC], dtype=torch.int64)  # [S, DESC]
         base = self.table.data_ptr()
         self._addr = {id(v): base + 8 * DESC * i for i, (j, v) in enumerate(owners) if j < 0}
-        self._variant: dict[int, dict[int, int]] = {}  # variant -> id(slot views) -> row address
+        # variant -> id(slot views) -> row address: the plain slots (another precision's pool) and that layout's rows
+        self._variant: dict[int, dict[int, int]] = {j: dict(self._addr) for j, _ in owners if j >= 0}
         for i, (j, v) in enumerate(owners):
             if j >= 0:
-                self._variant.setdefault(j, {})[id(v)] = base + 8 * DESC * i
+                self._variant[j][id(v)] = base + 8 * DESC * i
         self._owners = owners  # keeps id() keys valid
 
     def for_layer(self, layer: int) -> dict[int, int]:
         """id(views) -> descriptor row address for the experts of `layer`: `by_id`, or in a pool whose layers
         store their experts differently, the rows of that layer's layout."""
         if layer in self.of_layer:
-            return self._variant.get(self.of_layer[layer], {})
+            return self._variant.get(self.of_layer[layer], self._addr)
         return self._addr
 
     def addr(self, views: Any) -> int | None:

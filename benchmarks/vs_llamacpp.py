@@ -59,7 +59,11 @@ The benchmark makes its anchor itself, so anyone can rerun it (everything lands 
      (bf16), int8 or int4 (`PrecisionConfig(mode=...)`, from the quantized tiers that
      `moetier quantize MODEL --precisions int8,int4` writes, run here if missing) and the
      non-expert weights at `RuntimeConfig(dense_precision="full"|"int8"|"int4")`, with
-     `RuntimeConfig(max_seq_len=...)` the deepest measurement's length.
+     `RuntimeConfig(max_seq_len=...)` the deepest measurement's length;
+   - `moetier-gguf-<TYPE>` (Q8_0, Q4_0, Q4_K_M, IQ4_XS; in `--only '*'`, not the defaults): llama.cpp's own
+     GGUF file of that type opened by moetier with the default configuration (precision "auto": the
+     experts, attention projections and head computed as stored on ggml's dot products where they can be),
+     compared with `llamacpp-<TYPE>`: the same file in both engines.
    transformers and moetier run in this process: a fresh load per round (the compiled model
    excepted), one untimed generate of the P-token prompt and N new tokens, then the timed
    measurements, each after a `gc.collect()`. moetier loads experts on first use: outside
@@ -106,6 +110,9 @@ The benchmark makes its anchor itself, so anyone can rerun it (everything lands 
    llama.cpp's is the bf16 GGUF; and the scored tokens differ: moetier scores every token after
    the first of each 512-token window, llama-perplexity the second half of each window. The
    benchmark model is random, so the figures compare quantization error, not language quality.
+   With `moetier-gguf-*` candidates, their files too: `moetier eval GGUF/src --precision full
+   --save-logits` once, then `moetier eval FILE.gguf --kl-ref that --kl-other-checkpoint` per file,
+   beside llama-perplexity's KL of the same file.
 
 Ratios: each row's decode (per depth) and prefill against the llama.cpp row of the same expert
 precision at the same depth (bf16 vs bf16, int8 vs Q8_0, int4 vs Q4_0; the llama.cpp files also
@@ -905,6 +912,23 @@ def run_kl(s: Setup, cache: Path, lc: LlamaCpp | None) -> dict[str, Any]:
     return res
 
 
+def print_kl_pair(left: tuple[str, dict[str, Any] | None], right: tuple[str, dict[str, Any] | None],
+                  label: str) -> None:  # fmt: skip
+    """Two engines' KL rows, then how the first compares with the second."""
+    for name, r in (left, right):
+        if r is None:
+            print(f"  {name:<26}  -")
+            continue
+        print(f"  {name:<26}{fmt(r.get('kl_tokens'), 'd'):>7}{fmt(r['kl_mean'], '.5f'):>10}"
+              f"{fmt(r.get('kl_stderr'), '.5f'):>9}{fmt(r.get('kl_median'), '.5f'):>9}"
+              f"{fmt(r.get('kl_p99'), '.4f'):>9}{fmt(r.get('top1_pct'), '.2f'):>9}{fmt(r.get('ppl'), '.2f'):>10}"
+              f"{fmt(r.get('ref_ppl'), '.2f'):>10}")  # fmt: skip
+    m, c = left[1], right[1]
+    if m and c and m.get("kl_mean") is not None and c.get("kl_mean"):
+        print(f"  {label}: moetier KL {'<=' if m['kl_mean'] <= c['kl_mean'] else '>'} llama.cpp KL "
+              f"({m['kl_mean'] / c['kl_mean']:.2f}x)")  # fmt: skip
+
+
 def print_kl(kl: dict[str, Any]) -> None:
     print(f"KL on {kl['text']} ({kl['text_tokens']} tokens of the bundled tokenizer), windows of {kl['window']}:")
     print(
@@ -914,32 +938,11 @@ def print_kl(kl: dict[str, Any]) -> None:
     print(f"  {'engine':<26}{'tokens':>7}{'KL mean':>10}{'± se':>9}{'median':>9}{'p99':>9}{'top-1 %':>9}"
           f"{'PPL':>10}{'ref PPL':>10}")  # fmt: skip
     for prec, gtype in KL_PAIRS:
-        for name, r in ((f"moetier-e{prec}-d{prec}", kl["moetier"].get(prec)),
-                        (f"llamacpp-{gtype}", kl["llamacpp"].get(gtype))):  # fmt: skip
-            if r is None:
-                print(f"  {name:<26}  -")
-                continue
-            print(f"  {name:<26}{fmt(r.get('kl_tokens'), 'd'):>7}{fmt(r['kl_mean'], '.5f'):>10}"
-                  f"{fmt(r.get('kl_stderr'), '.5f'):>9}{fmt(r.get('kl_median'), '.5f'):>9}"
-                  f"{fmt(r.get('kl_p99'), '.4f'):>9}{fmt(r.get('top1_pct'), '.2f'):>9}{fmt(r.get('ppl'), '.2f'):>10}"
-                  f"{fmt(r.get('ref_ppl'), '.2f'):>10}")  # fmt: skip
-        m, c = kl["moetier"].get(prec), kl["llamacpp"].get(gtype)
-        if m and c and m["kl_mean"] is not None and c["kl_mean"] is not None:
-            print(f"  {prec} vs {gtype}: moetier KL {'<=' if m['kl_mean'] <= c['kl_mean'] else '>'} llama.cpp KL "
-                  f"({m['kl_mean'] / c['kl_mean']:.2f}x)" if c["kl_mean"] else "")  # fmt: skip
+        print_kl_pair((f"moetier-e{prec}-d{prec}", kl["moetier"].get(prec)),
+                      (f"llamacpp-{gtype}", kl["llamacpp"].get(gtype)), f"{prec} vs {gtype}")  # fmt: skip
     for gtype, m in (kl.get("moetier_gguf") or {}).items():
-        c = kl["llamacpp"].get(gtype)
-        for name, r in ((f"moetier-gguf-{gtype}", m), (f"llamacpp-{gtype}", c)):
-            if r is None:
-                print(f"  {name:<26}  -")
-                continue
-            print(f"  {name:<26}{fmt(r.get('kl_tokens'), 'd'):>7}{fmt(r['kl_mean'], '.5f'):>10}"
-                  f"{fmt(r.get('kl_stderr'), '.5f'):>9}{fmt(r.get('kl_median'), '.5f'):>9}"
-                  f"{fmt(r.get('kl_p99'), '.4f'):>9}{fmt(r.get('top1_pct'), '.2f'):>9}{fmt(r.get('ppl'), '.2f'):>10}"
-                  f"{fmt(r.get('ref_ppl'), '.2f'):>10}")  # fmt: skip
-        if m and c and m.get("kl_mean") is not None and c.get("kl_mean"):
-            print(f"  {gtype} (same file): moetier KL {'<=' if m['kl_mean'] <= c['kl_mean'] else '>'} llama.cpp KL "
-                  f"({m['kl_mean'] / c['kl_mean']:.2f}x)")  # fmt: skip
+        print_kl_pair((f"moetier-gguf-{gtype}", m), (f"llamacpp-{gtype}", kl["llamacpp"].get(gtype)),
+                      f"{gtype} (same file)")  # fmt: skip
     for k, v in kl["errors"].items():
         print(f"  KL error ({k}): {v.splitlines()[-1] if v else v}")
 

@@ -108,6 +108,28 @@ def test_every_kind_matches_float64(lib: ctypes.CDLL, kind: int, sym: bool, grou
         check(y, xr @ w.T, x.double().abs() @ w.abs().T)
 
 
+F16_CASES = [  # kind, symmetric, group, K: fp16 scales (a GGUF file's Q8_0 / Q4_0 blocks), every row / group path
+    (8, True, 32, 1024), (8, True, 32, 96), (4, True, 32, 1024), (4, True, 32, 160), (4, False, 128, 1024),
+    (4, False, 32, 1056), (8, False, 64, 1088), (4, True, 256, 256),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "sym", "group", "k"), F16_CASES)
+def test_fp16_scales_match_float64(lib: ctypes.CDLL, kind: int, sym: bool, group: int, k: int) -> None:
+    """kind | MT_SF16 reads the scales as fp16: values bf16 cannot hold (11 significant bits) stay exact."""
+    gen = torch.Generator().manual_seed(kind * 11 + k)
+    for m, n in ((1, 9), (4, 8), (6, 13)):
+        q, _, z, _ = weights(kind, n, k, group, sym, seed=k + n + 1)
+        s16 = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(torch.float16)
+        assert (s16.float() != s16.float().to(BF16).float()).any()  # bf16 would round these scales
+        v = weights(kind, n, k, group, sym, seed=k + n + 1)[3]  # W with the bf16 scales: recover v - zero
+        _, s_bf, _, _ = weights(kind, n, k, group, sym, seed=k + n + 1)
+        w = v / s_bf.double().repeat_interleave(group, 1) * s16.double().repeat_interleave(group, 1)
+        x = (torch.randn(m, k, generator=gen) * torch.linspace(0.1, 3, k)).to(BF16)
+        y = gemv(lib, x, q, s16, z, kind | decode.SF16, group, n)
+        check(y, quantise_act(x).double() @ w.T, x.double().abs() @ w.abs().T)
+
+
 @pytest.mark.parametrize("kind", [16, 8, 4, 2])
 def test_nan_in_an_activation_block_reaches_the_output(lib: ctypes.CDLL, kind: int) -> None:
     k, group = 256, 64

@@ -168,3 +168,36 @@ def test_dynamic_precision_with_stored_cold_experts_stays_native(files):
     with torch.no_grad():
         want = model(ids).logits.float()
     assert _token_err(got, want) <= 3.0 * _token_err(full, want)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_q4_0_and_q8_0_slots_are_re_laid_for_our_kernels_and_decode_exactly(files, qtype):
+    """Q4_0 / Q8_0 experts run on our own kernels (faster than ggml's vec_dot on them, docs/engine.md): each slot's
+    blocks are split into their quants and fp16 scales in place after the read (kind | SF16 in the descriptor),
+    and the torch path still decodes them to exactly the file's values."""
+    from safetensors.torch import load_file
+
+    from moetier.kernels.decode import SF16
+    from moetier.kernels.qformat import for_layer
+    from moetier.types import ExpertKey
+
+    path = files(qtype)
+    twin_dir = dequantized_twin(files.src, files.root / f"twin_{qtype}", "qwen3_moe", qtype)
+    twin = load_file(twin_dir / "model.safetensors")
+    with moetier.load(path, EngineConfig(runtime=BF16)) as engine:
+        engine.logits(torch.tensor([[5, 6, 7]]))
+        table = engine.executor_state.table
+        key = ExpertKey(1, 2)
+        views = for_layer(engine.store.acquire(key), key.layer)
+        try:
+            assert views.w13.relaid == qtype and views.w2.relaid == qtype
+            row = table.table[next(i for i, (_, v) in enumerate(table._owners) if v is views)].tolist()
+            bits = 4 if qtype == "Q4_0" else 8
+            assert row[1] == bits | SF16 and row[10] == bits | SF16 and row[2] == 32 and row[4] >= 0
+            w13 = views.w13.decode(torch.float32)
+            pre = "model.layers.1.mlp.experts.2."
+            want = torch.cat([twin[pre + "gate_proj.weight"], twin[pre + "up_proj.weight"]]).float()
+            assert torch.equal(w13, want)
+            assert torch.equal(views.w2.decode(torch.float32), twin[pre + "down_proj.weight"].float())
+        finally:
+            engine.store.release(key)

@@ -42,6 +42,7 @@ import torch
 from moetier.kernels import ggml, matmul, native
 
 KIND_BF16 = 16
+SF16 = 256  # csrc/mm.h MT_SF16: a kind whose scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out)
 QBLOCK = 32  # activation (and dense weight) quantisation block
 DESC = 11  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, then w2's kind
 LAYOUT = 9  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
@@ -136,15 +137,17 @@ def _gemv_impl(
 ) -> torch.Tensor:
     m, k, n = _check_gemv(x, q, kind, group)
     scaled = kind < ggml.KIND_BASE and kind != KIND_BF16
-    if scaled and (scale is None or scale.numel() != n * (k // group) or scale.dtype != _BF16):
-        raise ValueError(f"gemv: scale must be bf16 [{n}, {k // group}]")
+    sdt = (_BF16, torch.float16) if kind in (8, 4) else (_BF16,)  # fp16: a GGUF file's Q8_0 / Q4_0 scales
+    if scaled and (scale is None or scale.numel() != n * (k // group) or scale.dtype not in sdt):
+        raise ValueError(f"gemv: scale must be {' or '.join(map(str, sdt))} [{n}, {k // group}]")
     if zero is not None and (zero.numel() != n * (k // group) or zero.dtype != _BF16):
         raise ValueError(f"gemv: zero must be bf16 [{n}, {k // group}] or None")
     lib = _lib()
     y = torch.empty((m, n), dtype=_BF16)  # [M, N]
     scratch = _scratch.get(lib.moetier_gemv_scratch_bytes(m, k, kind))
+    flag = SF16 if scaled and scale is not None and scale.dtype == torch.float16 else 0
     rc = lib.moetier_gemv(
-        x.data_ptr(), m, k, n, kind, q.data_ptr(), scale.data_ptr() if scale is not None else None,
+        x.data_ptr(), m, k, n, kind | flag, q.data_ptr(), scale.data_ptr() if scale is not None else None,
         zero.data_ptr() if zero is not None else None, group, y.data_ptr(), scratch, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -314,9 +317,30 @@ class QDense:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * 2
 
 
+# GGUF types our own kernels compute (their quants and fp16 scales split apart, exactly: kind | MT_SF16) rather
+# than ggml's vec_dot, chosen by measurement (docs/engine.md): (kind, bytes of quants a block of 32)
+OWN_KERNEL_TYPES = {"Q4_0": (4, 16), "Q8_0": (8, 32)}
+
+
+def split_blocks(type_name: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q8_0 blocks uint8 [N, nb * (2 + qb)] -> (quants [N, nb * qb] in csrc/mm.h's kind-4 / kind-8 layout,
+    their fp16 scales [N, nb]): Q4_0's nibbles are already mm.h's order (byte j = v[j] | v[j + 16] << 4) and
+    Q8_0's signed bytes are kind 8's v - 128."""
+    _, qb = OWN_KERNEL_TYPES[type_name]
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 2 + qb)  # [N, nb, 2 + qb]
+    q = blocks[:, :, 2:].reshape(n, -1).contiguous()
+    scale = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n, -1)
+    return (q.view(torch.int8) if qb == 32 else q), scale
+
+
 def stored_dense(type_name: str, q: torch.Tensor, k: int) -> QDense | None:
     """A GGUF block matrix q uint8 [N, row bytes] of `type_name` (K values a row) as a QDense the kernels compute
-    as stored, or None when ggml does not compute that type in the loaded library."""
+    as stored: Q4_0 / Q8_0 by our own kernels on their quants and fp16 scales (OWN_KERNEL_TYPES), the other types
+    by ggml's; None when neither computes that type in the loaded library."""
+    if type_name in OWN_KERNEL_TYPES and k % QBLOCK == 0 and q.dim() == 2:
+        quants, scale = split_blocks(type_name, q)
+        return QDense(OWN_KERNEL_TYPES[type_name][0], q.shape[0], k, quants, scale)
     kind = ggml.kind_of(type_name, _lib())
     if kind is None or q.dim() != 2 or q.shape[1] != ggml.row_bytes(type_name, k):
         return None
@@ -324,11 +348,13 @@ def stored_dense(type_name: str, q: torch.Tensor, k: int) -> QDense | None:
 
 
 def concat_dense(parts: list[QDense]) -> QDense | None:
-    """Row-wise concatenation of stored QDense matrices of one kind and K (q, k, v into one projection), or None."""
-    if not parts or len({(p.bits, p.k) for p in parts}) != 1 or parts[0].bits < ggml.KIND_BASE:
+    """Row-wise concatenation of stored QDense matrices of one kind, K and scale dtype (q, k, v into one
+    projection), or None."""
+    if not parts or len({(p.bits, p.k, p.scale.dtype) for p in parts}) != 1:
         return None
     q = torch.cat([p.q for p in parts]).contiguous()
-    return QDense(parts[0].bits, q.shape[0], parts[0].k, q, parts[0].scale)
+    scale = torch.cat([p.scale for p in parts]).contiguous() if parts[0].scale.numel() else parts[0].scale
+    return QDense(parts[0].bits, q.shape[0], parts[0].k, q, scale)
 
 
 def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +421,7 @@ def dense_linear(
     weight takes it for up to native_rows() bf16 rows when `native_bf16`, else matmul.linear."""
     if isinstance(w, QDense):
         x2 = x.reshape(-1, w.k)
-        y = gemv(x2.to(_BF16).contiguous(), w.q, w.scale, None, w.bits, QBLOCK)
+        y = gemv(x2.to(_BF16).contiguous(), w.q, w.scale if w.bits < ggml.KIND_BASE else None, None, w.bits, QBLOCK)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], w.n).to(x.dtype)

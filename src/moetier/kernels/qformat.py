@@ -48,6 +48,7 @@ for int8, not 32-byte aligned.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats.codecs_gguf import dequantize as dequantize_gguf
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
 from moetier.formats.safetensors import StoredTensor, apply_op, decode_stored
@@ -142,10 +144,33 @@ class StoredWeight:
     n: int
     k: int
     segments: tuple[StoredSegment, ...]
+    # a GGUF Q4_0 / Q8_0 matrix our own kernels read (decode.OWN_KERNEL_TYPES): its type, and the slot bytes of
+    # its rows, re-laid out in place after each read as [quants of every block][their fp16 scales] (`relay`)
+    relaid: str | None = None
+    region: torch.Tensor | None = None  # uint8 [N * row bytes]
+
+    def relay(self) -> None:
+        """The matrix's blocks, as read, -> [quants][fp16 scales] in the same bytes (kernels: kind | MT_SF16)."""
+        assert self.relaid is not None and self.region is not None
+        blocks = self.region.view(self.n, -1, _block_bytes(self.relaid)).clone()  # [N, nb, 2 + qb]
+        q, d = self.relay_split()
+        q.copy_(blocks[:, :, 2:].reshape(q.shape))
+        d.copy_(blocks[:, :, :2].reshape(-1))
+
+    def relay_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(quants uint8 [N, nb * qb], scale bytes uint8 [N * nb * 2]): views of a re-laid matrix's region."""
+        assert self.relaid is not None and self.region is not None
+        qb = _block_bytes(self.relaid) - 2
+        nq = self.n * (self.k // 32) * qb
+        return self.region[:nq].view(self.n, -1), self.region[nq:]
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The matrix [N, K] in `dtype` (allocated per call; the codecs' float32 temporaries are transient)."""
         device = self.segments[0].parts[0].device
+        if self.relaid is not None:  # back to the file's blocks, then its codec
+            q, d = self.relay_split()
+            blocks = torch.cat([d.view(self.n, -1, 2), q.view(self.n, -1, _block_bytes(self.relaid) - 2)], dim=2)
+            return dequantize_gguf(blocks.reshape(-1), self.relaid, (self.n, self.k)).to(dtype)
         out = torch.empty((self.n, self.k), dtype=dtype, device=device)  # [N, K]
         for seg in self.segments:
             src = decode_stored(seg.tensor, seg.parts)  # [seg.tensor.shape], float32 or as stored
@@ -167,13 +192,21 @@ class StoredExpertViews:
 
 
 _MATRIX_ROWS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of I rows)
+RELAID = {"Q4_0": 18, "Q8_0": 34}  # GGUF types a slot re-lays out for our own kernels: bytes a block of 32
+
+
+def _block_bytes(type_name: str) -> int:
+    return RELAID[type_name]
 
 
 class StoredFormat:
     """The byte layout of one expert kept as the checkpoint stores it (`tensors`: ExpertReader.stored_tensors),
     plus its biases in the model dtype."""
 
-    def __init__(self, layout: ExpertLayout, tensors: tuple[StoredTensor, ...], dtype: torch.dtype) -> None:
+    def __init__(self, layout: ExpertLayout, tensors: tuple[StoredTensor, ...], dtype: torch.dtype,
+                 relay: bool = False) -> None:  # fmt: skip
+        """`relay`: GGUF Q4_0 / Q8_0 matrices are re-laid out in their slot bytes after each read, for the native
+        kernels (`StoredWeight.relay`)."""
         if layout.down_rows:
             raise ConfigError("the stored precision does not run sparse execution (down rows); use full or a "
                               "quantized tier from `moetier quantize`")  # fmt: skip
@@ -206,8 +239,32 @@ class StoredFormat:
                 self.bias[piece] = sl = _Slice(_align(off), dtype, shape)
                 off = sl.offset + sl.nbytes
         self.slot_bytes = _align(off)
+        self.relaid = self._relaid() if relay else {}  # matrix -> (GGUF type, first byte, end byte in the slot)
         # per call, per matrix: the decoded [N, K] in x's dtype plus the codec's float32 temporaries
         self.compute_scratch_bytes = max(n * k for n, k in self.shapes.values()) * (dtype.itemsize + 16)
+
+    def _relaid(self) -> dict[str, tuple[str, int, int]]:
+        """The matrices kept as one run of GGUF Q4_0 or Q8_0 rows (gate then up adjacent: one [2I, H] matrix)."""
+        out: dict[str, tuple[str, int, int]] = {}
+        for m, (n, k) in self.shapes.items():
+            spans: list[tuple[int, str | None, int, int]] = []
+            for t, slices, rows in zip(self.tensors, self.part_slices, self.rows, strict=True):
+                if rows is None or rows[0] != m or slices is None:
+                    continue
+                if len(slices) != 1 or any(op != "copy" for op, _, _ in rows[1]) or len(rows[1]) != 1:
+                    spans = []
+                    break
+                spans.append((rows[1][0][1], t.codec, slices[0].offset, slices[0].offset + slices[0].nbytes))
+            spans.sort()
+            codecs = {c for _, c, _, _ in spans}
+            if not spans or len(codecs) != 1 or k % 32:
+                continue
+            codec = next(iter(codecs)) or ""
+            name = codec.removeprefix("gguf:")
+            contiguous = all(a[3] == b[2] for a, b in itertools.pairwise(spans))
+            if name in RELAID and contiguous and spans[-1][3] - spans[0][2] == n * (k // 32) * RELAID[name]:
+                out[m] = (name, spans[0][2], spans[-1][3])
+        return out
 
     def views(self, row: torch.Tensor) -> StoredExpertViews:
         """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> its views (no copy)."""
@@ -227,9 +284,11 @@ class StoredFormat:
         b2 = _slice_view(row, self.bias["b2"]) if "b2" in self.bias else None
         i = self.layout.inter
         pieces = {} if b13 is None or b2 is None else {"gate_bias": b13[:i], "up_bias": b13[i:], "down_bias": b2}
+        relaid = {m: (name, row[a:b]) for m, (name, a, b) in self.relaid.items()}
+        none: tuple[None, None] = (None, None)
         return StoredExpertViews(
-            w13=StoredWeight("stored", n13, k13, tuple(segments["w13"])),
-            w2=StoredWeight("stored", n2, k2, tuple(segments["w2"])),
+            w13=StoredWeight("stored", n13, k13, tuple(segments["w13"]), *relaid.get("w13", none)),
+            w2=StoredWeight("stored", n2, k2, tuple(segments["w2"]), *relaid.get("w2", none)),
             b13=b13, b2=b2, row=row, dests=dests, pieces=pieces,
         )  # fmt: skip
 
@@ -259,9 +318,9 @@ class MixedStoredFormat:
     slots of the largest's size (the budget counts that), `of_layer` the layout of each MoE layer."""
 
     def __init__(self, layout: ExpertLayout, layouts: list[tuple[StoredTensor, ...]], of_layer: dict[int, int],
-                 dtype: torch.dtype) -> None:  # fmt: skip
+                 dtype: torch.dtype, relay: bool = False) -> None:  # fmt: skip
         self.layout, self.dtype = layout, dtype
-        self.formats = [StoredFormat(layout, t, dtype) for t in layouts]
+        self.formats = [StoredFormat(layout, t, dtype, relay) for t in layouts]
         self.of_layer = dict(of_layer)
         self.slot_bytes = max(f.slot_bytes for f in self.formats)
         self.compute_scratch_bytes = max(f.compute_scratch_bytes for f in self.formats)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moetier.kernels import ggml
-from moetier.kernels.decode import KIND_BF16, QBLOCK, QDense
+from moetier.kernels.decode import KIND_BF16, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
 from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews, StoredExpertViews, StoredVariants, StoredWeight
 from moetier.store.pool import SlotViews
 
@@ -33,7 +33,7 @@ _BF16 = torch.bfloat16
 
 
 class MtW(ctypes.Structure):
-    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64)]
+    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64)]
 
 
 class MtAttn(ctypes.Structure):
@@ -66,7 +66,8 @@ def weight(w: torch.Tensor | QDense) -> tuple[MtW, list[torch.Tensor]]:
     """A dense weight [N, K] (bf16, or a QDense of Q8_0 / Q4_0 blocks) as the kernels' MtW, and the tensors
     it points at (kept alive by the caller)."""
     if isinstance(w, QDense):
-        return MtW(w.bits, w.q.data_ptr(), w.scale.data_ptr(), None, QBLOCK), [w.q, w.scale]
+        sf16 = int(w.scale.dtype == torch.float16)  # a GGUF file's Q8_0 / Q4_0 blocks: their own fp16 scales
+        return MtW(w.bits, w.q.data_ptr(), w.scale.data_ptr(), None, QBLOCK, sf16), [w.q, w.scale]
     if w.dtype != _BF16 or w.dim() != 2 or not w.is_contiguous() or not w.is_cpu:
         raise ValueError(f"a native weight is a contiguous bf16 CPU matrix, got {w.dtype} {list(w.shape)}")
     return MtW(KIND_BF16, w.data_ptr(), None, None, 0), [w]
@@ -282,9 +283,13 @@ def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
     return None
 
 
-def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int] | None:
-    """(kernel kind, address of its first row) of a stored matrix whose rows are one GGUF block type ggml computes,
-    laid out as one [N, K] run of rows in the slot (gate then up adjacent), or None."""
+def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int, int, int] | None:
+    """(kernel kind, group, address of its first row, address of its scales or -1) of a stored matrix: a re-laid
+    GGUF Q4_0 / Q8_0 matrix (our kernels, fp16 scales: kind | SF16, group 32), or rows of one GGUF block type
+    ggml computes laid out as one [N, K] run (gate then up adjacent); None otherwise."""
+    if w.relaid is not None:
+        q, d = w.relay_split()
+        return OWN_KERNEL_TYPES[w.relaid][0] | SF16, QBLOCK, q.data_ptr(), d.data_ptr()
     segs = sorted(w.segments, key=lambda s: s.rows[0][1])
     codecs = {s.tensor.codec for s in segs}
     if len(codecs) != 1:
@@ -314,7 +319,7 @@ def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int] | None:
         row = r1
     if addr is None or row != w.n:
         return None
-    return kind, addr
+    return kind, 0, addr, -1
 
 
 def _stored_row(views: StoredExpertViews, lib: ctypes.CDLL) -> list[int] | None:
@@ -324,7 +329,10 @@ def _stored_row(views: StoredExpertViews, lib: ctypes.CDLL) -> list[int] | None:
     if k13 is None or k2 is None:
         return None
     base = views.row.data_ptr()
-    return [base, k13[0], 0, k13[1] - base, -1, -1, 0, k2[1] - base, -1, -1, k2[0]]
+    row = [base, k13[0]]
+    for _, group, q, s in (k13, k2):
+        row += [group, q - base, s - base if s >= 0 else -1, -1]
+    return [*row, k2[0]]
 
 
 class SlotTable:

@@ -60,7 +60,7 @@ def make_source(
     if precision in ("full", "auto"):  # "auto" unresolved (a store built outside runtime/wire.py load): full
         return FullSource(reader, dtype)
     if precision == Precision.STORED.value:
-        return StoredSource(reader, dtype)
+        return StoredSource(reader, dtype, native)
     spec = QuantSpec(Precision(precision), cfg.group(precision) or None)
     tier = QuantTier.open(model_dir, spec.precision, spec.group_size, root=cfg.quant_dir, reader=reader)
     if tier.layout != reader.layout:

@@ -158,19 +158,25 @@ class StoredSource:
 
     precision = Precision.STORED
 
-    def __init__(self, reader: ExpertReader, dtype: torch.dtype) -> None:
+    def __init__(self, reader: ExpertReader, dtype: torch.dtype, native: bool = False) -> None:
+        """`native`: the decode kernels are loaded; GGUF Q4_0 / Q8_0 matrices are re-laid out for them after each
+        read (their quants and fp16 scales apart, the same bytes: StoredWeight.relay)."""
         self.reader, self.dtype = reader, dtype
         layouts, of_layer = reader.stored_layouts()  # one per layer group: a Q4_K_M file's layers differ
         self.fmt: StoredFormat | MixedStoredFormat = (
-            StoredFormat(reader.layout, layouts[0] if layouts else (), dtype) if len(layouts) <= 1
-            else MixedStoredFormat(reader.layout, layouts, of_layer, dtype)
+            StoredFormat(reader.layout, layouts[0] if layouts else (), dtype, native) if len(layouts) <= 1
+            else MixedStoredFormat(reader.layout, layouts, of_layer, dtype, native)
         )  # fmt: skip
         self.slot_bytes = self.fmt.slot_bytes
         self.staging_bytes = reader.staging_bytes  # the biases' reads go through the reader's staging
 
     def read_into(self, key: ExpertKey, views: Any) -> int:
         v = for_layer(views, key.layer)
-        return self.reader.read_stored(key, v.dests, v.pieces)
+        n = self.reader.read_stored(key, v.dests, v.pieces)
+        for w in (v.w13, v.w2):
+            if w.relaid is not None:
+                w.relay()
+        return n
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
         # a mixed format's slots are StoredVariants: the consumers take a layer's variant (qformat.for_layer)

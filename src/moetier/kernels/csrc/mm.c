@@ -19,6 +19,43 @@ static inline gdiv_t gdiv(int64_t per) {
 }
 static inline int64_t gof(gdiv_t g, int64_t b) { return g.shift >= 0 ? b >> g.shift : b / g.per; }
 
+/* fp16 -> fp32, exact (GGUF blocks' own scales) */
+static inline float f16f(uint16_t h) {
+#if defined(__F16C__) && MT_ISA > 0
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f)
+        u = sign | 0x7f800000u | (m << 13); /* Inf / NaN */
+    else if (e != 0)
+        u = sign | ((e + 112) << 23) | (m << 13);
+    else if (m == 0)
+        u = sign;
+    else { /* subnormal: normalise */
+        int sh = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400u)) mm <<= 1, sh++;
+        u = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* one weight scale as fp32: bf16, or fp16 where the weight says so (mt_w.sf16) */
+#define SCL(w, p) ((w)->sf16 ? f16f(*(p)) : bf2f(*(p)))
+
+#if MT_ISA == 3
+/* 16 weight scales (masked) as fp32 */
+static inline __m512 sv16(const mt_w* w, __mmask16 m, const uint16_t* p) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (w->sf16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 const char* mt_isa_name(void) {
 #if MT_ISA == 3
     return "avx512-bf16-vnni";
@@ -335,7 +372,7 @@ static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act*
         __m512 acc = _mm512_setzero_ps();
         for (; g < G; g += 16) {
             const __mmask16 m = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);
-            const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s + g)), 16));
+            const __m512 sv = sv16(w, m, s + g);
             const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, z + g)), 16));
             acc = _mm512_fmadd_ps(_mm512_mul_ps(sv, zv), _mm512_maskz_loadu_ps(m, gs + g), acc);
         }
@@ -344,10 +381,10 @@ static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act*
 #endif
     if (A->gsz == w->group) { /* a few groups (short rows, per-row int8): scalar, the record's group sums */
         const float* gs = rec_gs(A, ar);
-        for (; g < G; g++) t += bf2f(s[g]) * (z ? bf2f(z[g]) : zc) * gs[g];
+        for (; g < G; g++) t += SCL(w, s + (g)) * (z ? bf2f(z[g]) : zc) * gs[g];
         return t;
     }
-    for (; g < G; g++) t += bf2f(s[g]) * (z ? bf2f(z[g]) : zc) * group_sum(A, ar, w->group, g);
+    for (; g < G; g++) t += SCL(w, s + (g)) * (z ? bf2f(z[g]) : zc) * group_sum(A, ar, w->group, g);
     return t;
 }
 
@@ -388,7 +425,7 @@ static float dot_q_c(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64
     const uint16_t* s = w->s + r * G;
     float acc = 0.0f;
     const gdiv_t gd = gdiv(per);
-    for (int64_t b = 0; b < nb; b++) acc += d[b] * bf2f(s[gof(gd, b)]) * (float)block_isum_c(w->kind, row, a, b);
+    for (int64_t b = 0; b < nb; b++) acc += d[b] * SCL(w, s + (gof(gd, b))) * (float)block_isum_c(w->kind, row, a, b);
     return acc - zero_term(w, K, r, A, ar, zc_of(w->kind));
 }
 
@@ -525,18 +562,18 @@ static float q_row2(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const __m256i i0 = block_isum2(w->kind, sym, row, a, init, b), i1 = block_isum2(w->kind, sym, row, a, init, b + 1);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d[b] * bf2f(s[gof(gd, b)])), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d[b + 1] * bf2f(s[gof(gd, b + 1)])), a1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d[b] * SCL(w, s + (gof(gd, b)))), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d[b + 1] * SCL(w, s + (gof(gd, b + 1)))), a1);
     }
     if (b < nb)
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_isum2(w->kind, sym, row, a, init, b)),
-                             _mm256_set1_ps(d[b] * bf2f(s[gof(gd, b)])), a0);
+                             _mm256_set1_ps(d[b] * SCL(w, s + (gof(gd, b)))), a0);
     float v = hsum8(_mm256_add_ps(a0, a1));
     const float zs = zshift2(w->kind, sym);
     if (!sym) {
-        for (int64_t g = 0; g < G; g++) v -= bf2f(s[g]) * (bf2f(w->z[r * G + g]) + zs) * group_sum(A, ar, w->group, g);
+        for (int64_t g = 0; g < G; g++) v -= SCL(w, s + (g)) * (bf2f(w->z[r * G + g]) + zs) * group_sum(A, ar, w->group, g);
     } else if (zs != 0.0f) {
-        for (int64_t g = 0; g < G; g++) v -= bf2f(s[g]) * zs * group_sum(A, ar, w->group, g);
+        for (int64_t g = 0; g < G; g++) v -= SCL(w, s + (g)) * zs * group_sum(A, ar, w->group, g);
     }
     return v;
 }
@@ -594,17 +631,17 @@ static const int32_t IDX4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}
  * block for 2 blocks, 4 for 4) */
 static const int32_t IDX2[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 
-static inline __m512 wscale(const uint16_t* s, int64_t b, gdiv_t gd, int nblk) {
+static inline __m512 wscale(const mt_w* w, const uint16_t* s, int64_t b, gdiv_t gd, int nblk) {
     if (gd.per == 1) { /* a scale per block (Q8_0 / Q4_0): nblk consecutive bf16 scales, widened in one go */
         const __m128i raw = nblk == 4 ? _mm_loadl_epi64((const __m128i*)(s + b)) : _mm_cvtsi32_si128(*(const int32_t*)(s + b));
-        const __m128 f = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
+        const __m128 f = w->sf16 ? _mm_cvtph_ps(raw) : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
         return _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)(nblk == 4 ? IDX4 : IDX2)), _mm512_castps128_ps512(f));
     }
     const int64_t g0 = gof(gd, b), g1 = gof(gd, b + nblk - 1);
-    if (g0 == g1) return _mm512_set1_ps(bf2f(s[g0]));
+    if (g0 == g1) return _mm512_set1_ps(SCL(w, s + (g0)));
     if (nblk == 2)
-        return _mm512_insertf32x8(_mm512_set1_ps(bf2f(s[g0])), _mm256_set1_ps(bf2f(s[g1])), 1);
-    const __m128 v = _mm_setr_ps(bf2f(s[g0]), bf2f(s[gof(gd, b + 1)]), bf2f(s[gof(gd, b + 2)]), bf2f(s[g1]));
+        return _mm512_insertf32x8(_mm512_set1_ps(SCL(w, s + (g0))), _mm256_set1_ps(SCL(w, s + (g1))), 1);
+    const __m128 v = _mm_setr_ps(SCL(w, s + (g0)), SCL(w, s + (gof(gd, b + 1))), SCL(w, s + (gof(gd, b + 2))), SCL(w, s + (g1)));
     return _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)IDX4), _mm512_castps128_ps512(v));
 }
 
@@ -631,7 +668,7 @@ static inline __attribute__((always_inline)) void q8_row3(const mt_w* w, int64_t
     for (; b + 4 <= nb; b += 4) {
         const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(q + b * MT_QB)), flip);
         const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(q + b * MT_QB + 64)), flip);
-        const __m512 s0 = wscale(s, b, gd, 2), s1 = wscale(s, b + 2, gd, 2);
+        const __m512 s0 = wscale(w, s, b, gd, 2), s1 = wscale(w, s, b + 2, gd, 2);
         for (int t = 0; t < TB; t++) {
             const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init[t] + b * 8)) : _mm512_setzero_si512();
             const __m512i i1 = sym ? _mm512_loadu_si512((const void*)(init[t] + b * 8 + 16)) : _mm512_setzero_si512();
@@ -647,7 +684,7 @@ static inline __attribute__((always_inline)) void q8_row3(const mt_w* w, int64_t
         const __mmask64 mb = one ? 0xffffffffull : ~0ull;
         const __mmask16 ml = one ? 0xff : 0xffff;
         const __m512i w0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mb, q + b * MT_QB), _mm512_maskz_mov_epi8(mb, flip));
-        const __m512 s0 = one ? _mm512_set1_ps(bf2f(s[gof(gd, b)])) : wscale(s, b, gd, 2);
+        const __m512 s0 = one ? _mm512_set1_ps(SCL(w, s + (gof(gd, b)))) : wscale(w, s, b, gd, 2);
         for (int t = 0; t < TB; t++) {
             const __m512i i0 = sym ? _mm512_maskz_loadu_epi32(ml, init[t] + b * 8) : _mm512_setzero_si512();
             const __m512i p0 = _mm512_dpbusd_epi32(i0, w0, _mm512_maskz_loadu_epi8(mb, a[t] + b * MT_QB));
@@ -688,7 +725,7 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
         const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16)), r1 = _mm512_loadu_si512((const void*)(q + b * 16 + 64));
         const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
         const __m512i l1 = _mm512_and_si512(r1, lo4), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
-        const __m512 s0 = wscale(s, b, gd, 4), s1 = wscale(s, b + 4, gd, 4);
+        const __m512 s0 = wscale(w, s, b, gd, 4), s1 = wscale(w, s, b + 4, gd, 4);
         for (int t = 0; t < TB; t++) {
             const int8_t* ag = a[t] + Gi * 128;
             const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512();
@@ -706,7 +743,7 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
         const int64_t Gi = b / 4;
         const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16));
         const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
-        const __m512 s0 = wscale(s, b, gd, 4);
+        const __m512 s0 = wscale(w, s, b, gd, 4);
         for (int t = 0; t < TB; t++) {
             const int8_t* ag = a[t] + Gi * 128;
             const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512();
@@ -718,7 +755,7 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
     for (; b < nb; b++) { /* natural-order tail blocks */
         const int64_t o = full / 4 * 16 + (b - full) * 8;
         const __m512i v = _mm512_zextsi256_si512(nib32(q, b));
-        const __m512 sv = _mm512_set1_ps(bf2f(s[gof(gd, b)]));
+        const __m512 sv = _mm512_set1_ps(SCL(w, s + (gof(gd, b))));
         for (int t = 0; t < TB; t++) {
             const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a[t] + b * MT_QB);
             const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512();
@@ -749,7 +786,7 @@ static inline void zero_terms4(const mt_w* w, int64_t G, int64_t r, const mt_act
     static const int32_t TILE[4][16] = {{0}, {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
                                         {0}, {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}};
     const __mmask16 m = (__mmask16)((1u << (4 * G)) - 1);
-    const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w->s + r * G)), 16));
+    const __m512 sv = sv16(w, m, w->s + r * G);
     const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w->z + r * G)), 16));
     const __m512 g = _mm512_maskz_loadu_ps((__mmask16)((1u << G) - 1), rec_gs(A, ar));
     const __m512 gt = G == 1 ? _mm512_set1_ps(_mm512_cvtss_f32(g)) : _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)TILE[G - 1]), g);
@@ -775,8 +812,7 @@ static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
     const float* dx = rec_dx(A, ar);
     __m512 svall = _mm512_setzero_ps();
     if (fast)
-        svall = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << (4 * G)) - 1), w->s + r * G)), 16));
+        svall = sv16(w, (__mmask16)((1u << (4 * G)) - 1), w->s + r * G);
     __m512 acc[4];
     for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / MT_QB; b += 4) {
@@ -790,7 +826,7 @@ static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
             const __m512i l = _mm512_and_si512(raw, lo4), h = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
             const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv, l, alo), h, ahi);
             const __m512 sc = fast ? _mm512_permutexvar_ps(_mm512_set1_epi32((int)(i * G + gi)), svall)
-                                   : wscale(w->s + (r + i) * G, b, gd, 4);
+                                   : wscale(w, w->s + (r + i) * G, b, gd, 4);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sc, dv), acc[i]);
         }
     }
@@ -823,11 +859,11 @@ static inline void q8_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
             const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void*)((const int8_t*)w->q + (r + i) * K + b * MT_QB)), flip);
             const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, wv, av));
             acc[i] = one ? _mm512_fmadd_ps(p, dv, acc[i])
-                         : _mm512_fmadd_ps(p, _mm512_mul_ps(wscale(w->s + (r + i) * G, b, gd, 2), dv), acc[i]);
+                         : _mm512_fmadd_ps(p, _mm512_mul_ps(wscale(w, w->s + (r + i) * G, b, gd, 2), dv), acc[i]);
         }
     }
     __m128 v = hsum4x16(acc[0], acc[1], acc[2], acc[3]);
-    if (one) v = _mm_mul_ps(v, _mm_setr_ps(bf2f(w->s[r]), bf2f(w->s[r + 1]), bf2f(w->s[r + 2]), bf2f(w->s[r + 3])));
+    if (one) v = _mm_mul_ps(v, _mm_setr_ps(SCL(w, w->s + (r)), SCL(w, w->s + (r + 1)), SCL(w, w->s + (r + 2)), SCL(w, w->s + (r + 3))));
     _mm_storeu_ps(out, v);
     if (!sym) {
         if (4 * G <= 16 && A->gsz == w->group && (G == 1 || G == 2 || G == 4))
@@ -900,7 +936,7 @@ static inline __attribute__((always_inline)) void q8_blk3(const mt_w* w, int64_t
         for (int i = 0; i < R; i++) {
             const __m512i wv = _mm512_xor_si512(
                 _mm512_loadu_si512((const void*)((const int8_t*)w->q + (r + i) * K + b * MT_QB)), flip);
-            const __m512 sv = wscale(w->s + (r + i) * G, b, gd, 2);
+            const __m512 sv = wscale(w, w->s + (r + i) * G, b, gd, 2);
             for (int t = 0; t < TB; t++)
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv[t], wv, av[t])),
                                             _mm512_mul_ps(sv, dv[t]), acc[i][t]);
@@ -917,7 +953,7 @@ static inline __attribute__((always_inline)) void q8_blk3(const mt_w* w, int64_t
         for (int i = 0; i < R; i++) {
             const __m512i wv = _mm512_xor_si512(
                 _mm512_maskz_loadu_epi8(0xffffffffull, (const int8_t*)w->q + (r + i) * K + b * MT_QB), flip);
-            const __m512 sv = _mm512_set1_ps(bf2f(w->s[(r + i) * G + gof(gd, b)]));
+            const __m512 sv = _mm512_set1_ps(SCL(w, w->s + ((r + i) * G + gof(gd, b))));
             for (int t = 0; t < TB; t++)
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv[t], wv, av[t])),
                                             _mm512_mul_ps(sv, dv[t]), acc[i][t]);
@@ -962,7 +998,7 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
         for (int i = 0; i < R; i++) {
             const __m512i raw = _mm512_loadu_si512((const void*)((const uint8_t*)w->q + (r + i) * rb + b * 16));
             const __m512i vlo = _mm512_and_si512(raw, lo4), vhi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-            const __m512 sv = wscale(w->s + (r + i) * G, b, gd, 4);
+            const __m512 sv = wscale(w, w->s + (r + i) * G, b, gd, 4);
             for (int t = 0; t < TB; t++) {
                 const __m512i is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv[t], vlo, alo[t]), vhi, ahi[t]);
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(sv, dv[t]), acc[i][t]);
@@ -973,7 +1009,7 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
         const int64_t o = full / 4 * 16 + (b - full) * 8;
         for (int i = 0; i < R; i++) {
             const __m512i v = _mm512_zextsi256_si512(nib32((const uint8_t*)w->q + (r + i) * rb, b));
-            const __m512 sv = _mm512_set1_ps(bf2f(w->s[(r + i) * G + gof(gd, b)]));
+            const __m512 sv = _mm512_set1_ps(SCL(w, w->s + ((r + i) * G + gof(gd, b))));
             for (int t = 0; t < TB; t++) {
                 const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a[t] + b * MT_QB);
                 const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512();
@@ -1015,8 +1051,8 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
                                                _mm512_loadu_si512((const void*)(ag + 64)));
         const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1, l1, _mm512_loadu_si512((const void*)(ag + 128))), h1,
                                                _mm512_loadu_si512((const void*)(ag + 192)));
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
-        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(wscale(s, b + 4, gd, 4), _mm512_loadu_ps(dx + Gi * 16 + 16)), a1);
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(w, s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(wscale(w, s, b + 4, gd, 4), _mm512_loadu_ps(dx + Gi * 16 + 16)), a1);
     }
     for (; b < full; b += 4) {
         const int64_t Gi = b / 4;
@@ -1026,7 +1062,7 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
         const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
         const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
                                                _mm512_loadu_si512((const void*)(ag + 64)));
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(w, s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
     }
     for (; b < nb; b++) {
         const int64_t o = full / 4 * 16 + (b - full) * 8;
@@ -1034,7 +1070,7 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
         const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init + o) : _mm512_setzero_si512();
         const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a + b * MT_QB);
         a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, v, av)),
-                             _mm512_mul_ps(_mm512_set1_ps(bf2f(s[gof(gd, b)])), _mm512_maskz_loadu_ps(0xff, dx + o)), a0);
+                             _mm512_mul_ps(_mm512_set1_ps(SCL(w, s + (gof(gd, b)))), _mm512_maskz_loadu_ps(0xff, dx + o)), a0);
     }
     return _mm512_add_ps(a0, a1);
 }
@@ -1062,7 +1098,7 @@ static float q2_row3(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64
     for (int64_t b = 0; b < nb; b++) {
         const __m256i is = _mm256_dpbusd_epi32(_mm256_setzero_si256(), crumb32(row, b),
                                                _mm256_loadu_si256((const __m256i*)(a + b * MT_QB)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d[b] * bf2f(w->s[r * G + gof(gd, b)])), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d[b] * SCL(w, w->s + (r * G + gof(gd, b)))), acc);
     }
     return hsum8(acc) - zero_term(w, K, r, A, ar, 2.0f);
 }

@@ -16,6 +16,8 @@
  *   2   int2: per chunk of 128 values 32 bytes, byte j = v[j] | v[j+32] << 2 | v[j+64] << 4 | v[j+96] << 6.
  *   scale / zero: bf16 [N, K / group], group a multiple of 32 dividing K; zero NULL = the symmetric
  *   constant (8-bit 128, 4-bit 8, 2-bit 2), the Q8_0 / Q4_0 layout of the dense weights (group 32).
+ *   sf16: the scales are fp16 instead (a GGUF file's Q8_0 / Q4_0 blocks split into their quants and their
+ *   own fp16 scales, exact); callers pass kind | MT_SF16.
  *
  * Activation forms (mt_act), one record per row, 64-byte aligned:
  *   MT_F_BF16 (for kind 16): the row rounded to bf16 (ISA 3: bf16; ISA 2: fp32, each chunk of 16 permuted
@@ -109,7 +111,10 @@ typedef struct {
     const uint16_t* s; /* bf16 [N, K / group]; NULL for kind 16 */
     const uint16_t* z; /* bf16 [N, K / group] or NULL (symmetric) */
     int64_t group;
+    int64_t sf16; /* 1: the scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out), not bf16 */
 } mt_w;
+/* a kind as callers pass it (gemv, slot descriptors): | MT_SF16 for fp16 scales */
+#define MT_SF16 256
 
 typedef struct {
     int form;

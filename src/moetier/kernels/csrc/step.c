@@ -158,8 +158,10 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
 static inline mt_w desc_w(const int64_t* d, int m) {
     const char* base = (const char*)(intptr_t)d[0];
     const int64_t* p = d + 2 + 4 * m;
-    mt_w w = {m ? d[10] : d[1], base + p[1], p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL,
-              p[3] >= 0 ? (const uint16_t*)(base + p[3]) : NULL, p[0]};
+    const int64_t kind = m ? d[10] : d[1];
+    const int sf = !mt_is_gg(kind) && (kind & MT_SF16);
+    mt_w w = {sf ? kind & ~(int64_t)MT_SF16 : kind, base + p[1], p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL,
+              p[3] >= 0 ? (const uint16_t*)(base + p[3]) : NULL, p[0], sf};
     return w;
 }
 
@@ -545,15 +547,18 @@ int64_t moetier_head(const mt_head* Hd, const uint16_t* x, int64_t T, uint16_t* 
 /* ============================================================================ single ops (kernels/decode.py) */
 
 int64_t moetier_gemv_scratch_bytes(int64_t M, int64_t K, int kind) {
+    if (!mt_is_gg(kind)) kind &= ~MT_SF16;
     return al64(mt_act_rec_bytes(mt_form_of(kind), K, MT_QB) * M) + al64(M * 8) + al64(M * 4) + 64 * 3;
 }
 
 /* y [M, N] bf16 = x [M, K] bf16 @ W.T */
 int64_t moetier_gemv(const uint16_t* x, int64_t M, int64_t K, int64_t N, int kind, const void* q, const uint16_t* s,
                      const uint16_t* z, int64_t group, uint16_t* y, void* scratch, int nthreads) {
+    const int sf = !mt_is_gg(kind) && (kind & MT_SF16);
+    if (sf) kind &= ~MT_SF16;
     if (!kind_ok(kind, K, kind == 16 ? 1 : group)) return -1;
     (void)N;
-    mt_w w = {kind, q, s, z, kind == 16 ? 0 : group};
+    mt_w w = {kind, q, s, z, kind == 16 ? 0 : group, sf};
     char* cur = (char*)scratch;
     mt_act a;
     take(&cur, mt_act_init(&a, mt_form_of(kind), K, kind == 16 ? 0 : group, cur, M));
@@ -600,7 +605,8 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     mt_w* w = (mt_w*)take(&cur, n_exp * 2 * (int64_t)sizeof(mt_w));
     for (int64_t e = 0; e < n_exp; e++) {
         const int64_t kind = desc[e * MT_DESC + 1];
-        if (kind != 16 && kind != 8 && kind != 4 && kind != 2 && !mt_is_gg(kind)) return -1;
+        const int64_t k0 = mt_is_gg(kind) ? kind : kind & ~(int64_t)MT_SF16;
+        if (k0 != 16 && k0 != 8 && k0 != 4 && k0 != 2 && !mt_is_gg(k0)) return -1;
         w[e] = desc_w(desc + e * MT_DESC, 0);
         w[n_exp + e] = desc_w(desc + e * MT_DESC, 1);
     }

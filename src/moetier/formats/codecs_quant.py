@@ -110,6 +110,55 @@ def _ct_decoder(has_zero: bool):  # type: ignore[no-untyped-def]
     return decode
 
 
+# int4 codecs whose values, zeros and scales our kernels read as they are (groups along K; kernels/qformat.py
+# ExpertFormat with fp16 or bf16 scales, as stored): codec -> the function giving (v int32 [N, K] in 0..15,
+# zero int32 [N, G], scale [N, G] in its stored dtype) of one logical tensor's parts, W = (v - zero) * scale.
+# GPTQ with g_idx only when its groups are sequential (desc_act off), checked on every tensor.
+def _gptq_ints(zero_offset: int, has_g_idx: bool):  # type: ignore[no-untyped-def]
+    def ints(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qweight, qzeros, scales = parts[:3]  # [K/8, N], [G, N/8], [G, N]
+        kw, n = qweight.shape
+        k, groups = kw * 8, scales.shape[0]
+        if has_g_idx:
+            want = torch.arange(k, dtype=torch.int32, device=qweight.device) // (k // groups)
+            if not torch.equal(parts[3].to(torch.int32), want):
+                raise ValueError("g_idx is not sequential (act-order): its groups are not runs along K")
+        v = _unpack_nibbles(qweight).permute(0, 2, 1).reshape(k, n).t()  # [N, K]
+        z = (_unpack_nibbles(qzeros).reshape(groups, n) + zero_offset).t()  # [N, G]
+        return v, z, scales.t()
+
+    return ints
+
+
+def _awq_ints(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qweight, qzeros, scales = parts  # [K, N/8], [G, N/8], [G, N]
+    k = qweight.shape[0]
+    groups, n = scales.shape
+    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)
+    v = _unpack_nibbles(qweight)[..., inverse].reshape(k, n).t()  # [N, K]
+    z = _unpack_nibbles(qzeros)[..., inverse].reshape(groups, n).t()  # [N, G]
+    return v, z, scales.t()
+
+
+def _ct_ints(has_zero: bool):  # type: ignore[no-untyped-def]
+    def ints(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        packed, scale = parts[:2]  # [N, K/8], [N, G]
+        n, kw = packed.shape
+        groups = scale.shape[1]
+        v = _unpack_nibbles(packed).reshape(n, kw * 8)  # [N, K]: int4 + 8
+        z = (_unpack_nibbles(parts[2].t()).reshape(groups, n)).t() if has_zero else torch.full((n, groups), 8)
+        return v, z.to(torch.int32), scale
+
+    return ints
+
+
+INT4_INTS = {
+    "gptq4": _gptq_ints(1, True), "gptq4_v2": _gptq_ints(0, True), "gptq4_noidx": _gptq_ints(1, False),
+    "gptq4_v2_noidx": _gptq_ints(0, False), "awq4": _awq_ints, "ct_int4": _ct_ints(False),
+    "ct_int4_zp": _ct_ints(True),
+}  # fmt: skip
+
+
 QUANT_CODECS: dict[str, Codec] = {
     **{
         fp8_codec_name(bn, bk): Codec(fp8_codec_name(bn, bk), _fp8_decoder(bn, bk), 8 + 32 / (bn * bk))

@@ -517,10 +517,12 @@ class ExpertFormat:
         *,
         kernels: bool = True,
         native: bool = False,
+        scale_dtype: torch.dtype = _BF16,
     ) -> None:
         """`kernels=False` forces the generic format (tests, benchmarks); so does a layout with down rows,
         whose canonical q/scale/zero rows the sparse kernel reads directly. `native` (the decode kernels
-        are loaded, kernels/decode.py) picks their formats where the shapes allow."""
+        are loaded, kernels/decode.py) picks their formats where the shapes allow. `scale_dtype` float16: the
+        native formats keep a quantized checkpoint's own fp16 scales (store/source.py StoredIntSource)."""
         self.layout, self.spec, self.dtype, self.device = layout, spec, dtype, device
         h, i = layout.hidden, layout.inter
         self.shapes = {"w13": (2 * i, h), "w2": (i, h) if layout.down_rows else (h, i)}  # matrix -> (N, K)
@@ -540,6 +542,8 @@ class ExpertFormat:
             kind = _pick(spec, n, k, g, dtype, device, native) if kernels else "generic"
             self.groups[m], self.kinds[m], self.slices[m] = g, kind, {}
             for piece, (dt, shape) in _pieces(kind, n, k, g, spec.bits).items():
+                if piece == "scale" and kind in NATIVE_KINDS:
+                    dt = scale_dtype
                 self.slices[m][piece] = sl = _Slice(_align(off), dt, shape)
                 off = sl.offset + sl.nbytes
             if kind == "int2" and (n, k, g) not in self._scratch:

@@ -272,12 +272,13 @@ def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
         if views.w2.kind != views.w13.kind or not views.row.is_cpu:
             return None
         base = views.row.data_ptr()
-        row = [base, views.w13.bits]
+        kind = views.w13.bits | (SF16 if views.w13.scale.dtype == torch.float16 else 0)  # a checkpoint's fp16 scales
+        row = [base, kind]
         for w in (views.w13, views.w2):
-            if w.zero is None:
+            if w.zero is None or w.scale.dtype != views.w13.scale.dtype:
                 return None
             row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, w.zero.data_ptr() - base]
-        return [*row, views.w13.bits]
+        return [*row, kind]
     if isinstance(views, StoredExpertViews) and lib is not None:
         return _stored_row(views, lib)
     return None

@@ -29,9 +29,12 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from moetier.errors import CheckpointError, ExpertReadError
+from moetier.errors import CheckpointError, ConfigError, ExpertReadError
+from moetier.formats.codecs_quant import INT4_INTS
 from moetier.formats.qtier import QuantTier, layer_file
-from moetier.formats.safetensors import ExpertReader
+from moetier.formats.quant import QuantSpec
+from moetier.formats.safetensors import ExpertReader, StoredTensor
+from moetier.kernels import decode
 from moetier.kernels.qformat import ExpertFormat, MixedStoredFormat, StoredFormat, for_layer
 from moetier.store.pool import QuantPool, SlotPool, StoredPool
 from moetier.types import ExpertKey, Precision
@@ -151,6 +154,109 @@ class QuantSource:
 
     def close(self) -> None:
         self.tier.close()
+
+
+_MATRIX_OF = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of rows)
+
+
+class StoredIntSource:
+    """A GPTQ / AWQ / compressed-tensors int4 checkpoint's experts in our native int4 slots (precision "stored"
+    with the native kernels loaded): each read takes the stored parts into a staging buffer allocated once, then
+    writes their 4-bit values, integer zeros and own scales (fp16 or bf16, as stored: exact) into the slot, in the
+    layout `kernels/qformat.py` ExpertFormat gives for n4 with those scales; no dequantisation. The budget counts
+    the slot: 4 bits a weight plus a 16-bit scale and a 16-bit zero a group (GPTQ stores a 4-bit zero)."""
+
+    precision = Precision.STORED
+
+    @classmethod
+    def fits(cls, reader: ExpertReader) -> tuple[tuple[StoredTensor, ...], int, torch.dtype] | None:
+        """(stored tensors, group, scale dtype) when every expert's matrices are int4 codecs our kernels read as
+        stored (INT4_INTS: no act-order groups, whole matrices, groups a multiple of 32 along K, one group size and
+        one fp16 / bf16 scale dtype), none with biases; else None."""
+        if reader.layout.has_bias or reader.layout.down_rows:
+            return None
+        try:
+            layouts, _ = reader.stored_layouts()
+        except CheckpointError:
+            return None
+        if len(layouts) != 1 or not layouts[0]:
+            return None
+        groups, dtypes = set(), set()
+        for t in layouts[0]:
+            if t.codec not in INT4_INTS or len(t.pieces) != 1 or t.pieces[0][1] != "copy":
+                return None
+            if t.pieces[0][0] not in _MATRIX_OF or len(t.shape) != 2:
+                return None
+            sdt, sshape = t.parts[2] if not t.codec.startswith("ct_") else t.parts[1]
+            ngroups = sshape[0] if not t.codec.startswith("ct_") else sshape[1]
+            k = t.shape[1]
+            if ngroups <= 0 or k % ngroups:
+                return None
+            groups.add(k // ngroups)
+            dtypes.add(sdt)
+        if len(groups) != 1 or len(dtypes) != 1:
+            return None
+        group, sdt = groups.pop(), dtypes.pop()
+        if group % 32 or sdt not in (torch.float16, torch.bfloat16):
+            return None
+        if any(t.codec in ("gptq4", "gptq4_v2") for t in layouts[0]) and reader.plans:
+            # g_idx: act-order checkpoints permute every tensor's groups; the first expert tells (a later one that
+            # differs is refused when read, naming its tensor)
+            raw = [[torch.empty(n, dtype=torch.uint8) for n in t.part_bytes] for t in layouts[0]]
+            reader.read_stored(next(iter(reader.plans)), raw, {})
+            for t, parts in zip(layouts[0], raw, strict=True):
+                typed = [r.view(dt).view(shape) for r, (dt, shape) in zip(parts, t.parts, strict=True)]
+                try:
+                    INT4_INTS[str(t.codec)](typed)
+                except ValueError:
+                    return None
+        return layouts[0], group, sdt
+
+    def __init__(self, reader: ExpertReader, dtype: torch.dtype, device: torch.device,
+                 fit: tuple[tuple[StoredTensor, ...], int, torch.dtype]) -> None:  # fmt: skip
+        tensors, group, sdt = fit
+        self.reader, self.tensors = reader, tensors
+        self.fmt = ExpertFormat(reader.layout, QuantSpec(Precision.INT4, group), dtype, device, native=True,
+                                scale_dtype=sdt)  # fmt: skip
+        if set(self.fmt.kinds.values()) != {"n4"}:
+            raise ConfigError(f"int4 experts of group {group} do not fit the native int4 slots ({self.fmt.kinds})")
+        self.slot_bytes = self.fmt.slot_bytes
+        # one expert's stored parts, read here and converted into the slot
+        self._raw = [[torch.empty(n, dtype=torch.uint8) for n in t.part_bytes] for t in tensors]
+        self._typed = [[r.view(dt).view(shape) for r, (dt, shape) in zip(raw, t.parts, strict=True)]
+                       for raw, t in zip(self._raw, tensors, strict=True)]  # fmt: skip
+        stored = sum(n for t in tensors for n in t.part_bytes)
+        h, i = reader.layout.hidden, reader.layout.inter
+        self.staging_bytes = stored + 3 * 4 * 2 * i * h  # the raw parts and one matrix's int32 temporaries
+        self._lock = threading.Lock()
+
+    def read_into(self, key: ExpertKey, views: Any) -> int:
+        with self._lock:
+            n = self.reader.read_stored(key, self._raw, {})
+            for t, typed in zip(self.tensors, self._typed, strict=True):
+                piece = t.pieces[0][0]
+                matrix, block = _MATRIX_OF[piece]
+                w = views.w13 if matrix == "w13" else views.w2
+                try:
+                    v, z, s = INT4_INTS[str(t.codec)](typed)  # [rows, K], [rows, G], [rows, G]
+                except ValueError as exc:
+                    raise CheckpointError(f"{self.reader.locate(key, piece)}: {exc}; run it with --precision "
+                                          "full") from exc  # fmt: skip
+                r0 = block * v.shape[0]
+                rows = slice(r0, r0 + v.shape[0])
+                w.q[rows].copy_(decode.pack_nibbles(v.to(torch.uint8)))
+                w.scale[rows].copy_(s)
+                w.zero[rows].copy_(z)
+        return n
+
+    def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
+        return QuantPool(self.fmt, n_slots, device, pin=pin)
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        return self.reader.locate(key, piece)
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 class StoredSource:

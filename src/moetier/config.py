@@ -125,7 +125,8 @@ class PrecisionConfig:
     """Expert precision. A static mode keeps every expert at one precision; "dynamic" keeps
     hot experts at `hi` and cold ones at `lo` under the compute tier's expert budget (DynaExq).
     "auto" (the default) is "stored" for a checkpoint whose experts the native kernels compute as stored (GGUF
-    block types ggml computes: kernels/ggml.py), else "full"; runtime/wire.py resolves it when a model is opened.
+    block types: kernels/ggml.py; GPTQ / AWQ / compressed-tensors int4: store/source.py StoredIntSource), else
+    "full"; runtime/wire.py resolves it when a model is opened.
 
     `groups` overrides the quantisation group size per precision, e.g. (("int4", 64),); the
     quantized disk tiers are looked up under `quant_dir` (default MODEL/moetier-quant).

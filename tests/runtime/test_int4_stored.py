@@ -1,6 +1,7 @@
 """GPTQ / AWQ / compressed-tensors int4 experts computed as stored (`--precision stored`, store/source.py
 StoredIntSource): the slots hold the checkpoint's 4-bit values, integer zeros and own scales (fp16 / bf16) in the
-native int4 layout, and the native executor and decode step read them (kernels: kind 4 | MT_SF16 for fp16).
+native int4 layout, and the native executor and decode step read them (kernels: kind 4 | MT_SF16 for fp16); the
+quantised attention projections are computed as stored the same way (decode.int4_dense).
 
 Reference: the same checkpoint with `--precision full` (experts dequantized into bf16 slots). The two differ by
 the int4 kernels' 8-bit activation blocks; per token (median over tokens of the mean |logit difference|) within
@@ -70,6 +71,7 @@ def test_int4_checkpoints_run_as_stored_on_the_native_kernels(checkpoints, name)
     assert set(st["precision"]) == {"stored"}
     assert st["executor"] == "native" and st["native_step"]["moe"] == "native"
     assert st["native_step"]["torch_moe_calls"] == 0 and st["native_step"]["unreadable_slots"] == 0
+    assert st["dense_stored"] >= 2 and ref["dense_stored"] == 0  # the attention projections as stored too
     fp16 = name.startswith(("gptq", "awq"))  # their scales are fp16; compressed-tensors' here bf16
     assert st["_kinds"] == [4 | SF16] if fp16 else [4]
     held, full_held = st["precision"]["stored"], ref["precision"]["full"]

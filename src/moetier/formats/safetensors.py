@@ -157,6 +157,26 @@ class StoredTensor:
         return tuple(prod(shape) * dtype.itemsize for dtype, shape in self.parts)
 
 
+def read_parts(loc: TensorLocation) -> list[torch.Tensor]:
+    """The stored parts of an encoded tensor (a GPTQ qweight / qzeros / scales / g_idx ...), each in its stored
+    dtype and shape, read with pread (CheckpointError naming the file and tensor on a short or failed read)."""
+    out = []
+    for p in loc.parts:
+        buf = bytearray(p.nbytes)
+        try:
+            fd = os.open(p.file, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [buf], p.offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CheckpointError(f"{p.file}: cannot read tensor {p.name!r}: {exc}") from exc
+        if got != p.nbytes:
+            raise CheckpointError(f"{p.file}: tensor {p.name!r} is truncated ({got} of {p.nbytes} bytes)")
+        out.append(torch.frombuffer(buf, dtype=torch.uint8).view(STORED_DTYPES[p.dtype]).view(p.shape))
+    return out
+
+
 def decode_stored(t: StoredTensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts of one stored tensor (views in their stored dtype and shape) -> its decoded slice [t.shape]:
     float32 for an encoded tensor, the stored tensor itself for a plain one."""

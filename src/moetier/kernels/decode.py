@@ -310,11 +310,14 @@ class QDense:
     n: int
     k: int
     q: torch.Tensor  # int8 [N, K] (bits 8), uint8 [N, K/2] (bits 4, csrc/mm.h nibble order), uint8 [N, row bytes]
-    scale: torch.Tensor  # bf16 [N, K/32]; empty for a ggml kind (its scales are inside its blocks)
+    scale: torch.Tensor  # bf16 or fp16 [N, K/group]; empty for a ggml kind (its scales are inside its blocks)
+    zero: torch.Tensor | None = None  # bf16 [N, K/group]: a GPTQ / AWQ checkpoint's integer zeros (W = (v - z) * s)
+    group: int = QBLOCK
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() * self.q.element_size() + self.scale.numel() * 2
+        zero = self.zero.numel() * 2 if self.zero is not None else 0
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * 2 + zero
 
 
 # GGUF types our own kernels compute (their quants and fp16 scales split apart, exactly: kind | MT_SF16) rather
@@ -350,11 +353,24 @@ def stored_dense(type_name: str, q: torch.Tensor, k: int) -> QDense | None:
 def concat_dense(parts: list[QDense]) -> QDense | None:
     """Row-wise concatenation of stored QDense matrices of one kind, K and scale dtype (q, k, v into one
     projection), or None."""
-    if not parts or len({(p.bits, p.k, p.scale.dtype) for p in parts}) != 1:
+    if not parts or len({(p.bits, p.k, p.scale.dtype, p.group, p.zero is None) for p in parts}) != 1:
         return None
     q = torch.cat([p.q for p in parts]).contiguous()
     scale = torch.cat([p.scale for p in parts]).contiguous() if parts[0].scale.numel() else parts[0].scale
-    return QDense(parts[0].bits, q.shape[0], parts[0].k, q, scale)
+    zeros = [p.zero for p in parts if p.zero is not None]
+    zero = torch.cat(zeros).contiguous() if zeros else None
+    return QDense(parts[0].bits, q.shape[0], parts[0].k, q, scale, zero, parts[0].group)
+
+
+def int4_dense(v: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> QDense | None:
+    """A GPTQ / AWQ / compressed-tensors int4 matrix (values int [N, K] in 0..15, integer zeros [N, G], its own fp16
+    or bf16 scales [N, G]) as a QDense our int4 kernels read as stored, or None (groups not a multiple of 32)."""
+    n, k = v.shape
+    groups = scale.shape[1]
+    if k % groups or (k // groups) % QBLOCK or scale.dtype not in (torch.float16, _BF16):
+        return None
+    q = pack_nibbles(v.to(torch.uint8).contiguous()).contiguous()  # v may be a transposed view (GPTQ is K-major)
+    return QDense(4, n, k, q, scale.contiguous(), zero.to(_BF16).contiguous(), k // groups)
 
 
 def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -421,7 +437,7 @@ def dense_linear(
     weight takes it for up to native_rows() bf16 rows when `native_bf16`, else matmul.linear."""
     if isinstance(w, QDense):
         x2 = x.reshape(-1, w.k)
-        y = gemv(x2.to(_BF16).contiguous(), w.q, w.scale if w.bits < ggml.KIND_BASE else None, None, w.bits, QBLOCK)
+        y = gemv(x2.to(_BF16).contiguous(), w.q, w.scale if w.bits < ggml.KIND_BASE else None, w.zero, w.bits, w.group)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], w.n).to(x.dtype)

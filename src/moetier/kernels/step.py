@@ -66,8 +66,10 @@ def weight(w: torch.Tensor | QDense) -> tuple[MtW, list[torch.Tensor]]:
     """A dense weight [N, K] (bf16, or a QDense of Q8_0 / Q4_0 blocks) as the kernels' MtW, and the tensors
     it points at (kept alive by the caller)."""
     if isinstance(w, QDense):
-        sf16 = int(w.scale.dtype == torch.float16)  # a GGUF file's Q8_0 / Q4_0 blocks: their own fp16 scales
-        return MtW(w.bits, w.q.data_ptr(), w.scale.data_ptr(), None, QBLOCK, sf16), [w.q, w.scale]
+        sf16 = int(w.scale.dtype == torch.float16)  # a checkpoint's own fp16 scales (GGUF Q8_0 / Q4_0, GPTQ, AWQ)
+        keep = [w.q, w.scale] + ([w.zero] if w.zero is not None else [])
+        zp = w.zero.data_ptr() if w.zero is not None else None
+        return MtW(w.bits, w.q.data_ptr(), w.scale.data_ptr(), zp, w.group, sf16), keep
     if w.dtype != _BF16 or w.dim() != 2 or not w.is_contiguous() or not w.is_cpu:
         raise ValueError(f"a native weight is a contiguous bf16 CPU matrix, got {w.dtype} {list(w.shape)}")
     return MtW(KIND_BF16, w.data_ptr(), None, None, 0), [w]

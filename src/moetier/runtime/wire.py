@@ -38,7 +38,9 @@ import torch
 
 from moetier.config import EngineConfig
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats.codecs_quant import INT4_INTS
 from moetier.formats.gguf import read_blocks
+from moetier.formats.safetensors import read_parts
 from moetier.kernels import decode, ggml, native
 from moetier.kernels.decode import QDense
 from moetier.models.families import Family
@@ -139,11 +141,17 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
 
 
 def stored_dense_reader(index: Any) -> Callable[[str], QDense | None]:
-    """checkpoint tensor name -> its GGUF blocks as a QDense the kernels compute as stored, or None (not a GGUF
-    block tensor, or a type ggml does not compute)."""
+    """checkpoint tensor name -> the tensor as a QDense the kernels compute as stored (GGUF blocks; GPTQ / AWQ /
+    compressed-tensors int4 values, zeros and scales), or None (another format, or one they do not compute)."""
 
     def read(name: str) -> QDense | None:
         loc = index.tensors.get(name)
+        if loc is not None and loc.dtype in INT4_INTS and len(loc.shape) == 2:  # GPTQ / AWQ / compressed-tensors
+            try:
+                v, z, s = INT4_INTS[loc.dtype](read_parts(loc))
+            except ValueError:  # act-order groups: dequantised at load, as before
+                return None
+            return decode.int4_dense(v, z, s)
         got = read_blocks(loc) if loc is not None else None
         if got is None:
             return None

@@ -37,6 +37,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
 from moetier.formats.codecs_gguf import BLOCK_SIZES, unpermute_rows
+from moetier.formats.location import read_bytes
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -324,18 +325,7 @@ def read_blocks(loc: TensorLocation) -> tuple[str, torch.Tensor] | None:
         return None
     name, _, extra = codec.removeprefix("gguf:").partition("+")
     part = loc.parts[0]
-    buf = bytearray(part.nbytes)
-    try:
-        fd = os.open(part.file, os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [buf], part.offset)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise CheckpointError(f"{part.file}: cannot read tensor {loc.name!r}: {exc}") from exc
-    if got != part.nbytes:
-        raise CheckpointError(f"{part.file}: tensor {loc.name!r} is truncated ({got} of {part.nbytes} bytes)")
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    raw = torch.frombuffer(read_bytes(part), dtype=torch.uint8)
     n = loc.shape[0]
     if extra == "unpermute":
         raw = unpermute_rows(raw.view(part.shape))

@@ -7,8 +7,11 @@ cycle; formats/checkpoint.py re-exports it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from moetier.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -24,3 +27,20 @@ class TensorLocation:
     @property
     def encoded(self) -> bool:
         return bool(self.parts)
+
+
+def read_bytes(loc: TensorLocation) -> bytearray:
+    """The bytes of one stored tensor (`loc.nbytes` at `loc.offset` of `loc.file`), read with pread (no memory
+    map); CheckpointError naming the file and tensor on a failed or short read."""
+    buf = bytearray(loc.nbytes)
+    try:
+        fd = os.open(loc.file, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [buf], loc.offset)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"{loc.file}: cannot read tensor {loc.name!r}: {exc}") from exc
+    if got != loc.nbytes:
+        raise CheckpointError(f"{loc.file}: tensor {loc.name!r} is truncated ({got} of {loc.nbytes} bytes)")
+    return buf

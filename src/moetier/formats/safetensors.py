@@ -43,6 +43,7 @@ from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
 from moetier.formats.codecs import CODECS
 from moetier.formats.layout import ExpertLayout, ExpertSource
+from moetier.formats.location import read_bytes
 from moetier.types import ExpertKey
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -160,21 +161,8 @@ class StoredTensor:
 def read_parts(loc: TensorLocation) -> list[torch.Tensor]:
     """The stored parts of an encoded tensor (a GPTQ qweight / qzeros / scales / g_idx ...), each in its stored
     dtype and shape, read with pread (CheckpointError naming the file and tensor on a short or failed read)."""
-    out = []
-    for p in loc.parts:
-        buf = bytearray(p.nbytes)
-        try:
-            fd = os.open(p.file, os.O_RDONLY)
-            try:
-                got = os.preadv(fd, [buf], p.offset)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise CheckpointError(f"{p.file}: cannot read tensor {p.name!r}: {exc}") from exc
-        if got != p.nbytes:
-            raise CheckpointError(f"{p.file}: tensor {p.name!r} is truncated ({got} of {p.nbytes} bytes)")
-        out.append(torch.frombuffer(buf, dtype=torch.uint8).view(STORED_DTYPES[p.dtype]).view(p.shape))
-    return out
+    return [torch.frombuffer(read_bytes(p), dtype=torch.uint8).view(STORED_DTYPES[p.dtype]).view(p.shape)
+            for p in loc.parts]  # fmt: skip
 
 
 def decode_stored(t: StoredTensor, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -94,3 +94,23 @@ def test_act_order_gptq_stays_on_the_decoding_path(checkpoints, tmp_path):
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(4))
     _, st = _run(quant, "stored", ids)
     assert st["executor"] == "dense" and set(st["precision"]) == {"stored"}
+
+
+def test_dense_precision_quantises_only_what_the_file_keeps_in_bf16(checkpoints):
+    """--dense-precision int8 on a GPTQ checkpoint: its int4 attention stays as stored, the bf16 output head goes
+    to 8 bits (what the flag does for any checkpoint's bf16 dense weights)."""
+    quant, twin = checkpoints("gptq_v1_g32")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(5))
+    rt = RuntimeConfig(device="cpu", dtype="bf16", dense_precision="int8")
+    with moetier.load(quant, EngineConfig(runtime=rt, precision=PrecisionConfig(mode="stored"))) as engine:
+        got = engine.logits(ids).float()
+        st = engine.stats()
+        head = engine.decoder.lm_head
+    assert st["dense_stored"] >= 2 and st["dense_precision"] == "int8"
+    assert head.bits == 8 and head.scale.dtype == torch.bfloat16  # the head: quantised here, not stored
+    full, _ = _run(quant, "full", ids)
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    err = (got - want).abs().mean(-1).median().item()
+    assert err <= 3.0 * (full - want).abs().mean(-1).median().item()

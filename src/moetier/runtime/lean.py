@@ -106,15 +106,16 @@ class LeanDecoder:
         """`native`: the decode kernels are loaded (kernels/decode.py); the projections of up to
         decode.native_rows() rows take them. `dense_precision` int8 / int4 quantises the attention projections
         (Q8_0 / Q4_0 blocks, needs `native`) and the output head (Q8_0 under both); the bf16 copies stay in the
-        model's modules. `stored` (checkpoint tensor name -> its blocks as a stored QDense, or None) gives the
-        projections and the head of a GGUF file as the file stores them (a fused q/k/v only when all three have
-        one type), computed by ggml's dot products; the rest as above."""
+        model's modules. `stored` (checkpoint tensor name -> the tensor as a stored QDense, or None) gives the
+        projections and the head as the file stores them (GGUF blocks, GPTQ / AWQ int4; a fused q/k/v only when
+        all three have one type), computed by the native kernels; the rest as above (so `dense_precision` still
+        quantises what the file keeps in bf16, e.g. a GPTQ checkpoint's output head)."""
         cfg, model = loaded.config, loaded.model
         if dense_precision != "full" and not native:
             raise ConfigError(f"dense precision {dense_precision} needs the native decode kernels")
         self.native = native
         self.dense_bits = decode.DENSE_BITS.get(dense_precision, 0)
-        self.stored = stored if native and not self.dense_bits else None
+        self.stored = stored if native else None  # before dense_precision: what the file stores quantized stays so
         self._names = {id(p): n for n, p in model.named_parameters()}  # parameter -> checkpoint tensor name
         self.stored_weights = 0  # projections (fused q/k/v counted once) and head computed as stored
         inner: Any = model.model  # the family's base model (embed_tokens, layers, norm, rotary_emb)

@@ -317,20 +317,26 @@ class Setup:
     bf16_expert_bytes: float  # per expert
     n_experts: int  # layers x experts
     cached: dict[str, Any] = field(default_factory=dict)
+    dense: str = "full"  # --dense-precision of the quantised formats (the bf16 anchor stays full)
 
 
-def engine_config(mode: str, budget: int | None) -> moetier.EngineConfig:
+def engine_config(mode: str, budget: int | None, dense: str = "full") -> moetier.EngineConfig:
     return moetier.EngineConfig(
         budgets=moetier.Budgets(host_expert_bytes=budget),
         precision=moetier.PrecisionConfig(mode=mode),
-        runtime=moetier.RuntimeConfig(device="cpu", dtype="bf16"),
+        runtime=moetier.RuntimeConfig(device="cpu", dtype="bf16", dense_precision=dense),
     )
+
+
+def dense_of(s: Setup, fmt: Fmt) -> str:
+    """The dense precision a candidate runs at: --dense-precision for the quantised formats, full for bf16."""
+    return "full" if fmt.name == "bf16" else s.dense
 
 
 def speed_run(s: Setup, fmt: Fmt, mode: str, state: str) -> dict[str, Any]:
     """One fresh load at the budget, a warm-up, the page cache set to `state`, one timed generate."""
     torch.set_num_threads(s.threads)
-    with moetier.load(str(fmt.path), engine_config(mode, s.budget)) as engine:
+    with moetier.load(str(fmt.path), engine_config(mode, s.budget, dense_of(s, fmt))) as engine:
         engine.generate(s.prompt[:4], max_new_tokens=2, stop_at_eos=False)  # untimed warm-up
         if state == "warm":
             warm_files(fmt.files)
@@ -355,11 +361,12 @@ def speed_run(s: Setup, fmt: Fmt, mode: str, state: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def quality_run(fmt: Fmt, mode: str, ids: list[int], window: int, ref: Any, threads: int) -> dict[str, Any]:
+def quality_run(fmt: Fmt, mode: str, ids: list[int], window: int, ref: Any, threads: int,
+                dense: str = "full") -> dict[str, Any]:  # fmt: skip
     from moetier.runtime.quality import compare
 
     torch.set_num_threads(threads)
-    with moetier.load(str(fmt.path), engine_config(mode, None)) as engine:
+    with moetier.load(str(fmt.path), engine_config(mode, None, dense)) as engine:
         q = compare(engine, ids, window, ref, f"{fmt.name}/{mode}").summary
         slot = getattr(engine.store, "slot_bytes", None)
         kernels = engine.stats().get("kernels")
@@ -415,6 +422,9 @@ def main() -> None:
     ap.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated; default {DEFAULT_FORMATS}")
     ap.add_argument("--modes", default="stored,full", help="precision modes to run where a format has them")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dense-precision", default="full", choices=("full", "int8", "int4"),
+                    help="dense precision of the quantised formats' runs (weights the file keeps in bf16; the "
+                         "bf16 anchor stays full)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per timed generate")
     ap.add_argument("--prompt-tokens", type=int, default=16)
@@ -448,7 +458,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     text_ids = list(AutoTokenizer.from_pretrained(str(TOKENIZER)).encode(TEXT.read_text(), add_special_tokens=False))
-    s = Setup(args.threads, text_ids[: args.prompt_tokens], args.tokens, budget, bf16_per_expert, n_experts)
+    s = Setup(args.threads, text_ids[: args.prompt_tokens], args.tokens, budget, bf16_per_expert, n_experts,
+              dense=args.dense_precision)  # fmt: skip
     isa = cpu_isa()
     rows: dict[str, dict[str, Any]] = {}
     for f, m in cands:
@@ -471,7 +482,7 @@ def main() -> None:
             name = f"{f.name}/{m}"
             log(f"quality: {name}")
             try:
-                rows[name]["quality"] = quality_run(f, m, ids, window, ref, args.threads)
+                rows[name]["quality"] = quality_run(f, m, ids, window, ref, args.threads, dense_of(s, f))
             except Exception as e:
                 rows[name]["errors"]["quality"] = " | ".join(f"{type(e).__name__}: {e}".splitlines()[-3:])[:400]
                 log(traceback.format_exc())
@@ -526,7 +537,8 @@ def main() -> None:
           f"threads {args.threads}")  # fmt: skip
     print(f"bf16 expert: {bf16_per_expert / 2**20:.2f} MiB, {n_experts} experts; host budget {budget / 2**20:.0f} MiB "
           f"= {args.budget:.0%} of the bf16 expert bytes; {args.rounds} rounds x {args.tokens} tokens after a "
-          f"{args.prompt_tokens}-token prompt")  # fmt: skip
+          f"{args.prompt_tokens}-token prompt; dense precision of the quantised formats: "
+          f"{args.dense_precision}")  # fmt: skip
     for f in fmts.values():
         if f.convert_s is not None:
             print(f"converted {f.name} in {f.convert_s:.0f} s -> {f.path}")

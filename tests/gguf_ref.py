@@ -182,6 +182,8 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
         full = f"{arch}.{key}"
         if isinstance(v, float):
             w.add_float32(full, v)
+        elif isinstance(v, str):
+            w.add_string(full, v)
         else:
             w.add_uint32(full, int(v))
     if tokenizer:

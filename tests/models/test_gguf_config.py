@@ -153,3 +153,35 @@ def test_unknown_gguf_architecture(gguf_model, tmp_path):
     bad.write_bytes(data)
     with pytest.raises(UnknownArchitectureError, match="'qwen9moe' is not supported"):
         open_gguf(bad)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 16.0, "beta_slow": 2.0}  # fmt: skip
+
+
+def test_yarn_rope_scaling_matches_transformers(tmp_path):
+    """rope.scaling.type yarn (as llama.cpp's converter writes a checkpoint's rope_scaling) -> transformers' YaRN:
+    the same logits as transformers on the source checkpoint, which carries the same rope parameters."""
+    src = build_tiny_checkpoint("qwen3_moe", tmp_path / "src", rope_parameters=YARN, max_position_embeddings=64)
+    meta = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 16,
+            "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0}  # fmt: skip
+    g = write_gguf(src, tmp_path / "m.gguf", "qwen3_moe", meta=meta)
+    cfg = open_gguf(g).config
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
+    assert cfg.rope_parameters["original_max_position_embeddings"] == 16
+    assert _logits_diff(g, src) <= BOUND
+    plain = write_gguf(src, tmp_path / "plain.gguf", "qwen3_moe")  # the same weights without the scaling keys
+    assert _logits_diff(plain, src) > 10 * BOUND  # so the scaling is what makes them agree
+
+
+@pytest.mark.parametrize(("meta", "names"), [
+    ({"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}, "longrope"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 16,
+      "rope.scaling.yarn_ext_factor": 0.5}, "yarn_ext_factor"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "original_context_length"),
+])  # fmt: skip
+def test_rope_keys_without_a_transformers_counterpart_are_refused(tmp_path, meta, names):
+    src = build_tiny_checkpoint("qwen3_moe", tmp_path / "src")
+    g = write_gguf(src, tmp_path / "m.gguf", "qwen3_moe", meta=meta)
+    with pytest.raises(CheckpointError, match=names):
+        open_gguf(g)

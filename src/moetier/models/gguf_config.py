@@ -181,9 +181,7 @@ def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str
         raise CheckpointError(
             f"{m.path}: tensor 'token_embd.weight' has rows of {embd_hidden}, {m.arch}.embedding_length says {hidden}"
         )
-    scaling = m.get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise CheckpointError(f"{m.path}: {m.arch}.rope.scaling.type {scaling!r} is not supported for GGUF input")
+    rope = _rope_parameters(m)
     md = m.metadata
     cfg: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=int(m.need("block_count")),
@@ -191,7 +189,7 @@ def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str
         head_dim=int(m.get("attention.key_length", hidden // heads)),
         max_position_embeddings=int(m.get("context_length", 4096)),
         rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 10000.0))},
+        rope_parameters=rope,
         num_experts_per_tok=int(m.need("expert_used_count")),
         norm_topk_prob=bool(m.get("expert_weights_norm", arch.norm_topk_default)),
         hidden_act="silu", tie_word_embeddings="output.weight" not in tensors,
@@ -203,6 +201,34 @@ def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str
     if scale is not None and float(scale) != 1.0:
         raise CheckpointError(f"{m.path}: {m.arch}.expert_weights_scale {scale} is not supported")
     return cfg
+
+
+def _rope_parameters(m: Meta) -> dict[str, Any]:
+    """transformers' rope_parameters from llama.cpp's rope keys: default, linear, or YaRN (what its converter writes
+    from a checkpoint's rope_scaling: factor, original context, attention factor, beta fast / slow). Keys with no
+    transformers counterpart (an extrapolation factor other than 1, DeepSeek's log multiplier, LongRoPE's factor
+    tensors, a generic attention factor) are refused naming the key."""
+    theta = float(m.get("rope.freq_base", 10000.0))
+    kind = m.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind not in ("linear", "yarn"):
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.scaling.type {kind!r} is not supported for GGUF input "
+                              "(default, linear and yarn are)")  # fmt: skip
+    for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0),
+                         ("rope.scaling.yarn_log_multiplier", 0.0)):  # fmt: skip
+        v = m.get(key)
+        if v is not None and float(v) != neutral:
+            raise CheckpointError(f"{m.path}: {m.arch}.{key} = {v} has no transformers counterpart; not supported")
+    out: dict[str, Any] = {"rope_type": kind, "rope_theta": theta, "factor": float(m.need("rope.scaling.factor"))}
+    if kind == "yarn":
+        out["original_max_position_embeddings"] = int(m.need("rope.scaling.original_context_length"))
+        for key, name in (("rope.scaling.yarn_attn_factor", "attention_factor"),
+                          ("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            v = m.get(key)  # fmt: skip
+            if v is not None:
+                out[name] = float(v)
+    return out
 
 
 def _int_or_none(v: Any) -> int | None:

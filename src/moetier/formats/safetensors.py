@@ -205,6 +205,7 @@ class ExpertReader:
         self.index, self.layout, self.dtype = index, layout, dtype
         self.num_experts = num_experts
         self.plans: dict[ExpertKey, list[_Read]] = {}
+        self._layouts: tuple[list[tuple[StoredTensor, ...]], dict[int, int]] | None = None  # stored_layouts()
         self.consumed: set[str] = set()
         for layer, prefix in prefixes.items():
             for e in range(num_experts):
@@ -353,26 +354,17 @@ class ExpertReader:
         for piece, op in r.pieces:
             pieces[piece].copy_(_apply_op(src, op))
 
-    def stored_tensors(self) -> tuple[StoredTensor, ...]:
-        """How every expert is stored, read by read (CheckpointError if two experts are stored differently:
-        a stored-form pool needs one slot layout)."""
-        first: tuple[StoredTensor, ...] | None = None
-        for key, plan in self.plans.items():
-            got = tuple(self._stored(r) for r in plan)
-            if first is None:
-                first = got
-            elif got != first:
-                loc = next(r.loc for r, a, b in zip(plan, got, first, strict=True) if a != b)
-                raise CheckpointError(
-                    f"{loc.file}: expert tensor {loc.name!r} (layer {key.layer}, expert {key.expert}) is stored "
-                    "unlike the first expert's; stored-form slots need every expert stored alike"
-                )
-        return first or ()
-
     def stored_layouts(self) -> tuple[list[tuple[StoredTensor, ...]], dict[int, int]]:
         """How the experts are stored, per MoE layer: (the distinct layouts, layer -> index of its layout). The
         experts of one layer must be stored alike (CheckpointError naming the tensor otherwise); layers may
-        differ, as a Q4_K_M GGUF file's do (Q4_K down projections in some layers, Q6_K in others)."""
+        differ, as a Q4_K_M GGUF file's do (Q4_K down projections in some layers, Q6_K in others). Worked out once
+        (the plans are fixed; start-up asks several times: precision auto, the executor, the source); the caller
+        must not change what it gets."""
+        if self._layouts is None:
+            self._layouts = self._stored_layouts()
+        return self._layouts
+
+    def _stored_layouts(self) -> tuple[list[tuple[StoredTensor, ...]], dict[int, int]]:
         layouts: list[tuple[StoredTensor, ...]] = []
         of_layer: dict[int, int] = {}
         first: dict[int, tuple[StoredTensor, ...]] = {}
@@ -401,8 +393,8 @@ class ExpertReader:
         self, key: ExpertKey, dests: Sequence[Sequence[torch.Tensor] | None], pieces: Mapping[str, torch.Tensor]
     ) -> int:
         """Expert `key` as stored: read i's parts are pread as raw bytes into `dests[i]` (uint8 views, one per
-        part, of `stored_tensors()[i].part_bytes`); a read whose dest is None is decoded into `pieces` as
-        read_into does (e.g. biases kept in the compute dtype). Returns bytes read from disk."""
+        part, of the `part_bytes` of read i's StoredTensor in `stored_layouts()`); a read whose dest is None is
+        decoded into `pieces` as read_into does (e.g. biases kept in the compute dtype). Returns bytes read."""
         plan = self.plans.get(key)
         if plan is None:
             raise KeyError(f"no expert {key} in this checkpoint")

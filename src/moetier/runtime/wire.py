@@ -72,9 +72,12 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
     # 1. the skeleton: no pool, no weights yet
     sk = open_skeleton(path, cfg)
     try:
-        cfg = resolve_precision(cfg, sk)
+        # whether the native kernels read the checkpoint's experts as stored: asked once, only when it matters
+        reads_stored = cfg.precision.mode == "auto" or Precision.STORED.value in cfg.precision.precisions
+        as_stored = reads_stored and stored_native(cfg, sk)
+        cfg = resolve_precision(cfg, as_stored)
         # 2. the executor variant; refusals; what it prepares
-        spec = choose_executor(cfg, sk.device.type == "cuda", native_ok(cfg, sk))
+        spec = choose_executor(cfg, sk.device.type == "cuda", native_ok(cfg, sk, as_stored))
         refuse(cfg, spec, store_capabilities(cfg), sk.opened.family, sk.device.type == "cuda")
         prepared = spec.prepare(cfg, sk)
     except BaseException:
@@ -93,9 +96,10 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
         raise
 
 
-def native_ok(cfg: EngineConfig, sk: Skeleton) -> bool:
+def native_ok(cfg: EngineConfig, sk: Skeleton, as_stored: bool) -> bool:
     """Whether the model fits the native executor (executors/native.py native_fits) and the kernel library
-    loads; refuses a quantised --dense-precision the engine cannot run."""
+    loads (with stored slots, `as_stored`: `stored_native`); refuses a quantised --dense-precision the engine
+    cannot run."""
     o = sk.opened
     cuda = sk.device.type == "cuda"
     fits = native_fits(cfg, o.family, o.expert_fn, o.dtype, cuda)
@@ -109,9 +113,9 @@ def native_ok(cfg: EngineConfig, sk: Skeleton) -> bool:
         if not (cfg.runtime.lean and o.family.lean_attention):
             raise ConfigError(f"--dense-precision {cfg.runtime.dense_precision} needs the lean decoder (this family "
                               "or --no-lean runs transformers' modules)")  # fmt: skip
-    # slots in the checkpoint's own coding: native where ggml computes every stored expert tensor, else torch decodes
+    # slots in the checkpoint's own coding: native where the kernels read every stored expert tensor, else torch decodes
     stored = Precision.STORED.value in cfg.precision.precisions
-    return fits and lib is not None and (not stored or stored_native(cfg, sk))
+    return fits and lib is not None and (not stored or as_stored)
 
 
 def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
@@ -161,11 +165,12 @@ def stored_dense_reader(index: Any) -> Callable[[str], QDense | None]:
     return read
 
 
-def resolve_precision(cfg: EngineConfig, sk: Skeleton) -> EngineConfig:
-    """`cfg` with precision "auto" resolved: "stored" where `stored_native`, else "full"."""
+def resolve_precision(cfg: EngineConfig, as_stored: bool) -> EngineConfig:
+    """`cfg` with precision "auto" resolved: "stored" where the native kernels read the experts as stored
+    (`as_stored`, from `stored_native`), else "full"."""
     if cfg.precision.mode != "auto":
         return cfg
-    mode = Precision.STORED.value if stored_native(cfg, sk) else "full"
+    mode = Precision.STORED.value if as_stored else "full"
     return replace(cfg, precision=replace(cfg.precision, mode=mode))
 
 

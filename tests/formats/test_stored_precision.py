@@ -21,7 +21,8 @@ from moetier.config import PrecisionConfig
 from moetier.errors import ConfigError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quantize import quantize_model
-from moetier.kernels.qformat import StoredFormat, StoredWeight, linear
+from moetier.kernels.qformat import linear
+from moetier.kernels.stored import StoredFormat, StoredWeight
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.types import Precision
 

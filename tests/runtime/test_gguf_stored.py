@@ -178,7 +178,7 @@ def test_q4_0_and_q8_0_slots_are_re_laid_for_our_kernels_and_decode_exactly(file
     from safetensors.torch import load_file
 
     from moetier.kernels.decode import SF16
-    from moetier.kernels.qformat import for_layer
+    from moetier.kernels.stored import for_layer
     from moetier.types import ExpertKey
 
     path = files(qtype)

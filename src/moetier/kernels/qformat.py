@@ -27,12 +27,8 @@ Formats (per matrix; `kind` of QLinearWeight), W = (q - zero) * scale in canonic
 - "generic" (anything else: fp32/fp16 models, CUDA, shapes the kernels refuse, int8 with g < K):
   the canonical q/scale/zero; dequantised to x's dtype per call, then matmul.linear.
 
-Stored form ("stored" precision, `StoredFormat`): the slot keeps one expert's tensors exactly as the
-checkpoint stores them (FP8 + block scales, MXFP4 blocks + scales, GPTQ words + zeros + scales, or plain
-bf16 / fp32), each stored part on a 64-byte boundary, then the biases in the model dtype. Its views are
-`StoredWeight`s of kind "stored": `linear` decodes each segment with its codec (formats/codecs.py), applies
-the family op (gate and up may be separate stored tensors, or one interleaved tensor) into the rows of a
-temporary [N, K] in x's dtype, then matmul.linear. Sparse execution (down rows) is not offered for it.
+The stored form (a checkpoint's experts kept in the slot in its own coding) is kernels/stored.py; `linear`
+decodes its StoredWeight per call.
 
 Measured on this project's CPU (torch 2.13, AVX-512): _weight_int8pack_mm needs K % 16 == 0,
 and, for bf16, x rows 32-byte aligned and q8 rows 16-byte aligned (aligned vector loads; a
@@ -48,23 +44,20 @@ for int8, not 32-byte aligned.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from moetier.errors import CheckpointError, ConfigError
-from moetier.formats.codecs_gguf import dequantize as dequantize_gguf
+from moetier.errors import CheckpointError
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
-from moetier.formats.safetensors import StoredTensor, apply_op, decode_stored
 from moetier.kernels import decode, matmul
+from moetier.kernels.slots import ALIGN, Slice, align, check_row, slice_view
+from moetier.kernels.stored import StoredWeight
 from moetier.types import Precision
 
-ALIGN = 64
 NATIVE_KINDS = ("n8", "n4", "n2")
 KERNEL_GROUPS = (32, 64, 128, 256)
 _BF16 = torch.bfloat16
@@ -125,209 +118,6 @@ class QExpertViews:
     b13: torch.Tensor | None  # [2I], model dtype
     b2: torch.Tensor | None  # [H]
     row: torch.Tensor  # uint8 [slot_bytes], the whole slot
-
-
-@dataclass(eq=False)
-class StoredSegment:
-    """One stored checkpoint tensor inside a stored-form slot, and the rows of its matrix it fills."""
-
-    tensor: StoredTensor
-    parts: list[torch.Tensor]  # views of the slot, each part in its stored dtype and shape
-    rows: tuple[tuple[str, int, int], ...]  # (family op, first row, end row) per piece it feeds
-
-
-@dataclass(eq=False)
-class StoredWeight:
-    """One matrix of a stored-form slot (kind "stored"): its segments decode into its [N, K] rows."""
-
-    kind: str  # "stored"
-    n: int
-    k: int
-    segments: tuple[StoredSegment, ...]
-    # a GGUF Q4_0 / Q8_0 matrix our own kernels read (decode.OWN_KERNEL_TYPES): its type, and the slot bytes of
-    # its rows, re-laid out in place after each read as [quants of every block][their fp16 scales] (`relay`)
-    relaid: str | None = None
-    region: torch.Tensor | None = None  # uint8 [N * row bytes]
-
-    def relay(self) -> None:
-        """The matrix's blocks, as read, -> [quants][fp16 scales] in the same bytes (kernels: kind | MT_SF16)."""
-        assert self.relaid is not None and self.region is not None
-        blocks = self.region.view(self.n, -1, _block_bytes(self.relaid)).clone()  # [N, nb, 2 + qb]
-        q, d = self.relay_split()
-        q.copy_(blocks[:, :, 2:].reshape(q.shape))
-        d.copy_(blocks[:, :, :2].reshape(-1))
-
-    def relay_split(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(quants uint8 [N, nb * qb], scale bytes uint8 [N * nb * 2]): views of a re-laid matrix's region."""
-        assert self.relaid is not None and self.region is not None
-        qb = _block_bytes(self.relaid) - 2
-        nq = self.n * (self.k // 32) * qb
-        return self.region[:nq].view(self.n, -1), self.region[nq:]
-
-    def decode(self, dtype: torch.dtype) -> torch.Tensor:
-        """The matrix [N, K] in `dtype` (allocated per call; the codecs' float32 temporaries are transient)."""
-        device = self.segments[0].parts[0].device
-        if self.relaid is not None:  # back to the file's blocks, then its codec
-            q, d = self.relay_split()
-            blocks = torch.cat([d.view(self.n, -1, 2), q.view(self.n, -1, _block_bytes(self.relaid) - 2)], dim=2)
-            return dequantize_gguf(blocks.reshape(-1), self.relaid, (self.n, self.k)).to(dtype)
-        out = torch.empty((self.n, self.k), dtype=dtype, device=device)  # [N, K]
-        for seg in self.segments:
-            src = decode_stored(seg.tensor, seg.parts)  # [seg.tensor.shape], float32 or as stored
-            for op, r0, r1 in seg.rows:
-                out[r0:r1].copy_(apply_op(src, op))
-        return out
-
-
-@dataclass
-class StoredExpertViews:
-    w13: StoredWeight  # [2I, H]
-    w2: StoredWeight  # [H, I]
-    b13: torch.Tensor | None  # [2I], model dtype
-    b2: torch.Tensor | None  # [H]
-    row: torch.Tensor  # uint8 [slot_bytes], the whole slot
-    dests: list[list[torch.Tensor] | None]  # per stored tensor: uint8 views its raw parts are read into, or
-    # None for one decoded into `pieces` when read (the biases)
-    pieces: dict[str, torch.Tensor]  # gate_bias / up_bias / down_bias views of b13, b2
-
-
-_MATRIX_ROWS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of I rows)
-RELAID = {"Q4_0": 18, "Q8_0": 34}  # GGUF types a slot re-lays out for our own kernels: bytes a block of 32
-
-
-def _block_bytes(type_name: str) -> int:
-    return RELAID[type_name]
-
-
-class StoredFormat:
-    """The byte layout of one expert kept as the checkpoint stores it (`tensors`: ExpertReader.stored_tensors),
-    plus its biases in the model dtype."""
-
-    def __init__(self, layout: ExpertLayout, tensors: tuple[StoredTensor, ...], dtype: torch.dtype,
-                 relay: bool = False) -> None:  # fmt: skip
-        """`relay`: GGUF Q4_0 / Q8_0 matrices are re-laid out in their slot bytes after each read, for the native
-        kernels (`StoredWeight.relay`)."""
-        if layout.down_rows:
-            raise ConfigError("the stored precision does not run sparse execution (down rows); use full or a "
-                              "quantized tier from `moetier quantize`")  # fmt: skip
-        self.layout, self.tensors, self.dtype = layout, tensors, dtype
-        h, i = layout.hidden, layout.inter
-        self.shapes = {"w13": (2 * i, h), "w2": (h, i)}
-        self.part_slices: list[list[_Slice] | None] = []
-        self.rows: list[tuple[str, tuple[tuple[str, int, int], ...]] | None] = []  # per tensor: matrix, rows
-        off = 0
-        for t in tensors:
-            kinds = {piece in _MATRIX_ROWS for piece, _ in t.pieces}
-            if kinds == {False}:  # biases: decoded into the bias slices when read
-                self.part_slices.append(None)
-                self.rows.append(None)
-                continue
-            if kinds != {True} or len({_MATRIX_ROWS[p][0] for p, _ in t.pieces}) != 1:
-                raise CheckpointError(f"stored tensor feeding {[p for p, _ in t.pieces]} mixes matrices and biases")
-            slices = []
-            for nbytes in t.part_bytes:
-                slices.append(_Slice(_align(off), torch.uint8, (nbytes,)))
-                off = slices[-1].offset + nbytes
-            self.part_slices.append(slices)
-            matrix = _MATRIX_ROWS[t.pieces[0][0]][0]
-            size = i if matrix == "w13" else h
-            rows = tuple((op, _MATRIX_ROWS[p][1] * size, (_MATRIX_ROWS[p][1] + 1) * size) for p, op in t.pieces)
-            self.rows.append((matrix, rows))
-        self.bias: dict[str, _Slice] = {}
-        if layout.has_bias:
-            for piece, shape in (("b13", (2 * i,)), ("b2", (h,))):
-                self.bias[piece] = sl = _Slice(_align(off), dtype, shape)
-                off = sl.offset + sl.nbytes
-        self.slot_bytes = _align(off)
-        self.relaid = self._relaid() if relay else {}  # matrix -> (GGUF type, first byte, end byte in the slot)
-        # per call, per matrix: the decoded [N, K] in x's dtype plus the codec's float32 temporaries
-        self.compute_scratch_bytes = max(n * k for n, k in self.shapes.values()) * (dtype.itemsize + 16)
-
-    def _relaid(self) -> dict[str, tuple[str, int, int]]:
-        """The matrices kept as one run of GGUF Q4_0 or Q8_0 rows (gate then up adjacent: one [2I, H] matrix)."""
-        out: dict[str, tuple[str, int, int]] = {}
-        for m, (n, k) in self.shapes.items():
-            spans: list[tuple[int, str | None, int, int]] = []
-            for t, slices, rows in zip(self.tensors, self.part_slices, self.rows, strict=True):
-                if rows is None or rows[0] != m or slices is None:
-                    continue
-                if len(slices) != 1 or any(op != "copy" for op, _, _ in rows[1]) or len(rows[1]) != 1:
-                    spans = []
-                    break
-                spans.append((rows[1][0][1], t.codec, slices[0].offset, slices[0].offset + slices[0].nbytes))
-            spans.sort()
-            codecs = {c for _, c, _, _ in spans}
-            if not spans or len(codecs) != 1 or k % 32:
-                continue
-            codec = next(iter(codecs)) or ""
-            name = codec.removeprefix("gguf:")
-            contiguous = all(a[3] == b[2] for a, b in itertools.pairwise(spans))
-            if name in RELAID and contiguous and spans[-1][3] - spans[0][2] == n * (k // 32) * RELAID[name]:
-                out[m] = (name, spans[0][2], spans[-1][3])
-        return out
-
-    def views(self, row: torch.Tensor) -> StoredExpertViews:
-        """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> its views (no copy)."""
-        _check_row(row, self.slot_bytes)
-        dests: list[list[torch.Tensor] | None] = []
-        segments: dict[str, list[StoredSegment]] = {"w13": [], "w2": []}
-        for t, slices, rows in zip(self.tensors, self.part_slices, self.rows, strict=True):
-            if slices is None or rows is None:
-                dests.append(None)
-                continue
-            raw = [_slice_view(row, sl) for sl in slices]  # uint8 [part bytes]
-            dests.append(raw)
-            typed = [r.view(dt).view(shape) for r, (dt, shape) in zip(raw, t.parts, strict=True)]
-            segments[rows[0]].append(StoredSegment(t, typed, rows[1]))
-        (n13, k13), (n2, k2) = self.shapes["w13"], self.shapes["w2"]
-        b13 = _slice_view(row, self.bias["b13"]) if "b13" in self.bias else None
-        b2 = _slice_view(row, self.bias["b2"]) if "b2" in self.bias else None
-        i = self.layout.inter
-        pieces = {} if b13 is None or b2 is None else {"gate_bias": b13[:i], "up_bias": b13[i:], "down_bias": b2}
-        relaid = {m: (name, row[a:b]) for m, (name, a, b) in self.relaid.items()}
-        none: tuple[None, None] = (None, None)
-        return StoredExpertViews(
-            w13=StoredWeight("stored", n13, k13, tuple(segments["w13"]), *relaid.get("w13", none)),
-            w2=StoredWeight("stored", n2, k2, tuple(segments["w2"]), *relaid.get("w2", none)),
-            b13=b13, b2=b2, row=row, dests=dests, pieces=pieces,
-        )  # fmt: skip
-
-
-@dataclass(eq=False)
-class StoredVariants:
-    """One slot of a pool whose MoE layers store their experts differently (a Q4_K_M GGUF file: Q4_K down
-    projections in some layers, Q6_K in others): the slot read as each layout; `for_layer` gives the views of the
-    layout a layer's experts are stored in. The store hands these out as they are; whoever knows the layer (the
-    source reading an expert in, the executors computing one) takes its variant."""
-
-    row: torch.Tensor  # uint8 [slot_bytes], the whole slot
-    variants: list[StoredExpertViews]
-    of_layer: dict[int, int]
-
-    def for_layer(self, layer: int) -> StoredExpertViews:
-        return self.variants[self.of_layer[layer]]
-
-
-def for_layer(views: Any, layer: int) -> Any:
-    """The views of one expert of `layer` in a slot: a mixed stored slot's variant for that layer, else `views`."""
-    return views.for_layer(layer) if isinstance(views, StoredVariants) else views
-
-
-class MixedStoredFormat:
-    """Stored-form slots for experts whose layout differs by layer: one StoredFormat per distinct layout on
-    slots of the largest's size (the budget counts that), `of_layer` the layout of each MoE layer."""
-
-    def __init__(self, layout: ExpertLayout, layouts: list[tuple[StoredTensor, ...]], of_layer: dict[int, int],
-                 dtype: torch.dtype, relay: bool = False) -> None:  # fmt: skip
-        self.layout, self.dtype = layout, dtype
-        self.formats = [StoredFormat(layout, t, dtype, relay) for t in layouts]
-        self.of_layer = dict(of_layer)
-        self.slot_bytes = max(f.slot_bytes for f in self.formats)
-        self.compute_scratch_bytes = max(f.compute_scratch_bytes for f in self.formats)
-
-    def views(self, row: torch.Tensor) -> StoredVariants:
-        _check_row(row, self.slot_bytes)
-        return StoredVariants(row, [f.views(row[: f.slot_bytes]) for f in self.formats], self.of_layer)
 
 
 # --------------------------------------------------------------------------- per-kind pieces and packing
@@ -475,36 +265,6 @@ def linear(
 # --------------------------------------------------------------------------- expert format
 
 
-@dataclass(frozen=True)
-class _Slice:
-    offset: int  # bytes from the start of the slot
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
-        for s in self.shape:
-            n *= s
-        return n
-
-
-def _slice_view(row: torch.Tensor, sl: _Slice) -> torch.Tensor:
-    """A slot row's bytes of `sl`, viewed as its dtype and shape (no copy)."""
-    return row[sl.offset : sl.offset + sl.nbytes].view(sl.dtype).view(sl.shape)
-
-
-def _check_row(row: torch.Tensor, slot_bytes: int) -> None:
-    if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != slot_bytes or not row.is_contiguous():
-        raise ValueError(
-            f"a slot row must be a contiguous uint8 [{slot_bytes}] tensor, got {row.dtype} {list(row.shape)}"
-        )
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 class ExpertFormat:
     """The byte layout of one quantised expert in a pool slot, and the conversion into it."""
 
@@ -529,7 +289,7 @@ class ExpertFormat:
         kernels = kernels and not layout.down_rows  # sparse execution reads the canonical rows (kernels/sparse.py)
         self.groups: dict[str, int] = {}
         self.kinds: dict[str, str] = {}  # matrix -> compute format
-        self.slices: dict[str, dict[str, _Slice]] = {}  # matrix (or "bias") -> piece -> slice
+        self.slices: dict[str, dict[str, Slice]] = {}  # matrix (or "bias") -> piece -> slice
         self._scratch: dict[tuple[int, int, int], _Int2Scratch] = {}
         off = 0
         groups = {m: resolve_group(spec, k, shape=(n, k)) for m, (n, k) in self.shapes.items()}
@@ -544,16 +304,16 @@ class ExpertFormat:
             for piece, (dt, shape) in _pieces(kind, n, k, g, spec.bits).items():
                 if piece == "scale" and kind in NATIVE_KINDS:
                     dt = scale_dtype
-                self.slices[m][piece] = sl = _Slice(_align(off), dt, shape)
+                self.slices[m][piece] = sl = Slice(align(off), dt, shape)
                 off = sl.offset + sl.nbytes
             if kind == "int2" and (n, k, g) not in self._scratch:
                 self._scratch[(n, k, g)] = _Int2Scratch(n, k, g)
         self.slices["bias"] = {}
         if layout.has_bias:
             for piece, shape in (("b13", (2 * i,)), ("b2", (h,))):
-                self.slices["bias"][piece] = sl = _Slice(_align(off), dtype, shape)
+                self.slices["bias"][piece] = sl = Slice(align(off), dtype, shape)
                 off = sl.offset + sl.nbytes
-        self.slot_bytes = _align(off)
+        self.slot_bytes = align(off)
         # transient memory, for budgets: pack_into's temporaries (peak, one matrix at a time) and
         # the int2 unfold buffers that each computing thread allocates once
         self.pack_scratch_bytes = max(self._pack_temp_bytes(m) for m in self.shapes)
@@ -575,14 +335,14 @@ class ExpertFormat:
 
     def views(self, row: torch.Tensor) -> QExpertViews:
         """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> views of its pieces (no copy)."""
-        _check_row(row, self.slot_bytes)
+        check_row(row, self.slot_bytes)
         if row.data_ptr() % ALIGN:
             raise ValueError(f"slot row at address {row.data_ptr():#x} is not {ALIGN}-byte aligned")
         if row.device.type != self.device.type:
             raise ValueError(f"slot row is on {row.device}, the format is for {self.device}")
         mats = {}
         for m, (n, k) in self.shapes.items():
-            p = {piece: _slice_view(row, sl) for piece, sl in self.slices[m].items()}
+            p = {piece: slice_view(row, sl) for piece, sl in self.slices[m].items()}
             mats[m] = QLinearWeight(
                 kind=self.kinds[m],
                 n=n,
@@ -594,7 +354,7 @@ class ExpertFormat:
                 zero=p.get("zero"),
                 scratch=self._scratch.get((n, k, self.groups[m])),
             )
-        bias = {piece: _slice_view(row, sl) for piece, sl in self.slices["bias"].items()}
+        bias = {piece: slice_view(row, sl) for piece, sl in self.slices["bias"].items()}
         return QExpertViews(w13=mats["w13"], w2=mats["w2"], b13=bias.get("b13"), b2=bias.get("b2"), row=row)
 
     def pack_into(self, canonical: dict[str, torch.Tensor], views: QExpertViews) -> None:

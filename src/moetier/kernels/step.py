@@ -24,7 +24,8 @@ import torch
 
 from moetier.kernels import ggml
 from moetier.kernels.decode import KIND_BF16, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
-from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews, StoredExpertViews, StoredVariants, StoredWeight
+from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
+from moetier.kernels.stored import StoredExpertViews, StoredVariants, StoredWeight
 from moetier.store.pool import SlotViews
 
 I64, F32, P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -345,7 +346,7 @@ class SlotTable:
         rows: list[list[int]] = []
         owners: list[tuple[int, Any]] = []  # (variant, views): variant -1 for a plain slot
         self.unreadable = 0
-        self.of_layer: dict[int, int] = {}  # a mixed stored pool's layer -> variant (qformat.StoredVariants)
+        self.of_layer: dict[int, int] = {}  # a mixed stored pool's layer -> variant (stored.StoredVariants)
         for pool in pools:
             for views in pool.views:
                 if isinstance(views, StoredVariants):  # one row per layout the slot may hold

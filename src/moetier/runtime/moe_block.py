@@ -37,7 +37,8 @@ from torch import nn
 
 from moetier.errors import ExpertReadError, MoetierError
 from moetier.kernels.experts import ExpertFn
-from moetier.kernels.qformat import QExpertViews, StoredExpertViews, for_layer
+from moetier.kernels.qformat import QExpertViews
+from moetier.kernels.stored import StoredExpertViews, for_layer
 from moetier.models.families import Family
 from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler, RoutedExecutor
 from moetier.runtime.observers import ObserverList, Route

@@ -19,7 +19,8 @@ import torch
 from moetier.formats.layout import ExpertLayout
 
 if TYPE_CHECKING:
-    from moetier.kernels.qformat import QExpertViews, StoredExpertViews
+    from moetier.kernels.qformat import QExpertViews
+    from moetier.kernels.stored import StoredExpertViews
 
 
 V = TypeVar("V", covariant=True)
@@ -69,7 +70,7 @@ class SlotPool:
 
 
 class RowFormat(Protocol[V]):
-    """A slot format laid out as one uint8 row per expert: kernels/qformat.py ExpertFormat or StoredFormat."""
+    """A slot format laid out as one uint8 row per expert: kernels/qformat.py ExpertFormat or kernels/stored.py StoredFormat."""
 
     slot_bytes: int
 

@@ -7,7 +7,7 @@ A source fills one pool slot with one expert at its precision:
   (formats/qtier.py) into a staging area of canonical tensors allocated once, then packs
   it into the slot's compute format (kernels/qformat.py);
 - `StoredSource` reads the checkpoint's own stored bytes of an expert (FP8 + scales, MXFP4,
-  GPTQ words ...) into a uint8 slot (kernels/qformat.py StoredFormat; MixedStoredFormat where layers store
+  GPTQ words ...) into a uint8 slot (kernels/stored.py StoredFormat; MixedStoredFormat where layers store
   their experts differently, slots of the largest layout), computed as stored or dequantised per call;
   its slots count stored bytes, and only the biases are decoded when read.
 
@@ -35,7 +35,8 @@ from moetier.formats.qtier import QuantTier, layer_file
 from moetier.formats.quant import QuantSpec
 from moetier.formats.safetensors import ExpertReader, StoredTensor
 from moetier.kernels import decode
-from moetier.kernels.qformat import ExpertFormat, MixedStoredFormat, StoredFormat, for_layer
+from moetier.kernels.qformat import ExpertFormat
+from moetier.kernels.stored import MixedStoredFormat, StoredFormat, for_layer
 from moetier.store.pool import QuantPool, SlotPool, StoredPool
 from moetier.types import ExpertKey, Precision
 
@@ -285,7 +286,7 @@ class StoredSource:
         return n
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
-        # a mixed format's slots are StoredVariants: the consumers take a layer's variant (qformat.for_layer)
+        # a mixed format's slots are StoredVariants: the consumers take a layer's variant (stored.for_layer)
         return StoredPool(cast(Any, self.fmt), n_slots, device, pin=pin)
 
     def locate(self, key: ExpertKey, piece: str | None = None) -> str:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from moetier.errors import ConfigError
-from moetier.kernels.qformat import for_layer
+from moetier.kernels.stored import for_layer
 from moetier.policies.plan import plan_layer
 from moetier.types import Domain, ExpertKey, Plan
 

@@ -70,7 +70,10 @@ class SlotPool:
 
 
 class RowFormat(Protocol[V]):
-    """A slot format laid out as one uint8 row per expert: kernels/qformat.py ExpertFormat or kernels/stored.py StoredFormat."""
+    """A slot format laid out as one uint8 row per expert.
+
+    Implemented by kernels/qformat.py ExpertFormat and kernels/stored.py StoredFormat.
+    """
 
     slot_bytes: int
 

@@ -24,12 +24,15 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_JSON = REPO / "models" / "tiny-shakespeare-moe" / "tokenizer.json"
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 # (checkpoint block, gate, up, down) of each family's per-expert tensors
 EXPERTS = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }  # fmt: skip
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -43,6 +46,16 @@ _LAYER = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # dense MLP layers, DeepSeek's shared experts and score bias, MLA (kv_b_proj: split, see _split)
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
 }  # fmt: skip
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}  # fmt: skip
@@ -58,13 +71,14 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
     cfg = json.loads((src / "config.json").read_text())
     sd = {k: v.float().numpy() for k, v in load_file(src / "model.safetensors").items()}
     block, g, u, d = EXPERTS[family]
-    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     out: dict[str, np.ndarray] = {}
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}."
         for piece, gname in ((g, "ffn_gate_exps"), (u, "ffn_up_exps"), (d, "ffn_down_exps")):
             names = [f"{pre}{block}.experts.{e}.{piece}.weight" for e in range(n_exp)]
-            out[f"blk.{i}.{gname}.weight"] = np.stack([sd.pop(n) for n in names])
+            if names[0] in sd:  # (DeepSeek's leading layers are dense)
+                out[f"blk.{i}.{gname}.weight"] = np.stack([sd.pop(n) for n in names])
         for k in [k for k in sd if k.startswith(pre)]:
             name = _LAYER[k[len(pre) :]]
             w = sd.pop(k)
@@ -72,10 +86,43 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
                 w = permute_qk(w, cfg["num_attention_heads"])
             elif family == "mixtral" and name == "attn_k.weight":
                 w = permute_qk(w, cfg["num_key_value_heads"])
+            if name == "attn_kv_b.weight":  # llama.cpp's deepseek2 converter: k_b (transposed per head) and v_b
+                out[f"blk.{i}.attn_k_b.weight"], out[f"blk.{i}.attn_v_b.weight"] = split_kv_b(w, cfg)
+                continue
             out[f"blk.{i}.{name}"] = w
     for k, v in sd.items():
         out[_GLOBAL[k]] = v
     return out
+
+
+def split_kv_b(w: np.ndarray, cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """MLA's kv_b [nh (nope + v), kv_lora] -> (k_b [nh, kv_lora, nope], v_b [nh, v, kv_lora]), as llama.cpp's
+    deepseek2 converter writes them."""
+    nh, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    kv = w.reshape(nh, nope + v, w.shape[-1])
+    return np.ascontiguousarray(kv[:, :nope].swapaxes(1, 2)), np.ascontiguousarray(kv[:, nope:])
+
+
+def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The arch-specific `<arch>.*` keys llama.cpp's converter writes for `family` (beyond write_gguf's common ones)."""
+    if ARCH[family] != "deepseek2":
+        return {}
+    rope = cfg["qk_rope_head_dim"]
+    meta: dict[str, Any] = {
+        "attention.head_count_kv": 1, "attention.kv_lora_rank": cfg["kv_lora_rank"],
+        "attention.key_length": cfg["kv_lora_rank"] + rope, "attention.value_length": cfg["kv_lora_rank"],
+        "attention.key_length_mla": cfg["qk_nope_head_dim"] + rope, "attention.value_length_mla": cfg["v_head_dim"],
+        "rope.dimension_count": rope, "leading_dense_block_count": cfg["first_k_dense_replace"],
+        "expert_count": cfg["n_routed_experts"], "expert_shared_count": cfg["n_shared_experts"],
+        "expert_feed_forward_length": cfg["moe_intermediate_size"],
+        "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_group_count": cfg["n_group"],
+        "expert_group_used_count": cfg["topk_group"], "expert_gating_func": 2 if family == "deepseek_v3" else 1,
+    }  # fmt: skip
+    if cfg.get("norm_topk_prob"):
+        meta["expert_weights_norm"] = 1
+    if cfg.get("q_lora_rank"):
+        meta["attention.q_lora_rank"] = cfg["q_lora_rank"]
+    return meta
 
 
 def _qtype_for(name: str, a: np.ndarray, qtype: str) -> gguf.GGMLQuantizationType:
@@ -161,7 +208,7 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
     arch = ARCH[family]
     w = gguf.GGUFWriter(str(out), arch)
     heads = cfg["num_attention_heads"]
-    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts")
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     values: dict[str, Any] = {
         "block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
         "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
@@ -175,6 +222,7 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
         values["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     if "shared_expert_intermediate_size" in cfg:
         values["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    values.update(arch_meta(family, cfg))
     values.update(meta or {})
     for key, v in values.items():
         if key in skip_meta:
@@ -221,9 +269,18 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
     sd = load_file(src / "model.safetensors")
     back = {v: k for k, v in _GLOBAL.items()}
     twin: dict[str, torch.Tensor] = {}
+    mla: dict[str, np.ndarray] = {}
     for name, a in gguf_tensors(src, family).items():
         raw, t = encode(name, a, (types or {}).get(name, qtype))
         deq = decode(raw, t).reshape(a.shape)
+        if name.endswith((".attn_k_b.weight", ".attn_v_b.weight")):
+            mla[name] = deq
+            layer = name.split(".")[1]
+            k_b, v_b = mla.get(f"blk.{layer}.attn_k_b.weight"), mla.get(f"blk.{layer}.attn_v_b.weight")
+            if k_b is not None and v_b is not None:  # back to kv_b [nh (nope + v), kv_lora]
+                kv = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])
+                twin[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = torch.from_numpy(np.ascontiguousarray(kv))
+            continue
         if name.startswith("blk."):
             layer, rest = name.split(".", 2)[1:]
             pre = f"model.layers.{layer}."

@@ -23,12 +23,15 @@ from moetier.models.open import describe, read_config
 from moetier.models.tiny import build_tiny_checkpoint
 
 RUNTIME = RuntimeConfig(device="cpu", dtype="fp32", lean=False)
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3")
 BOUND = 1e-4
 
 
 def _overrides(family: str, qtype: str) -> dict[str, Any]:
-    """K-quants need rows of 256 weights: hidden and expert sizes 256 (and the shared expert's)."""
+    """K-quants need rows of 256 weights: hidden and expert sizes 256 (and the shared expert's); quantised MLA
+    files get k_b / v_b rows of whole 32-blocks (kv_lora and nope 32), so both halves of kv_b are block types."""
+    if family.startswith("deepseek") and qtype != "F32":
+        return {"kv_lora_rank": 32, "qk_nope_head_dim": 32, "v_head_dim": 32}
     if not qtype.endswith("_K"):
         return {}
     out: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 256}
@@ -78,7 +81,8 @@ def test_f32_gguf_matches_transformers_on_the_source_checkpoint(gguf_model, fami
 @pytest.mark.parametrize(("family", "qtype"), [
     ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K"), ("qwen3_moe", "Q6_K"), ("qwen3_moe", "Q5_0"),
     ("mixtral", "Q4_K"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q5_K"), ("olmoe", "Q4_1"), ("olmoe", "Q3_K"),
-    ("qwen2_moe", "Q2_K"), ("mixtral", "Q5_1"), ("qwen3_moe", "Q4_0"),
+    ("qwen2_moe", "Q2_K"), ("mixtral", "Q5_1"), ("qwen3_moe", "Q4_0"), ("deepseek_v3", "Q8_0"),
+    ("deepseek_v2", "Q4_0"),
 ])  # fmt: skip
 def test_quantised_gguf_matches_its_dequantised_twin(gguf_model, family, qtype):
     _, g, twin = gguf_model(family, qtype)
@@ -185,3 +189,68 @@ def test_rope_keys_without_a_transformers_counterpart_are_refused(tmp_path, meta
     g = write_gguf(src, tmp_path / "m.gguf", "qwen3_moe", meta=meta)
     with pytest.raises(CheckpointError, match=names):
         open_gguf(g)
+
+
+def test_deepseek2_config_mla_and_router(gguf_model):
+    """llama.cpp's deepseek2 arch: MLA sizes from the *_mla keys (head_count_kv 1 is its MQA view), the router
+    variant from expert_gating_func, k_b / v_b merged back into kv_b_proj, the score bias and routed scale."""
+    _, g, _ = gguf_model("deepseek_v3", "Q8_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "deepseek_v3" and cfg.architectures == ["DeepseekV3ForCausalLM"]
+    assert (cfg.num_key_value_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (4, 16, 32)
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (32, 8, 32)
+    assert (cfg.first_k_dense_replace, cfg.n_routed_experts, cfg.n_shared_experts) == (1, 8, 1)
+    assert (cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group) == (2.5, 2, 1)
+    kv = ck.index["model.layers.1.self_attn.kv_b_proj.weight"]
+    assert kv.dtype == "mla_kv_b" and kv.shape == (4 * 64, 32)
+    assert [p.dtype for p in kv.parts] == ["gguf:Q8_0", "gguf:Q8_0"]  # both halves are blocks, decoded, then merged
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in ck.index
+    assert "model.layers.0.mlp.gate_proj.weight" in ck.index  # the leading dense layer
+    v2 = open_gguf(gguf_model("deepseek_v2", "F32")[1]).config
+    assert v2.model_type == "deepseek_v2" and v2.q_lora_rank is None and v2.topk_method == "group_limited_greedy"
+    assert v2.routed_scaling_factor == 1.5
+
+
+def test_deepseek2_yarn_log_multiplier_is_mscale(tmp_path):
+    src = build_tiny_checkpoint("deepseek_v2", tmp_path / "src")
+    meta = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
+            "rope.scaling.yarn_log_multiplier": 0.0707}  # fmt: skip
+    rope = open_gguf(write_gguf(src, tmp_path / "y.gguf", "deepseek_v2", meta=meta)).config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0
+    assert rope["mscale"] == pytest.approx(0.707) and rope["mscale_all_dim"] == pytest.approx(0.707)
+    qwen = build_tiny_checkpoint("qwen3_moe", tmp_path / "q")
+    with pytest.raises(CheckpointError, match="yarn_log_multiplier"):  # only DeepSeek's converter means mscale by it
+        open_gguf(write_gguf(qwen, tmp_path / "q.gguf", "qwen3_moe", meta=meta))
+
+
+def test_deepseek2_damaged_files_are_refused(tmp_path):
+    import gguf as gguf_py
+
+    src = build_tiny_checkpoint("deepseek_v3", tmp_path / "src")
+    with pytest.raises(CheckpointError, match="expert_gating_func 3"):
+        open_gguf(write_gguf(src, tmp_path / "g.gguf", "deepseek_v3", meta={"expert_gating_func": 3}))
+    with pytest.raises(CheckpointError, match="softmax-routed"):  # a V3 router bias without V3's sigmoid
+        open_gguf(write_gguf(src, tmp_path / "s.gguf", "deepseek_v3", meta={"expert_gating_func": 1}))
+    with pytest.raises(CheckpointError, match="leading_dense_block_count"):
+        open_gguf(write_gguf(src, tmp_path / "d.gguf", "deepseek_v3", meta={"leading_dense_block_count": 2}))
+    with pytest.raises(CheckpointError, match=r"attn_k_b\.weight' has shape"):  # MLA sizes that do not fit k_b
+        open_gguf(write_gguf(src, tmp_path / "m.gguf", "deepseek_v3", meta={"attention.key_length_mla": 20}))
+    # a file that lost one half of an MLA pair
+    g = write_gguf(src, tmp_path / "ok.gguf", "deepseek_v3")
+    r = gguf_py.GGUFReader(str(g))
+    w = gguf_py.GGUFWriter(str(tmp_path / "half.gguf"), "deepseek2")
+    for f in r.fields.values():
+        if f.name.startswith("deepseek2.") and f.types and f.types[0] in (gguf_py.GGUFValueType.UINT32,
+                                                                          gguf_py.GGUFValueType.FLOAT32):
+            val = f.parts[f.data[0]][0]
+            (w.add_uint32 if f.types[0] == gguf_py.GGUFValueType.UINT32 else w.add_float32)(f.name, val.item())
+    for t in r.tensors:
+        if t.name != "blk.1.attn_v_b.weight":
+            w.add_tensor(t.name, t.data.reshape([int(x) for x in reversed(t.shape)]), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"blk\.1\.attn_v_b\.weight is missing"):
+        open_gguf(tmp_path / "half.gguf")

@@ -9,6 +9,8 @@ bit-identical to it (tests/formats/test_gguf_codecs.py).
 
 Two codecs per block type:
 - `gguf:<TYPE>`: parts[0] holds the tensor's bytes in stored order (any shape; it is flattened).
+- `mla_kv_b`: two parts, MLA's k_b and v_b (each a plain or a `gguf:<TYPE>` tensor of its own, read and
+  decoded first), merged back into the kv_b_proj transformers holds.
 - `gguf:<TYPE>+unpermute`: parts[0] has shape [n_head, head_dim / 2, 2, row_bytes]: the rows of
   a llama-architecture q or k projection that llama.cpp's converter permuted for its interleaved
   RoPE. The decoder restores transformers' row order (head, half, index within half) before
@@ -204,6 +206,16 @@ def _codec(type_name: str, unpermute: bool) -> Codec:
     return Codec(name, decode, bits=8.0 * size / block)
 
 
+def _mla_kv_b(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """MLA's kv_b_proj [nh (nope + v), kv_lora] from the two tensors llama.cpp's deepseek2 converter splits it into,
+    each already read (decoded where it is a block type): k_b [nh, kv_lora, nope] (transposed per head) and
+    v_b [nh, v, kv_lora]. Per head, the nope rows of k, then the v rows, as transformers stores kv_b."""
+    k_b, v_b = (p.float() for p in parts)
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(shape)  # [nh, nope + v, kv_lora] -> shape
+
+
 GGUF_CODECS: dict[str, Codec] = {
     c.name: c for t in BLOCK_SIZES for c in (_codec(t, unpermute=False), _codec(t, unpermute=True))
 }
+GGUF_CODECS["mla_kv_b"] = Codec("mla_kv_b", _mla_kv_b, bits=32.0)  # bits: of its parts, which say their own
+

@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from moetier.errors import CheckpointError, UnknownArchitectureError
 from moetier.formats.checkpoint import TensorLocation
 from moetier.formats.gguf import GGUFIndex, GGUFTensor, location, read_gguf_model
-from moetier.models.families import Family, find_family
+from moetier.models.families import Family, find_family, find_row
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -57,6 +57,15 @@ _LAYER_NAMES: dict[str, str] = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
 _EXPERT_PIECES = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+# MLA (deepseek2): llama.cpp's converter splits kv_b_proj [nh (nope + v), kv_lora] into these two per-head tensors
+_MLA_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
+# names of the DeepSeek-style layers (deepseek2, and the families that copy its router and attention)
+_MLA_NAMES = {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight", "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+}  # fmt: skip
+_EXP_PROBS_B = {"exp_probs_b.bias": "{blk}.gate.e_score_correction_bias"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,15 @@ class GGUFArch:
     config: Callable[[Meta], dict[str, Any]]  # arch-specific config fields from the metadata
     unpermute_qk: bool = False  # llama.cpp's converter permuted q/k rows (interleaved RoPE)
     norm_topk_default: bool = False  # llama.cpp's behaviour when `<arch>.expert_weights_norm` is absent
+    names: Mapping[str, str] = field(default_factory=dict)  # arch-only per-layer names, added to _LAYER_NAMES
+    scale_attr: str | None = None  # config field of `<arch>.expert_weights_scale` (None: only 1.0 is accepted)
+    # (model_type, architecture) chosen from the metadata, where one GGUF arch stands for several transformers
+    # families (deepseek2: DeepSeek-V2's softmax router or V3's sigmoid one); None: the row's own
+    variant: Callable[[Meta], tuple[str, str]] | None = None
+    # seam families (no row in models/families.py): (checkpoint block, gate, up, down) of the per-expert tensor
+    # names the transformers checkpoint uses, e.g. ("mlp", "gate_proj", "up_proj", "down_proj")
+    experts: tuple[str, str, str, str] | None = None
+    yarn_mscale: bool = False  # `rope.scaling.yarn_log_multiplier` is DeepSeek's 0.1 * mscale_all_dim
 
 
 class Meta:
@@ -162,6 +180,55 @@ def _mixtral(m: Meta) -> dict[str, Any]:
     return dict(intermediate_size=m.expert_inter(), num_local_experts=int(m.need("expert_count")), sliding_window=None)
 
 
+def _leading_dense(m: Meta) -> int:
+    """`<arch>.leading_dense_block_count`, checked against the blocks that hold a router."""
+    blocks = m.moe_blocks()
+    n = int(m.get("leading_dense_block_count", 0))
+    expect = list(range(n, int(m.need("block_count"))))
+    if blocks != expect:
+        raise CheckpointError(f"{m.path}: routers in blocks {blocks}, but {m.arch}.leading_dense_block_count {n} "
+                              f"says {expect}")  # fmt: skip
+    return n
+
+
+def _deepseek2_variant(m: Meta) -> tuple[str, str]:
+    """DeepSeek-V3 (and R1, Kimi-K2...) route by sigmoid with a score bias; V2 / V2.5 by softmax. llama.cpp's
+    `expert_gating_func` says which (1 softmax, 2 sigmoid; absent: softmax, as llama.cpp reads old files)."""
+    gating = int(m.get("expert_gating_func", 1))
+    if gating not in (1, 2):
+        raise CheckpointError(f"{m.path}: {m.arch}.expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
+    if gating == 2:
+        return "deepseek_v3", "DeepseekV3ForCausalLM"
+    if any(n.endswith(".exp_probs_b.bias") for n in m.tensors):
+        raise CheckpointError(f"{m.path}: a softmax-routed deepseek2 model with expert score biases (exp_probs_b) has "
+                              "no transformers counterpart")  # fmt: skip
+    return "deepseek_v2", "DeepseekV2ForCausalLM"
+
+
+def _deepseek2(m: Meta) -> dict[str, Any]:
+    """MLA attention: llama.cpp writes it as MQA over the compressed kv (head_count_kv 1, key_length kv_lora + rope,
+    value_length kv_lora) and the per-head sizes as `*_mla`; files from before that split carry kv_b whole and the
+    per-head sizes as key_length / value_length."""
+    heads = int(m.need("attention.head_count"))
+    rope_dim = int(m.need("rope.dimension_count"))
+    kv_lora = int(m.need("attention.kv_lora_rank"))
+    key = int(m.get("attention.key_length_mla") or m.need("attention.key_length"))
+    value = int(m.get("attention.value_length_mla") or m.need("attention.value_length"))
+    n_group = int(m.get("expert_group_count", 1))
+    q_lora = m.get("attention.q_lora_rank")
+    cfg = dict(
+        num_key_value_heads=heads, head_dim=rope_dim, q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=key - rope_dim, v_head_dim=value,
+        intermediate_size=int(m.need("feed_forward_length")), moe_intermediate_size=m.expert_inter(),
+        n_routed_experts=int(m.need("expert_count")), n_shared_experts=int(m.get("expert_shared_count", 0)),
+        first_k_dense_replace=_leading_dense(m), n_group=n_group,
+        topk_group=int(m.get("expert_group_used_count", n_group)), num_nextn_predict_layers=0,
+    )  # fmt: skip
+    if _deepseek2_variant(m)[0] == "deepseek_v2":
+        cfg["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+    return cfg
+
+
 ARCHS: dict[str, GGUFArch] = {
     a.gguf_arch: a
     for a in (
@@ -169,6 +236,8 @@ ARCHS: dict[str, GGUFArch] = {
         GGUFArch("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe),
         GGUFArch("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe),
         GGUFArch("llama", "mixtral", "MixtralForCausalLM", _mixtral, unpermute_qk=True, norm_topk_default=True),
+        GGUFArch("deepseek2", "deepseek_v2", "DeepseekV2ForCausalLM", _deepseek2, names={**_MLA_NAMES, **_EXP_PROBS_B},
+                 scale_attr="routed_scaling_factor", variant=_deepseek2_variant, yarn_mscale=True),
     )
 }
 
@@ -181,7 +250,7 @@ def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str
         raise CheckpointError(
             f"{m.path}: tensor 'token_embd.weight' has rows of {embd_hidden}, {m.arch}.embedding_length says {hidden}"
         )
-    rope = _rope_parameters(m)
+    rope = _rope_parameters(m, arch.yarn_mscale)
     md = m.metadata
     cfg: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=int(m.need("block_count")),
@@ -198,16 +267,20 @@ def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str
         pad_token_id=_int_or_none(md.get("tokenizer.ggml.padding_token_id")),
     )  # fmt: skip
     scale = m.get("expert_weights_scale")
-    if scale is not None and float(scale) != 1.0:
+    if arch.scale_attr is not None:
+        cfg[arch.scale_attr] = float(scale if scale is not None else 1.0)
+    elif scale is not None and float(scale) != 1.0:
         raise CheckpointError(f"{m.path}: {m.arch}.expert_weights_scale {scale} is not supported")
     return cfg
 
 
-def _rope_parameters(m: Meta) -> dict[str, Any]:
+def _rope_parameters(m: Meta, yarn_mscale: bool = False) -> dict[str, Any]:
     """transformers' rope_parameters from llama.cpp's rope keys: default, linear, or YaRN (what its converter writes
     from a checkpoint's rope_scaling: factor, original context, attention factor, beta fast / slow). Keys with no
     transformers counterpart (an extrapolation factor other than 1, DeepSeek's log multiplier, LongRoPE's factor
-    tensors, a generic attention factor) are refused naming the key."""
+    tensors, a generic attention factor) are refused naming the key. `yarn_mscale`: the log multiplier is
+    DeepSeek's (0.1 * mscale_all_dim, written by llama.cpp's deepseek2 converter), given back as transformers'
+    mscale and mscale_all_dim (equal: the converter keeps only one, and DeepSeek's published configs set both alike)."""
     theta = float(m.get("rope.freq_base", 10000.0))
     kind = m.get("rope.scaling.type")
     if kind in (None, "none"):
@@ -215,8 +288,11 @@ def _rope_parameters(m: Meta) -> dict[str, Any]:
     if kind not in ("linear", "yarn"):
         raise CheckpointError(f"{m.path}: {m.arch}.rope.scaling.type {kind!r} is not supported for GGUF input "
                               "(default, linear and yarn are)")  # fmt: skip
+    log_mul = m.get("rope.scaling.yarn_log_multiplier")
     for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0),
                          ("rope.scaling.yarn_log_multiplier", 0.0)):  # fmt: skip
+        if yarn_mscale and kind == "yarn" and key == "rope.scaling.yarn_log_multiplier":
+            continue
         v = m.get(key)
         if v is not None and float(v) != neutral:
             raise CheckpointError(f"{m.path}: {m.arch}.{key} = {v} has no transformers counterpart; not supported")
@@ -228,6 +304,8 @@ def _rope_parameters(m: Meta) -> dict[str, Any]:
             v = m.get(key)  # fmt: skip
             if v is not None:
                 out[name] = float(v)
+        if yarn_mscale and log_mul is not None:
+            out["mscale"] = out["mscale_all_dim"] = float(log_mul) / 0.1
     return out
 
 
@@ -253,23 +331,35 @@ def build_config(
             f"{path}: GGUF model of arch {arch_name!r} has no experts ({arch_name}.expert_count)"
         )
     kwargs = {**_common(m, arch, tensors), **arch.config(m)}
-    config = AutoConfig.for_model(arch.model_type, **kwargs)
-    config.architectures = [arch.architecture]
+    model_type, architecture = arch.variant(m) if arch.variant else (arch.model_type, arch.architecture)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config.architectures = [architecture]
     return config, arch
 
 
 def hf_locations(
-    path: Path, tensors: dict[str, GGUFTensor], config: PretrainedConfig, family: Family, arch: GGUFArch
+    path: Path, tensors: dict[str, GGUFTensor], config: PretrainedConfig, family: Family | None, arch: GGUFArch
 ) -> list[TensorLocation]:
-    """Every GGUF tensor as TensorLocation(s) under transformers' checkpoint names (experts split per expert)."""
-    n_experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
+    """Every GGUF tensor as TensorLocation(s) under transformers' checkpoint names (experts split per expert; MLA's
+    k_b / v_b pair merged back into kv_b_proj). `family` None: a seam family, named by `arch.experts`."""
+    n_experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)
+                    or getattr(config, "n_routed_experts", 0) or 0)  # fmt: skip
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    fills = {
-        "blk": family.ckpt_block,
-        "shared": family.shared_attr or "?",
-        "shared_gate": family.shared_gate_attr or "?",
-    }
+    if family is not None:
+        block = family.ckpt_block
+        fills = {"blk": block, "shared": family.shared_attr or "?", "shared_gate": family.shared_gate_attr or "?"}
+        templates = {p: block + "." + family.sources[p].tensor for p in ("gate", "up", "down")}
+        has_shared = family.shared_attr is not None
+    else:
+        if arch.experts is None:
+            raise UnknownArchitectureError(f"{path}: GGUF arch {arch.gguf_arch!r} names no expert tensors")
+        block, g, u, d = arch.experts
+        fills = {"blk": block, "shared": "?", "shared_gate": "?"}
+        templates = {p: f"{block}.experts.{{e}}.{n}.weight" for p, n in (("gate", g), ("up", u), ("down", d))}
+        has_shared = False
+    names = {**_LAYER_NAMES, **arch.names}
     out: list[TensorLocation] = []
+    mla: dict[int, dict[str, GGUFTensor]] = {}
     for gname, t in tensors.items():
         if gname in _GLOBAL_NAMES:
             out.append(location(t, _GLOBAL_NAMES[gname], t.shape))
@@ -277,7 +367,7 @@ def hf_locations(
         m = _BLOCK.match(gname)
         if m is None:
             raise CheckpointError(
-                f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {arch.model_type}"
+                f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {config.model_type}"
             )
         layer, rest = int(m.group(1)), m.group(2)
         prefix = f"model.layers.{layer}."
@@ -287,15 +377,18 @@ def hf_locations(
                     f"{t.file}: tensor {gname!r} has shape {list(t.shape)}, expected {n_experts} experts first "
                     f"({arch.gguf_arch}.expert_count)"
                 )
-            template = family.sources[_EXPERT_PIECES[rest]].tensor
+            template = templates[_EXPERT_PIECES[rest]]
             for e in range(n_experts):
-                out.append(location(t, prefix + family.ckpt_block + "." + template.format(e=e), t.shape[1:], expert=e))
+                out.append(location(t, prefix + template.format(e=e), t.shape[1:], expert=e))
             continue
-        if rest not in _LAYER_NAMES or ("{shared" in _LAYER_NAMES[rest] and family.shared_attr is None):
+        if rest in _MLA_KV_B and "attn_kv_a_mqa.weight" in arch.names:
+            mla.setdefault(layer, {})[rest] = t
+            continue
+        if rest not in names or ("{shared" in names[rest] and not has_shared):
             raise CheckpointError(
-                f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {arch.model_type}"
+                f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {config.model_type}"
             )
-        name = prefix + _LAYER_NAMES[rest].format(**fills)
+        name = prefix + names[rest].format(**fills)
         shape = t.shape
         if rest == "ffn_gate_inp_shexp.weight":
             shape = (1, t.shape[-1])  # transformers' shared_expert_gate is a Linear(H, 1)
@@ -303,14 +396,36 @@ def hf_locations(
         if arch.unpermute_qk and rest in ("attn_q.weight", "attn_k.weight"):
             unpermute = heads if rest == "attn_q.weight" else kv_heads
         out.append(location(t, name, shape, unpermute_heads=unpermute))
+    out += [_kv_b(layer, pair, config) for layer, pair in sorted(mla.items())]
     return out
+
+
+def _kv_b(layer: int, pair: dict[str, GGUFTensor], config: PretrainedConfig) -> TensorLocation:
+    """kv_b_proj [nh (nope + v), kv_lora] of one layer from llama.cpp's k_b [nh, kv_lora, nope] and v_b
+    [nh, v, kv_lora] (codec `mla_kv_b`, formats/codecs_gguf.py: each part decoded, k_b transposed back)."""
+    k_name, v_name = _MLA_KV_B
+    some = next(iter(pair.values()))
+    if set(pair) != set(_MLA_KV_B):
+        missing = k_name if k_name not in pair else v_name
+        raise CheckpointError(f"{some.file}: blk.{layer}.{missing} is missing (MLA's k_b and v_b come as a pair)")
+    k_b, v_b = pair[k_name], pair[v_name]
+    nh, kv_lora = int(config.num_attention_heads), int(config.kv_lora_rank)
+    nope, v = int(config.qk_nope_head_dim), int(config.v_head_dim)
+    for t, want in ((k_b, (nh, kv_lora, nope)), (v_b, (nh, v, kv_lora))):
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, expected {list(want)} "
+                                  "from the MLA sizes in the metadata")  # fmt: skip
+    name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+    parts = (location(k_b, name + ":k_b", k_b.shape), location(v_b, name + ":v_b", v_b.shape))
+    return TensorLocation(name, k_b.file, k_b.offset, k_b.nbytes + v_b.nbytes, "mla_kv_b", (nh * (nope + v), kv_lora),
+                          parts)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     path: Path  # the first (or only) GGUF file
     config: PretrainedConfig
-    family: Family
+    family: Family | None  # None: a family run through transformers' experts seam (models/seam.py)
     arch: GGUFArch
     index: GGUFIndex
     metadata: dict[str, Any]
@@ -342,6 +457,8 @@ def _open_cached(path: str, size: int, mtime: int) -> GGUFCheckpoint:
     files, metadata, tensors = read_gguf_model(path)
     first = files[0].path
     config, arch = build_config(first, metadata, tensors)
-    family = find_family(config.model_type, config.architectures)
+    family = find_row(config.model_type, config.architectures)
+    if family is None and arch.experts is None:
+        family = find_family(config.model_type, config.architectures)  # raises, naming the architecture
     index = GGUFIndex(first.parent, hf_locations(first, tensors, config, family, arch))
     return GGUFCheckpoint(first, config, family, arch, index, metadata)

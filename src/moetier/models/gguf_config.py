@@ -216,7 +216,7 @@ def _deepseek2(m: Meta) -> dict[str, Any]:
     value = int(m.get("attention.value_length_mla") or m.need("attention.value_length"))
     n_group = int(m.get("expert_group_count", 1))
     q_lora = m.get("attention.q_lora_rank")
-    cfg = dict(
+    cfg: dict[str, Any] = dict(
         num_key_value_heads=heads, head_dim=rope_dim, q_lora_rank=int(q_lora) if q_lora else None,
         kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=key - rope_dim, v_head_dim=value,
         intermediate_size=int(m.need("feed_forward_length")), moe_intermediate_size=m.expert_inter(),

@@ -152,3 +152,35 @@ def test_the_native_build_names_its_path(lib: ctypes.CDLL) -> None:
     if lib.moetier_decode_isa() // 10 == 3:
         assert name == "avx512-bf16-vnni" and best == name
     assert name in ("avx512-bf16-vnni", "avx2+vnni", "avx2", "c")
+
+
+# every e4m3fn byte but the two NaNs (0x7f, 0xff), as the float8 dtype reads it
+_F8_FINITE = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group"),
+                         [(1, 9, 128, 128), (3, 5, 256, 64), (5, 7, 96, 32), (4, 12, 384, 128)])  # fmt: skip
+def test_fp8_rows_against_float64(lib, m, n, k, group):
+    """Kind 9 (fp8 e4m3fn rows, fp32 scales per group): every byte value (subnormals, zeros of both signs, the
+    largest), 1-5 activation rows; the reference decodes with torch's float8_e4m3fn dtype, in float64."""
+    g = torch.Generator().manual_seed(n * k + m)
+    q = _F8_FINITE[torch.randint(0, len(_F8_FINITE), (n, k), generator=g)]  # [N, K] uint8
+    scale = torch.rand(n, k // group, generator=g, dtype=torch.float32) * 0.01 + 1e-4  # [N, K / group]
+    w = q.view(torch.float8_e4m3fn).double() * scale.double().repeat_interleave(group, 1)  # [N, K]
+    x = (torch.randn(m, k, generator=g) * 0.5).to(BF16)
+    want = x.double() @ w.T  # [M, N]
+    got = gemv(lib, x, q, scale, None, 9, group, n).double()
+    tol = 1e-2 * want.abs().max().item() + 1e-6
+    assert (got - want).abs().max().item() <= tol  # bf16 output rounding and fp32 sums only
+
+
+def test_fp8_nan_reaches_the_output(lib):
+    """An e4m3fn NaN byte (0x7f or 0xff) in a weight row makes that row's outputs NaN, not a finite number."""
+    k, n = 64, 4
+    q = torch.full((n, k), 0x38, dtype=torch.uint8)  # 1.0
+    q[1, 5], q[3, 40] = 0x7F, 0xFF
+    scale = torch.ones(n, 1, dtype=torch.float32)
+    got = gemv(lib, torch.ones(2, k, dtype=BF16), q, scale, None, 9, k, n)
+    assert torch.isnan(got[:, 1]).all() and torch.isnan(got[:, 3]).all()
+    ones = torch.full((2,), 64.0)
+    assert torch.equal(got[:, 0].float(), ones) and torch.equal(got[:, 2].float(), ones)

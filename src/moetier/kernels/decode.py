@@ -6,7 +6,8 @@ matmuls of qformat.linear, the float64-reference tests); the decode step itself 
 through kernels/step.py:
 - `moetier::rms_norm(x, w, eps) -> y`: RMSNorm of bf16 rows in fp32, rounded once;
 - `moetier::gemv(x, q, scale, zero, kind, group) -> y`: x [M, K] bf16 @ W[N, K].T -> [M, N] bf16, for a
-  bf16 weight (kind 16) or a quantised one (kind 8 / 4 / 2; csrc/mm.h gives the byte layouts);
+  bf16 weight (kind 16), a quantised one (kind 8 / 4 / 2) or fp8 e4m3fn rows with fp32 scales (kind 9);
+  csrc/mm.h gives the byte layouts;
 - `moetier::moe(x, slots, layout, start, tok, rw, inter) -> out`: every active expert of one MoE layer
   call in one call: x [T, H] bf16, the experts' pool slots (one tensor each, the slot's memory), per
   expert its format row (`layout`: kind, then per matrix group, q / scale / zero byte offsets in the
@@ -42,6 +43,7 @@ import torch
 from moetier.kernels import ggml, matmul, native
 
 KIND_BF16 = 16
+KIND_F8 = 9  # csrc/mm.h MT_KIND_F8: fp8 e4m3fn rows, fp32 scales per group (a block-scaled FP8 checkpoint)
 SF16 = 256  # csrc/mm.h MT_SF16: a kind whose scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out)
 QBLOCK = 32  # activation (and dense weight) quantisation block
 DESC = 11  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, then w2's kind
@@ -125,6 +127,13 @@ def _check_gemv(x: torch.Tensor, q: torch.Tensor, kind: int, group: int) -> tupl
             raise ValueError(f"gemv: a {name} weight must be contiguous uint8 [N, {ggml.row_bytes(name, k)}], got "
                              f"{q.dtype} {list(q.shape)}")  # fmt: skip
         return m, k, q.shape[0]
+    if kind == KIND_F8:
+        if k % QBLOCK or group % QBLOCK or k % group or q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] != k:
+            raise ValueError(f"gemv: an fp8 weight must be contiguous uint8 [N, {k}] with groups of 32s dividing K, "
+                             f"got {q.dtype} {list(q.shape)}, group {group}")  # fmt: skip
+        if not q.is_contiguous():
+            raise ValueError("gemv: an fp8 weight must be contiguous")
+        return m, k, q.shape[0]
     if kind not in (8, 4, 2) or k % QBLOCK or group % QBLOCK or k % group or (kind == 2 and k % 128):
         raise ValueError(f"gemv: kind {kind} with K={k}, group {group} is not a layout of csrc/mm.h")
     if q.dim() != 2 or q.element_size() != 1 or q.shape[1] * 8 != k * kind or not q.is_contiguous():
@@ -138,6 +147,8 @@ def _gemv_impl(
     m, k, n = _check_gemv(x, q, kind, group)
     scaled = kind < ggml.KIND_BASE and kind != KIND_BF16
     sdt = (_BF16, torch.float16) if kind in (8, 4) else (_BF16,)  # fp16: a GGUF file's Q8_0 / Q4_0 scales
+    if kind == KIND_F8:
+        sdt = (torch.float32,)  # an FP8 checkpoint's scale grid, one row of it per weight row
     if scaled and (scale is None or scale.numel() != n * (k // group) or scale.dtype not in sdt):
         raise ValueError(f"gemv: scale must be {' or '.join(map(str, sdt))} [{n}, {k // group}]")
     if zero is not None and (zero.numel() != n * (k // group) or zero.dtype != _BF16):
@@ -210,15 +221,17 @@ def _check_layout(e: int, row: list[int], nbytes: int, h: int, inter: int) -> No
     """ValueError unless expert e's layout row (kind, then group, q, scale, zero per matrix) is a kind the kernels
     compute and every piece lies inside its slot's `nbytes` (w13 [2I, H], w2 [H, I])."""
     kind = row[0]
-    if kind not in (KIND_BF16, 8, 4, 2):
-        raise ValueError(f"moe: expert {e} has layout kind {kind}; the kernels compute 16 (bf16), 8, 4 and 2")
+    if kind not in (KIND_BF16, KIND_F8, 8, 4, 2):
+        raise ValueError(f"moe: expert {e} has layout kind {kind}; the kernels compute 16 (bf16), 9 (fp8), 8, 4 and 2")
     for m, (n, k) in enumerate(((2 * inter, h), (h, inter))):
         group, q, sc, z = row[1 + 4 * m : 5 + 4 * m]
-        need = [(q, n * k * (2 if kind == KIND_BF16 else kind) // (1 if kind == KIND_BF16 else 8))]
+        bits = {KIND_BF16: 16, KIND_F8: 8}.get(kind, kind)
+        need = [(q, n * k * bits // 8)]
         if kind != KIND_BF16:
             if group <= 0 or k % group:
                 raise ValueError(f"moe: expert {e} matrix {m} has group {group}, not a divisor of K={k}")
-            need += [(sc, 2 * n * (k // group))] + ([(z, 2 * n * (k // group))] if z >= 0 else [])
+            sbytes = 4 if kind == KIND_F8 else 2  # fp8: fp32 scales
+            need += [(sc, sbytes * n * (k // group))] + ([(z, 2 * n * (k // group))] if z >= 0 else [])
         for off, size in need:
             if off < 0 or off + size > nbytes:
                 raise ValueError(f"moe: expert {e} matrix {m}: a piece at byte {off} of {size} bytes lies outside "

@@ -100,7 +100,7 @@ class QLinearWeight:
     """One quantised matrix inside a slot, in the compute format `kind` (see the module docstring
     for what q, scale and zero hold per kind)."""
 
-    kind: str  # "int8" | "int4" | "int2" | "generic"
+    kind: str  # "int8" | "int4" | "int2" | "n8" | "n4" | "n2" | "f8" (kernels/fp8.py) | "generic"
     n: int
     k: int
     group: int
@@ -215,6 +215,11 @@ def _native_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
     return decode.gemv(x, w.q, w.scale, w.zero, w.bits, w.group)  # [M, N]
 
 
+def _f8_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
+    """fp8 e4m3fn rows with fp32 scales per group (kernels/fp8.py): the native kernel (kind 9)."""
+    return decode.gemv(x, w.q, w.scale, None, decode.KIND_F8, w.group)  # [M, N]
+
+
 def _int2_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
     sc = w.scratch
     assert sc is not None
@@ -233,6 +238,7 @@ _KERNELS: dict[str, Callable[[torch.Tensor, QLinearWeight], torch.Tensor]] = {
     "n8": _native_mm,
     "n4": _native_mm,
     "n2": _native_mm,
+    "f8": _f8_mm,
 }
 
 

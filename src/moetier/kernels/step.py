@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moetier.kernels import ggml
-from moetier.kernels.decode import KIND_BF16, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
+from moetier.kernels.decode import KIND_BF16, KIND_F8, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
 from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
 from moetier.kernels.stored import StoredExpertViews, StoredVariants, StoredWeight
 from moetier.store.pool import SlotViews
@@ -269,6 +269,14 @@ def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
         base = views.row.data_ptr()
         return [base, KIND_BF16, 0, views.w13.data_ptr() - base, -1, -1, 0, views.w2.data_ptr() - base, -1, -1,
                 KIND_BF16]  # fmt: skip
+    if isinstance(views, QExpertViews) and views.w13.kind == "f8":  # fp8 e4m3fn rows, fp32 scales (kernels/fp8.py)
+        if views.b13 is not None or views.b2 is not None or views.w2.kind != "f8" or not views.row.is_cpu:
+            return None
+        base = views.row.data_ptr()
+        row = [base, KIND_F8]
+        for w in (views.w13, views.w2):
+            row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, -1]
+        return [*row, KIND_F8]
     if isinstance(views, QExpertViews):
         if views.b13 is not None or views.b2 is not None or views.w13.kind not in NATIVE_KINDS:
             return None

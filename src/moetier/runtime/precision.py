@@ -46,7 +46,14 @@ from moetier.policies.precision import ExpertState, PrecisionController, order_s
 from moetier.runtime.observers import Route, Stage
 from moetier.store.dynamic import DynamicStore
 from moetier.store.mover import Mover, SwitchPipeline
-from moetier.store.source import ExpertSource, FullSource, QuantSource, StoredIntSource, StoredSource
+from moetier.store.source import (
+    ExpertSource,
+    FullSource,
+    QuantSource,
+    StoredFp8Source,
+    StoredIntSource,
+    StoredSource,
+)
 from moetier.store.store import ExpertStore
 from moetier.types import ExpertKey, Move, MoveKind, Precision, Tier
 
@@ -60,9 +67,13 @@ def make_source(
     if precision in ("full", "auto"):  # "auto" unresolved (a store built outside runtime/wire.py load): full
         return FullSource(reader, dtype)
     if precision == Precision.STORED.value:
-        fit = StoredIntSource.fits(reader) if native and device.type == "cpu" and dtype == torch.bfloat16 else None
+        here = native and device.type == "cpu" and dtype == torch.bfloat16
+        fit = StoredIntSource.fits(reader) if here else None
         if fit is not None:  # GPTQ / AWQ / compressed-tensors int4: our int4 slots, the checkpoint's own values
             return StoredIntSource(reader, dtype, device, fit)
+        fit8 = StoredFp8Source.fits(reader) if here else None
+        if fit8 is not None:  # block-scaled FP8: fp8 slots, the checkpoint's own bytes and scales
+            return StoredFp8Source(reader, fit8)
         return StoredSource(reader, dtype, native)
     spec = QuantSpec(Precision(precision), cfg.group(precision) or None)
     tier = QuantTier.open(model_dir, spec.precision, spec.group_size, root=cfg.quant_dir, reader=reader)

@@ -61,7 +61,7 @@ from moetier.runtime.prefetch import NEEDS as PREFETCH_NEEDS
 from moetier.runtime.prefetch import PREDICTORS, Prefetcher
 from moetier.runtime.pricing import Pricing, make_pricing
 from moetier.store.dynamic import DynamicStore
-from moetier.store.source import StoredIntSource
+from moetier.store.source import StoredFp8Source, StoredIntSource
 from moetier.store.store import ExpertStore
 from moetier.types import Precision
 
@@ -122,7 +122,7 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
     """Whether the native kernels compute this checkpoint's experts as stored: a CPU bf16 model the native
     executor fits, and either every expert tensor a GGUF block type our kernels or ggml's compute
     (kernels/ggml.py), or every one a GPTQ / AWQ / compressed-tensors int4 tensor our int4 kernels read as stored
-    (store/source.py StoredIntSource); no biases."""
+    (store/source.py StoredIntSource), or every one a block-scaled FP8 tensor (StoredFp8Source); no biases."""
     o = sk.opened
     if sk.device.type == "cuda" or not native_fits(cfg, o.family, o.expert_fn, o.dtype, False):
         return False
@@ -135,7 +135,7 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
         return False
     if not layouts:
         return False
-    if StoredIntSource.fits(o.reader) is not None:
+    if StoredIntSource.fits(o.reader) is not None or StoredFp8Source.fits(o.reader) is not None:
         return True
     for t in (t for tensors in layouts for t in tensors):
         codec = t.codec or ""

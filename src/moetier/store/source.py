@@ -35,6 +35,7 @@ from moetier.formats.qtier import QuantTier, layer_file
 from moetier.formats.quant import QuantSpec
 from moetier.formats.safetensors import ExpertReader, StoredTensor
 from moetier.kernels import decode
+from moetier.kernels.fp8 import Fp8Format, fill, fits_fp8
 from moetier.kernels.qformat import ExpertFormat
 from moetier.kernels.stored import MixedStoredFormat, StoredFormat, for_layer
 from moetier.store.pool import QuantPool, SlotPool, StoredPool
@@ -258,6 +259,79 @@ class StoredIntSource:
 
     def close(self) -> None:
         self.reader.close()
+
+
+class StoredFp8Source:
+    """A block-scaled FP8 checkpoint's experts in FP8 slots (precision "stored" with the native kernels loaded):
+    each read takes the stored e4m3fn bytes as they are and the scale grid widened to fp32, one grid row per weight
+    row (kernels/fp8.py Fp8Format); no dequantisation. The budget counts the slot: a byte a weight plus 4 bytes
+    per column block of a row."""
+
+    precision = Precision.STORED
+
+    @classmethod
+    def fits(cls, reader: ExpertReader) -> tuple[tuple[StoredTensor, ...], int] | None:
+        """(stored tensors, column block) when every expert matrix is one `fp8_block:{bn}x{bk}` tensor of the
+        checkpoint (gate, up and down each as stored, no op), one bk for all, a whole number of blocks along K and
+        bk a multiple of 32; no biases; else None."""
+        if reader.layout.has_bias or reader.layout.down_rows:
+            return None
+        try:
+            layouts, _ = reader.stored_layouts()
+        except CheckpointError:
+            return None
+        if len(layouts) != 1 or not layouts[0]:
+            return None
+        bks = set()
+        for t in layouts[0]:
+            codec = t.codec or ""
+            if not codec.startswith("fp8_block:") or len(t.pieces) != 1 or t.pieces[0][1] != "copy":
+                return None
+            if t.pieces[0][0] not in _MATRIX_OF or len(t.shape) != 2 or len(t.parts) != 2:
+                return None
+            bks.add(_fp8_block(codec)[1])
+        if len(bks) != 1:
+            return None
+        bk = bks.pop()
+        h, i = reader.layout.hidden, reader.layout.inter
+        if not (fits_fp8(2 * i, h, bk) and fits_fp8(h, i, bk)):
+            return None
+        return layouts[0], bk
+
+    def __init__(self, reader: ExpertReader, fit: tuple[tuple[StoredTensor, ...], int]) -> None:
+        tensors, bk = fit
+        self.reader, self.tensors = reader, tensors
+        self.fmt = Fp8Format(reader.layout, bk)
+        self.slot_bytes = self.fmt.slot_bytes
+        self._raw = [[torch.empty(n, dtype=torch.uint8) for n in t.part_bytes] for t in tensors]
+        self._typed = [[r.view(dt).view(shape) for r, (dt, shape) in zip(raw, t.parts, strict=True)]
+                       for raw, t in zip(self._raw, tensors, strict=True)]  # fmt: skip
+        self._bn = [_fp8_block(str(t.codec))[0] for t in tensors]
+        self.staging_bytes = sum(n for t in tensors for n in t.part_bytes)
+        self._lock = threading.Lock()
+
+    def read_into(self, key: ExpertKey, views: Any) -> int:
+        with self._lock:
+            n = self.reader.read_stored(key, self._raw, {})
+            for t, (weight, grid), bn in zip(self.tensors, self._typed, self._bn, strict=True):
+                matrix, block = _MATRIX_OF[t.pieces[0][0]]
+                fill(views.w13 if matrix == "w13" else views.w2, block * weight.shape[0], weight, grid, bn)
+        return n
+
+    def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
+        return QuantPool(cast(Any, self.fmt), n_slots, device, pin=pin)
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        return self.reader.locate(key, piece)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _fp8_block(codec: str) -> tuple[int, int]:
+    """(bn, bk) of an `fp8_block:{bn}x{bk}` codec name."""
+    bn, bk = codec.removeprefix("fp8_block:").split("x")
+    return int(bn), int(bk)
 
 
 class StoredSource:

@@ -1185,8 +1185,125 @@ static void mm_avx512(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt
 }
 #endif
 
+/* ============================================================================ fp8 e4m3fn rows (kind 9) */
+
+static float F8F[256];          /* e4m3fn byte -> fp32 */
+static uint16_t F8B[128];       /* |e4m3fn| (7 bits) -> bf16 bits, exact; 0x7f: NaN */
+__attribute__((constructor)) static void f8_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e == 15 && m == 7 ? NAN : (e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7));
+        F8F[b] = b & 0x80 ? -v : v;
+        if (b < 128) {
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            F8B[b] = (uint16_t)(u >> 16); /* exact: at most 4 significant bits */
+        }
+    }
+}
+float mt_f8_to_f32(uint8_t b) { return F8F[b]; }
+
+#if MT_ISA == 3
+/* 32 fp8 values -> 32 bf16: the 7-bit magnitude through a 128-entry table (two 64-entry vpermt2w, picked by bit
+ * 6), the sign bit moved to bit 15 */
+static inline __m512i f8_bf16x32(const uint8_t* p, const __m512i* L) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(const void*)p));
+    const __m512i lo = _mm512_permutex2var_epi16(L[0], v, L[1]), hi = _mm512_permutex2var_epi16(L[2], v, L[3]);
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(0x40)), lo, hi);
+    return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+}
+
+static void mm_f8(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow,
+                  int64_t nt, float* const* yrow, const float* alpha) {
+    __m512i L[4];
+    for (int i = 0; i < 4; i++) L[i] = _mm512_loadu_si512((const void*)(F8B + 32 * i));
+    const int64_t G = K / w->group;
+    for (int64_t i0 = 0; i0 < nt; i0 += 4) {
+        const int TB = nt - i0 < 4 ? (int)(nt - i0) : 4;
+        const uint16_t* x[4];
+        for (int t = 0; t < TB; t++) x[t] = (const uint16_t*)(const void*)rec_of(A, arow[i0 + t]);
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t* q = (const uint8_t*)w->q + r * K;
+            const float* s = (const float*)(const void*)w->s + r * G;
+            __m512 tot[4];
+            for (int t = 0; t < TB; t++) tot[t] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < G; g++) {
+                __m512 acc[4];
+                for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
+                for (int64_t k = g * w->group; k < (g + 1) * w->group; k += 32) {
+                    const __m512i wv = f8_bf16x32(q + k, L);
+                    for (int t = 0; t < TB; t++)
+                        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)wv, (__m512bh)_mm512_loadu_si512((const void*)(x[t] + k)));
+                }
+                const __m512 sc = _mm512_set1_ps(s[g]);
+                for (int t = 0; t < TB; t++) tot[t] = _mm512_fmadd_ps(acc[t], sc, tot[t]);
+            }
+            for (int t = 0; t < TB; t++) put(yrow, alpha, i0 + t, r, _mm512_reduce_add_ps(tot[t]));
+        }
+    }
+}
+#elif MT_ISA == 2
+/* 8 fp8 values (as uint32 lanes) -> fp32: the 7-bit magnitude placed at fp32's exponent and mantissa, times
+ * 2^120 (the exponent bias difference; e4m3 subnormals land on fp32 subnormals, scaled exactly), sign, NaN */
+static inline __m256 f8_f32x8(__m256i v) {
+    const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+    __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+    f = _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24)));
+    return _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+}
+
+static void mm_f8(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow,
+                  int64_t nt, float* const* yrow, const float* alpha) {
+    /* the record's fp32 values come permuted per 16 as [0-3, 8-11, 4-7, 12-15] (mt_act_prep_bf16): the bytes of
+     * each 16 weights are shuffled the same way before widening */
+    const __m128i perm = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    const int64_t G = K / w->group;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t* q = (const uint8_t*)w->q + r * K;
+        const float* s = (const float*)(const void*)w->s + r * G;
+        for (int64_t i = 0; i < nt; i++) {
+            const float* x = (const float*)(const void*)rec_of(A, arow[i]);
+            __m256 tot = _mm256_setzero_ps();
+            for (int64_t g = 0; g < G; g++) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                for (int64_t k = g * w->group; k < (g + 1) * w->group; k += 16) {
+                    const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(const void*)(q + k)), perm);
+                    a0 = _mm256_fmadd_ps(f8_f32x8(_mm256_cvtepu8_epi32(b)), _mm256_loadu_ps(x + k), a0);
+                    a1 = _mm256_fmadd_ps(f8_f32x8(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), _mm256_loadu_ps(x + k + 8), a1);
+                }
+                tot = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s[g]), tot);
+            }
+            put(yrow, alpha, i, r, hsum8(tot));
+        }
+    }
+}
+#else
+static void mm_f8(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow,
+                  int64_t nt, float* const* yrow, const float* alpha) {
+    const int64_t G = K / w->group;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t* q = (const uint8_t*)w->q + r * K;
+        const float* s = (const float*)(const void*)w->s + r * G;
+        for (int64_t i = 0; i < nt; i++) {
+            const float* x = (const float*)(const void*)rec_of(A, arow[i]);
+            float tot = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float acc = 0.0f;
+                for (int64_t k = g * w->group; k < (g + 1) * w->group; k++) acc += F8F[q[k]] * x[k];
+                tot += acc * s[g];
+            }
+            put(yrow, alpha, i, r, tot);
+        }
+    }
+}
+#endif
+
 void mt_mm(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
            float* const* yrow, const float* alpha) {
+    if (w->kind == MT_KIND_F8) {
+        mm_f8(w, K, r0, r1, A, arow, nt, yrow, alpha);
+        return;
+    }
     if (mt_is_gg(w->kind)) {
         mm_gg(w, K, r0, r1, A, arow, nt, yrow, alpha);
         return;

@@ -18,6 +18,11 @@
  *   constant (8-bit 128, 4-bit 8, 2-bit 2), the Q8_0 / Q4_0 layout of the dense weights (group 32).
  *   sf16: the scales are fp16 instead (a GGUF file's Q8_0 / Q4_0 blocks split into their quants and their
  *   own fp16 scales, exact); callers pass kind | MT_SF16.
+ *   9   fp8 e4m3fn (MT_KIND_F8): one byte a value as the checkpoint stores it; `s` points at fp32 scales
+ *       [N, K / group] (a block-scaled FP8 checkpoint's grid, one row of it per weight row), W = fp8 * scale;
+ *       zero NULL; group a multiple of 32 dividing K. Reads the MT_F_BF16 activation form: each 32 values are
+ *       widened to bf16 (exact: an e4m3 value has 4 significant bits) by a 128-entry table (ISA 3: vpermt2w, then
+ *       vdpbf16ps), or to fp32 arithmetically (ISA 2), or by a 256-entry fp32 table (ISA 0); e4m3fn NaN stays NaN.
  *
  * Activation forms (mt_act), one record per row, 64-byte aligned:
  *   MT_F_BF16 (for kind 16): the row rounded to bf16 (ISA 3: bf16; ISA 2: fp32, each chunk of 16 permuted
@@ -74,6 +79,7 @@ enum { MT_F_BF16 = 0, MT_F_Q8 = 1, MT_F_Q4 = 2, MT_F_GG = 3 };
 #define MT_GG_FORMS 6                /* vec_dot types a process may register */
 #define MT_NFORM (MT_F_GG + MT_GG_FORMS)
 #define MT_KIND_GG 1000              /* kind = MT_KIND_GG + ggml type id */
+#define MT_KIND_F8 9                 /* fp8 e4m3fn values, fp32 scales per group */
 #define MT_GG_TYPES 64
 
 /* ggml's CPU function types (ggml-cpu.h: ggml_vec_dot_t, ggml_from_float_t) */
@@ -108,7 +114,7 @@ static inline int mt_gg_ok(int64_t kind, int64_t K) {
 typedef struct {
     int64_t kind; /* 16, 8, 4, 2, or MT_KIND_GG + a ggml type */
     const void* q;
-    const uint16_t* s; /* bf16 [N, K / group]; NULL for kind 16 */
+    const uint16_t* s; /* bf16 [N, K / group]; NULL for kind 16; kind 9: fp32 [N, K / group] (cast) */
     const uint16_t* z; /* bf16 [N, K / group] or NULL (symmetric) */
     int64_t group;
     int64_t sf16; /* 1: the scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out), not bf16 */
@@ -134,18 +140,21 @@ void mt_act_prep_bf16(const mt_act* A, int64_t r, const uint16_t* x);
 /* the activation form a weight kind reads */
 static inline int mt_form_of(int64_t kind) {
     if (mt_is_gg(kind)) return mt_gg_types[kind - MT_KIND_GG].form;
-    return kind == 16 ? MT_F_BF16 : (kind == 4 ? MT_F_Q4 : MT_F_Q8);
+    return kind == 16 || kind == MT_KIND_F8 ? MT_F_BF16 : (kind == 4 ? MT_F_Q4 : MT_F_Q8);
 }
 /* bytes of one weight row of `kind` with K values */
 static inline int64_t mt_row_bytes(int64_t kind, int64_t K) {
     if (mt_is_gg(kind)) return K / mt_gg_types[kind - MT_KIND_GG].blck * mt_gg_types[kind - MT_KIND_GG].tsize;
-    return kind == 16 ? 2 * K : K * kind / 8;
+    return kind == 16 ? 2 * K : (kind == MT_KIND_F8 ? K : K * kind / 8);
 }
 
 /* rows [r0, r1) of W (K values each) against `nt` activation records arow[0..nt) of A:
  * alpha NULL: yrow[i][r] = W_r . a_i;  else: yrow[i][r] += alpha[i] * (W_r . a_i) */
 void mt_mm(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
            float* const* yrow, const float* alpha);
+
+/* one fp8 e4m3fn value as fp32 (NaN for 0x7f / 0xff) */
+float mt_f8_to_f32(uint8_t b);
 
 /* elementwise helpers on fp32 rows */
 float mt_sumsq(const float* x, int64_t n);

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 4
+#define ABI 5
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -43,7 +43,7 @@ static inline void mm_share(const mt_w* w, int64_t K, int64_t N, const mt_act* A
 static inline int kind_ok(int64_t kind, int64_t K, int64_t group) {
     if (kind == 16) return 1;
     if (mt_is_gg(kind)) return mt_gg_ok(kind, K);
-    if (kind != 8 && kind != 4 && kind != 2) return 0;
+    if (kind != 8 && kind != 4 && kind != 2 && kind != MT_KIND_F8) return 0;
     if (K % MT_QB || group <= 0 || group % MT_QB || K % group) return 0;
     return kind != 2 || K % 128 == 0;
 }
@@ -606,7 +606,7 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     for (int64_t e = 0; e < n_exp; e++) {
         const int64_t kind = desc[e * MT_DESC + 1];
         const int64_t k0 = mt_is_gg(kind) ? kind : kind & ~(int64_t)MT_SF16;
-        if (k0 != 16 && k0 != 8 && k0 != 4 && k0 != 2 && !mt_is_gg(k0)) return -1;
+        if (k0 != 16 && k0 != 8 && k0 != 4 && k0 != 2 && k0 != MT_KIND_F8 && !mt_is_gg(k0)) return -1;
         w[e] = desc_w(desc + e * MT_DESC, 0);
         w[n_exp + e] = desc_w(desc + e * MT_DESC, 1);
     }

@@ -16,11 +16,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import moetier
+from fault_inject import eio_on
 from moetier import Budgets, EngineConfig, RuntimeConfig
 from moetier.config import PrefetchConfig
-from moetier.errors import UnknownArchitectureError
+from moetier.errors import ExpertReadError, UnknownArchitectureError
 from moetier.models import seam
 from moetier.models.tiny import tiny_config
+from moetier.runtime.observers import Tap
+from moetier.types import ExpertKey
 
 ATOL = 1e-4
 RUNTIME = RuntimeConfig(device="cpu", dtype="fp32")
@@ -41,7 +44,7 @@ def family_ckpt(tmp_path_factory: pytest.TempPathFactory):
             model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
             with torch.no_grad():  # non-trivial expert-choice biases where a family has them
                 for name, buf in model.named_buffers():
-                    if name.endswith("e_score_correction_bias"):
+                    if name.endswith(("e_score_correction_bias", ".expert_bias")):
                         buf.uniform_(-0.5, 0.5)
             folder = root / model_type
             model.save_pretrained(folder)
@@ -57,12 +60,46 @@ def _ids(seed: int, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("model_type", SEAM_FAMILIES)
 def test_seam_family_is_exact(family_ckpt, model_type):
+    _check_exact(family_ckpt, model_type, family=model_type, seam=True)
+
+
+# model types with a row (models/families.py) tested from their default config here too: the row's name
+ROWS_FROM_DEFAULTS = {"llama4_text": "llama4"}
+
+
+@pytest.mark.parametrize("model_type", sorted(ROWS_FROM_DEFAULTS))
+def test_row_family_is_exact(family_ckpt, model_type):
+    """Llama-4's row (`scaled_input`: each chosen expert runs on its router score times the input, outputs summed
+    unweighted) with a dense layer, a NoPE layer and chunked attention: exact as the seam families are."""
+    _check_exact(family_ckpt, model_type, family=ROWS_FROM_DEFAULTS[model_type], seam=False)
+
+
+def test_scaled_input_read_fault_names_the_calls_rows(family_ckpt):
+    """Llama-4's experts run on one row per (token, choice); a failed expert read still names the call's rows."""
+    folder, _ = family_ckpt("llama4_text")
+    probe = moetier.load(folder, EngineConfig(runtime=RUNTIME))
+    budget = probe.store.slot_bytes + probe.store.staging_bytes  # one slot: every other expert is read from disk
+    probe.close()
+    engine = moetier.load(folder, EngineConfig(budgets=Budgets(host_expert_bytes=budget), runtime=RUNTIME))
+    seen: dict[int, list[list[int]]] = {}
+    engine.observers.add(Tap(lambda r: seen.__setitem__(r.layer, r.ids.tolist())))
+    ids = _ids(1, 12)
+    engine.logits(ids)
+    routed = seen[2]  # the last MoE layer's ids [T][k]
+    e = next(x for x in range(6) if 0 < sum(x in row for row in routed) < len(routed))
+    with eio_on(engine.store.source.reader, ExpertKey(2, e)), pytest.raises(ExpertReadError) as err:
+        engine.logits(ids)
+    assert err.value.rows == tuple(t for t, row in enumerate(routed) if e in row)
+    engine.close()
+
+
+def _check_exact(family_ckpt, model_type: str, family: str, seam: bool) -> None:
     folder, ref = family_ckpt(model_type)
     ids = _ids(1, 12)
     with torch.no_grad():
         want = ref(ids).logits  # [1, T, V]
     probe = moetier.load(folder, EngineConfig(runtime=RUNTIME))
-    assert probe.loaded.family.seam and probe.info.family == model_type
+    assert probe.loaded.family.seam is seam and probe.info.family == family
     n_moe, slot, staging = len(probe.info.moe_layers), probe.store.slot_bytes, probe.store.staging_bytes
     assert (probe.logits(ids) - want).abs().max().item() <= ATOL  # all resident
     probe.close()
@@ -115,10 +152,24 @@ def test_seam_refuses_gate_prefetch(family_ckpt):
         moetier.load(folder, EngineConfig(runtime=RUNTIME, prefetch=PrefetchConfig(enabled=True)))
 
 
-@pytest.mark.parametrize("model_type", ["jetmoe", "llama4_text", "longcat_flash"])
-def test_families_without_the_seam_are_refused(family_ckpt, model_type):
+@pytest.mark.parametrize(("model_type", "why"), [
+    ("jetmoe", "attention is itself a mixture of experts"),
+    ("longcat_flash", "zero-computation experts"),
+    ("doge", "single-neuron product-key experts"),
+    ("nemotron_h", r"experts are ungated \(up -> activation -> down"),
+])  # fmt: skip
+def test_refused_families_say_why(family_ckpt, model_type, why):
+    """transformers 5.24's MoE families moetier cannot run are refused naming what it lacks, not for want of a row."""
     folder, _ = family_ckpt(model_type)
-    with pytest.raises(UnknownArchitectureError, match="seam"):
+    with pytest.raises(UnknownArchitectureError, match=why) as err:
         moetier.load(folder, EngineConfig(runtime=RUNTIME))
+    assert "no family row" not in str(err.value)
+
+
+def test_llama4_composite_is_refused_naming_the_text_model(tmp_path):
+    config = '{"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"]}'
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(UnknownArchitectureError, match=r"composite .* llama4_text"):
+        moetier.load(tmp_path, EngineConfig(runtime=RUNTIME))
 
 

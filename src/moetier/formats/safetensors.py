@@ -5,7 +5,9 @@ validated against the config: a missing, mis-shaped or wrongly typed expert tens
 raises CheckpointError naming it. A read is `os.preadv` into the slot's own memory
 when the stored dtype and layout already match the slot; otherwise it goes through
 one staging buffer allocated at start (dtype cast, transpose, de-interleave). No
-file is mapped into the process, so reading never leaves a whole file resident.
+file is mapped into the process, so reading never leaves a whole file resident. A fused tensor
+stored [E * rows, ...] (the experts stacked along its rows: DBRX's w1 / v1 / w2) is read as the
+[E, rows, ...] it is byte for byte.
 
 An encoded expert tensor (a quantised checkpoint, formats/encoded.py) is read part by part
 into the staging buffer (for a fused tensor [E, ...], the expert's slice of every part),
@@ -237,7 +239,8 @@ class ExpertReader:
             (want,) = shapes
             fused = members[0][1].fused
             full_want = (self.num_experts, *want) if fused else want
-            if loc.shape != full_want:
+            stacked = fused and want and tuple(loc.shape) == (self.num_experts * want[0], *want[1:])
+            if loc.shape != full_want and not (stacked and not loc.parts):  # [E * rows, ...]: the same bytes (DBRX)
                 raise CheckpointError(
                     f"{loc.file}: expert tensor {name!r} has shape {list(loc.shape)}, expected {list(full_want)} "
                     "from config.json"

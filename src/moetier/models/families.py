@@ -17,6 +17,11 @@ or from a fused tensor with a leading expert dimension, then applies `op`:
     even / odd       every other row (or element, for biases): gate/up interleaved
     top / bottom     the first / second half of the rows (or elements): gate/up concatenated
     T_top / T_bottom transpose, then the first / second half of the rows
+A fused tensor may also hold the experts stacked along its rows, [E * rows, ...] (DBRX's w1 / v1 / w2):
+the reader takes it as the [E, rows, ...] it is byte for byte.
+
+Routing: a row's router module returns (logits, top-k weights, top-k ids), the weights scaling each expert's
+output, except where `scaled_input` says the family scales each expert's input instead (Llama-4).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ class Family:
     shared_attr: str | None = None  # shared-expert MLP submodule, added to every token's output
     shared_gate_attr: str | None = None  # per-token sigmoid gate of the shared expert (Qwen2-MoE)
     returns_router_scores: bool = False  # block returns (hidden, router_scores) (GPT-OSS)
+    # Llama-4: the router returns (scores [T, E], zero outside the top k; logits [T, E]) and a chosen expert runs on
+    # the input scaled by its score, the outputs summed unweighted: sum_k expert(w_k * x), not sum_k w_k * expert(x)
+    scaled_input: bool = False
     lean_attention: str | None = None  # attention kind the engine's own decoder implements, or None
     # the router the native decode step computes (kernels/csrc/step.c), or None (the family's module routes):
     # "softmax_topk": softmax, top-k, renormalised when config.norm_topk_prob, weights in the model dtype (Qwen,
@@ -120,7 +128,34 @@ FAMILIES: tuple[Family, ...] = (
         intermediate_attr="intermediate_size", expert_kind="gptoss", scoring="topk_softmax",
         router_attr="router", returns_router_scores=True,
     ),
+    Family(
+        name="llama4", model_types=("llama4_text",), architectures=("Llama4ForCausalLM",),
+        sources={
+            "gate": ExpertSource("experts.gate_up_proj", "T_top"),  # [E, H, 2I], x @ W, gate columns first
+            "up": ExpertSource("experts.gate_up_proj", "T_bottom"),
+            "down": ExpertSource("experts.down_proj", "T"),  # [E, I, H]
+        },
+        intermediate_attr="intermediate_size", scoring="sigmoid", block_attr="feed_forward",
+        ckpt_block="feed_forward", router_attr="router", shared_attr="shared_expert", returns_router_scores=True,
+        scaled_input=True,
+    ),
 )  # fmt: skip
+
+# transformers MoE families moetier refuses at open, by model_type, and why (docs/engine.md lists every refused family)
+REFUSED: dict[str, str] = {
+    "jetmoe": "JetMoE's attention is itself a mixture of experts (MoA: routed per-expert query and output "
+              "projections), which moetier does not offload, and neither of its expert modules (JetMoeParallelExperts, "
+              "fed tokens pre-sorted by expert) is behind transformers' experts seam",
+    "longcat_flash": "LongCat-Flash also routes tokens to zero-computation experts (router ids >= n_routed_experts: "
+                     "the token itself, scaled by its gate weight), and its gate_up_proj holds n_routed_experts + "
+                     "zero_expert_num experts against down_proj's n_routed_experts; moetier's experts are stored FFNs "
+                     "only",
+    "doge": "Doge's routed experts are single-neuron product-key experts (one row each of its down_embed / up_embed "
+            "tables, ungated, chosen by a two-key product router), not FFNs with a gate, up and down projection",
+    "llama4": "a Llama-4 composite (vision + text) checkpoint; moetier runs Llama-4's text model (model_type "
+              "llama4_text, Llama4ForCausalLM, the llama4 row) and does not map a composite's language-model and "
+              "vision tensors onto it",
+}  # fmt: skip
 
 
 def find_row(model_type: str | None, architectures: list[str] | None) -> Family | None:

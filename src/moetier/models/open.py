@@ -39,7 +39,7 @@ from moetier.models.base import (
     ignored_unexpected,
     locate,
 )
-from moetier.models.families import Family, find_row
+from moetier.models.families import REFUSED, Family, find_row
 from moetier.models.gguf_config import open_gguf
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -82,6 +82,11 @@ def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family 
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
     family = find_row(raw.get("model_type"), raw.get("architectures"))
+    if family is None and raw.get("model_type") in REFUSED:
+        raise UnknownArchitectureError(
+            f"{cfg_file}: model_type {raw['model_type']!r} ({raw.get('architectures') or []}) is not supported: "
+            f"{REFUSED[raw['model_type']]}"
+        )
     if raw.get("quantization_config"):
         check_method(raw["quantization_config"], str(cfg_file))  # supported methods: formats/quantized.py
     archs, model_type = raw.get("architectures") or [], raw.get("model_type")

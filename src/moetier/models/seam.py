@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -56,7 +57,7 @@ from moetier.models.base import assign
 from moetier.models.families import Family
 
 log = logging.getLogger(__name__)
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 _TOP_K_ATTRS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_experts_per_token", "experts_per_token",
                 "top_k_experts")
 
@@ -93,14 +94,43 @@ class ModuleGLU:
         return linear(self.apply_gate(h), v.w2, v.b2)  # [N, H]
 
 
+@dataclass(frozen=True)
+class PlainExperts:
+    """An experts module transformers does not decorate whose forward is nonetheless the seam's
+    (hidden_states, top_k_index, top_k_weights) -> the weighted sum of the chosen experts' outputs, its experts
+    gated the default way (act(gate) * up): each piece's parameter, stored [E * rows, cols] (the experts stacked
+    along the rows), with the reader op of one expert's rows (models/families.py), and its activation."""
+
+    params: Mapping[str, tuple[str, str]]  # parameter path in the module -> (piece, op)
+    act: str  # attribute path of the module's activation
+
+
+# class name -> its weights. DBRX: w1 / v1 / w2 [E * I, H], gate = x @ w1.T, up = x @ v1.T, (act(gate) * up) @ w2
+PLAIN_EXPERTS: dict[str, PlainExperts] = {
+    "DbrxExperts": PlainExperts({"mlp.w1": ("gate", "copy"), "mlp.v1": ("up", "copy"), "mlp.w2": ("down", "T")},
+                                act="mlp.activation_fn"),
+}  # fmt: skip
+
+
+def _plain(module: nn.Module) -> PlainExperts | None:
+    return PLAIN_EXPERTS.get(type(module).__name__)
+
+
+def _expert_params(module: nn.Module) -> tuple[str, ...]:
+    """The parameter paths of an experts module that hold expert weights."""
+    plain = _plain(module)
+    return tuple(plain.params) if plain is not None else tuple(_PARAM_PIECES)
+
+
 # Seam families with an exactness test (tests/models/test_seam.py); others load with a logged warning
 VERIFIED = frozenset({
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v32", "deepseek_v4",
-    "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-    "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
-    "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text",
-    "qwen3_next", "sarvam_moe", "solar_open", "zaya",
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "dbrx", "deepseek_v32",
+    "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
+    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "inkling2_loop_text", "inkling2_text", "jamba",
+    "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2",
+    "minimax_m3_vl_text", "phimoe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_moe", "solar_open",
+    "zaya",
 })  # fmt: skip
 
 
@@ -115,8 +145,8 @@ def has_seam(config: PretrainedConfig) -> bool:
     module = sys.modules.get(cls.__module__) if cls is not None else None
     if module is None:
         return False
-    return any(isinstance(obj, type) and issubclass(obj, nn.Module) and hasattr(obj, "_apply_gate")
-               for obj in vars(module).values())  # fmt: skip
+    return any(isinstance(obj, type) and issubclass(obj, nn.Module) and
+               (hasattr(obj, "_apply_gate") or obj.__name__ in PLAIN_EXPERTS) for obj in vars(module).values())
 
 
 def warn_unverified(config: PretrainedConfig, has_row: bool) -> None:
@@ -132,7 +162,8 @@ def seam_sites(model: nn.Module) -> list[SeamSite]:
     """Every experts module transformers' `use_experts_implementation` decorated, by decoder layer."""
     sites = []
     for path, module in model.named_modules():
-        if not path.endswith(".experts") or not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+        decorated = hasattr(module, "has_gate") and hasattr(module, "is_transposed")
+        if not path.endswith(".experts") or not (decorated or _plain(module)):
             continue
         m = _LAYER.search(path)
         if m is None:
@@ -146,9 +177,14 @@ def expert_shape(sites: list[SeamSite], model_type: str) -> ExpertShape:
     shapes = set()
     for s in sites:
         m: Any = s.module
+        plain = _plain(m)
+        if plain is not None:
+            shapes.add(_plain_shape(s, plain, model_type))
+            continue
         if not m.has_gate:
             raise UnknownArchitectureError(
-                f"{model_type}: its experts have no gate projection (up -> act -> down); moetier's experts are gated"
+                f"{model_type}: its experts are ungated (up -> activation -> down, no gate projection); moetier's "
+                "expert slots hold gated experts (gate, up, down: formats/layout.py)"
             )
         if getattr(m, "has_post_expert_norm", False):
             raise UnknownArchitectureError(f"{model_type}: a norm after each expert is not supported yet")
@@ -169,6 +205,19 @@ def expert_shape(sites: list[SeamSite], model_type: str) -> ExpertShape:
             f"{model_type}: MoE layers differ in expert count or shape: {sorted(map(str, shapes))}"
         )
     return shapes.pop()
+
+
+def _plain_shape(site: SeamSite, plain: PlainExperts, model_type: str) -> ExpertShape:
+    """A PlainExperts module's shape: every parameter [E * I, H] (down too: its transpose is stacked)."""
+    e = int(cast(Any, site.module).num_experts)
+    shapes = {tuple(site.module.get_parameter(name).shape) for name in plain.params}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[0] % e:
+        raise UnknownArchitectureError(
+            f"{model_type}: experts module {site.path} holds {sorted(shapes)}, not {len(plain.params)} tensors of "
+            f"[{e} experts * intermediate, hidden]"
+        )
+    rows, hidden = next(iter(shapes))
+    return ExpertShape(e, int(hidden), int(rows) // e, has_bias=False, transposed=False, concatenated=True)
 
 
 def top_k_of(config: PretrainedConfig, sites: list[SeamSite], model: nn.Module) -> int:
@@ -236,13 +285,14 @@ class SeamLayout:
 
 def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[SeamSite], shape: ExpertShape,
                       model_type: str) -> SeamLayout:  # fmt: skip
-    """Where each expert piece and each non-expert tensor lives in the checkpoint, by transformers' rules."""
+    """Where each expert piece and each non-expert tensor lives in the checkpoint, by transformers' rules (and, for
+    a GGUF index, the converters of the names only it uses: formats/gguf.GGUFIndex.converters)."""
     transforms = get_model_conversion_mapping(cast(PreTrainedModel, model))
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)] + list(getattr(index, "converters", ()))
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta = dict(model.state_dict(keep_vars=True))
-    owner = {f"{s.path}.{p}": s for s in sites for p in _PARAM_PIECES}
+    owner = {f"{s.path}.{p}": s for s in sites for p in _expert_params(s.module)}
     found: dict[int, dict[str, tuple[str, str]]] = {s.layer: {} for s in sites}  # layer -> piece -> (name, op)
     ckpt_names: dict[str, str] = {}
     conversions: dict[str, Conversion] = {}
@@ -256,17 +306,28 @@ def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[Seam
             else:
                 ckpt_names[target] = key
             continue
-        param = target.rsplit(".", 1)[1]
-        pieces = _PARAM_PIECES[param]
+        param = target[len(site.path) + 1 :]
+        plain = _plain(site.module)
+        if plain is not None and pattern is None:  # a PlainExperts module's parameter, as the model holds it
+            piece, op = plain.params[param]
+            found[site.layer][piece] = (key, op)
+            continue
+        pieces = _PARAM_PIECES.get(param, ())
         if pattern is None:  # the fused tensor as the model holds it
             for piece in pieces:
                 found[site.layer][piece] = (key, _fused_ops(piece, shape, flip=False))
             continue
         conv = by_pattern[pattern]
         ops = [type(o).__name__ for o in conv.operations]
-        if ops == ["Transpose"]:
+        if ops[:1] == ["Inkling2LoopDequantizeExperts"] and pattern == conv.source_patterns[0]:
+            ops = ops[1:]  # the weight alone (no scale tensor in the checkpoint): transformers passes it through
+        if ops in ([], ["Transpose"]):
             for piece in pieces:
-                found[site.layer][piece] = (key, _fused_ops(piece, shape, flip=True))
+                found[site.layer][piece] = (key, _fused_ops(piece, shape, flip=bool(ops)))
+        elif ops == ["Interleave"] and _deinterleaves(conv.operations[-1], param, shape):
+            for piece in pieces:  # stored interleaved (g0, u0, g1, u1, ...), held concatenated
+                found[site.layer][piece] = (key, _fused_ops(piece, dataclasses.replace(shape, concatenated=False),
+                                                            flip=False))  # fmt: skip
         elif ops in (["MergeModulelist", "Concatenate"], ["MergeModulelist"]) and "*" in pattern:
             piece = pieces[conv.source_patterns.index(pattern)] if len(pieces) > 1 else pieces[0]
             found[site.layer].setdefault(piece, (_template(key, pattern), "copy"))
@@ -278,7 +339,16 @@ def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[Seam
     return _common_layout(found, ckpt_names, conversions, shape, model_type)
 
 
-_CONVERSION_OPS = ("Concatenate", "Split")  # what a non-expert conversion may do (both exact, no arithmetic)
+def _deinterleaves(op: Any, param: str, shape: ExpertShape) -> bool:
+    """Whether transformers' `Interleave` op de-interleaves the gate/up dimension of `param` into the concatenated
+    [gate; up] the module holds (Inkling 2 stores w13 interleaved)."""
+    gate_up_dim = 2 if shape.transposed and param == "gate_up_proj" else 1
+    return param.startswith("gate_up") and shape.concatenated and not op.inverse and op.dim == gate_up_dim
+
+
+# what a non-expert conversion may do: all exact, no arithmetic (concatenations, splits, Inkling 2's unembedding
+# cut to its unpadded vocabulary, Inkling 2 Loop's message queries regrouped)
+_CONVERSION_OPS = ("Concatenate", "Split", "Inkling2UnpadVocab", "Inkling2LoopMergeMessageQueries")
 
 
 def _add_conversion(conversions: dict[str, Conversion], conv: WeightConverter, pattern: str, key: str, target: str,
@@ -373,6 +443,9 @@ def expert_fn(sites: list[SeamSite], shape: ExpertShape) -> ModuleGLU | SwiGLU:
     """SwiGLU (which the native executor runs) where the module gates the default way (act(gate) * up on a
     concatenated product, no biases); else the module's own `_apply_gate` (ModuleGLU)."""
     module: Any = sites[0].module
+    plain = _plain(module)
+    if plain is not None:
+        return SwiGLU(act=operator.attrgetter(plain.act)(module))
     if type(module)._apply_gate is _default_apply_gate and shape.concatenated and not shape.has_bias:
         return SwiGLU(act=module.act_fn)
     return ModuleGLU(apply_gate=module._apply_gate, concatenated=shape.concatenated)

@@ -86,7 +86,25 @@ SMALL: dict[str, Any] = dict(
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),  # its default lists only one kind
     "zaya": dict(num_experts_per_tok=1),  # ZAYA routes to one expert only
-}
+    # LFM2-MoE: layer_types defaults to None; short-conv and attention layers, both MoE past the dense first layer
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3),
+    # Qwen4-Exp: every attention layer is QSA-indexed, whose sizes have no default; a small hyper-connection mixer
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                           indexer_compress_ratio=2, hc_lowrank=8),
+    # Inkling 2: the unembedding is stored padded to vocab_size, the model keeps unpadded_vocab_size rows
+    "inkling2_text": dict(vocab_size=128, unpadded_vocab_size=96),
+    "inkling2_loop_text": dict(vocab_size=128, unpadded_vocab_size=96),
+    # DBRX: sizes under its own names and in nested attention / FFN configs (its attention reads a rope_theta
+    # that DbrxAttentionConfig does not default)
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256,
+                 attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=6, moe_top_k=2)),
+    # Llama-4: a dense layer between MoE ones (small), a NoPE layer, chunked attention and attention temperature
+    # tuning reached within a short prompt
+    "llama4_text": dict(num_hidden_layers=3, moe_layers=[0, 2], intermediate_size_mlp=64, no_rope_layers=[1, 1, 0],
+                        layer_types=["chunked_attention", "chunked_attention", "full_attention"],
+                        attention_chunk_size=8, floor_scale=4),
+}  # fmt: skip
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:

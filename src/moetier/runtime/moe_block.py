@@ -9,7 +9,9 @@ One call runs the pipeline once, and this file says all of it:
 3. plan: the executor groups the tokens by expert, the scheduler turns the counts into a Plan
    (tasks in run order, the domain of each);
 4. move + compute + combine: the executor pins each task's expert where its domain computes,
-   computes and sums the weighted outputs in ascending expert id (runtime/executors/);
+   computes and sums the weighted outputs in ascending expert id (runtime/executors/); a family whose
+   gate weight scales the expert's input (Llama-4, Family.scaled_input) hands the executor each
+   (token, choice) as a row of its own, scaled, with weight 1, and sums a token's rows;
 5. shared experts (dense, from the reference block) are added.
 
 The scheduler, the executor and the observers are one `Pipeline`, given once by the wiring
@@ -174,7 +176,12 @@ class TieredMoE(_Tiered):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (logits [T, E], weights [T, k], ids [T, k]): the router alone, no observer."""
-        logits, weights, ids = getattr(self, self.router_name)(x)
+        router = getattr(self, self.router_name)
+        if self.family.scaled_input:  # Llama-4: (scores [T, E], zero outside the top k; logits [T, E])
+            scores, logits = router(x)
+            ids = torch.topk(logits, router.top_k, dim=1).indices  # the router's own top-k of the same logits
+            return logits, scores.gather(1, ids), ids
+        logits, weights, ids = router(x)
         return logits, weights, ids
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -200,13 +207,31 @@ class TieredMoE(_Tiered):
             for obs in p.observers:
                 obs.observe(route)
         # 3. plan, 4. move + compute + combine
-        out = self.experts_forward(x, ids, weights)  # [T, H]
+        if self.family.scaled_input:
+            out = self.experts_on_scaled_input(x, ids, weights)
+        else:
+            out = self.experts_forward(x, ids, weights)  # [T, H]
         # 5. shared experts
         shared = self.shared(x)
         if shared is not None:
             out = out + shared
         out = out.reshape(shape)
         return (out, weights) if self.family.returns_router_scores else out
+
+
+    def experts_on_scaled_input(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Llama-4 (Family.scaled_input): sum_k expert_k(w_k * x) as [T, H]. Each (token, choice) is a row of its
+        own, its input scaled by its weight, combined with weight 1 (exact), then the k rows of a token summed, as
+        the reference sums its experts' outputs (an unchosen expert's output there is exactly zero)."""
+        t, k = ids.shape
+        xs = (x.unsqueeze(1) * weights.unsqueeze(-1)).reshape(t * k, x.shape[-1])  # [T*k, H], row t*k + j
+        ones = torch.ones((t * k, 1), dtype=weights.dtype, device=weights.device)
+        try:
+            out = self.experts_forward(xs, ids.reshape(t * k, 1), ones)  # [T*k, H]
+        except ExpertReadError as exc:  # rows of the expanded input -> the call's rows
+            exc.rows = tuple(sorted({r // k for r in exc.rows}))
+            raise
+        return out.reshape(t, k, -1).sum(dim=1)
 
 
 class TieredExperts(_Tiered):

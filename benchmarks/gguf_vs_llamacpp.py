@@ -12,12 +12,21 @@ Steps (each skipped when its output exists under `--cache-dir`, default `.bench/
    chunk's first token replaced by BOS when the vocabulary adds one, as llama-perplexity does) and
    its log-softmax is compared on the entries llama.cpp kept.
 
+With `--archs deepseek_v2,deepseek_v3,gpt_oss,...` (transformers model types), step 2 is instead, per family: a
+tiny random checkpoint from `moetier.models.tiny.tiny_config` (vocabulary 4096, the bundled tokenizer; ARCH_CONFIG
+adds the config fields the family's published checkpoints carry and the converter reads), converted by llama.cpp's
+converter with every family's own vocabulary code replaced by its plain GPT-2 BPE one (the tiny checkpoints carry
+the bundled byte-level BPE tokenizer whatever their family), then quantised to `--types`. Each file is also
+compared with transformers on the source checkpoint (`max_abs_vs_transformers`, fp32 logits), so a mismatch says
+which side departs.
+
 Reported per file: max |log p_moetier - log p_llama.cpp|, mean KL(llama.cpp || moetier), top-1 agreement.
 llama.cpp's CPU matmuls quantise activations to 8 bits for quantised weights (and keep F32 otherwise),
 so only the F32 file is expected at the log-prob resolution; quantised files differ by activation
 quantisation.
 
     python benchmarks/gguf_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--ctx 128] [--chunks 2] [--threads 2]
+    python benchmarks/gguf_vs_llamacpp.py --archs deepseek_v2,deepseek_v3,gpt_oss --types Q8_0
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moetier
 from moetier import EngineConfig, RuntimeConfig
 from moetier.formats.gguf import read_gguf
-from moetier.models.tiny import build_tiny_checkpoint
+from moetier.models.tiny import build_tiny_checkpoint, tiny_config
 from vs_llamacpp import (
     LLAMACPP_VERSION,
     TOKENIZER_FILES,
@@ -72,6 +81,86 @@ def make_ggufs(cache: Path, types: list[str]) -> dict[str, Path]:
         if not files[t].exists():
             run([str(lc.tool("llama-quantize")), "--allow-requantize", str(files["F32"]), str(files[t]), t, "2"])
     return files
+
+
+# config fields the family's published checkpoints carry and llama.cpp's converter reads (absent from a config built
+# from transformers' defaults): DeepSeek-V3's sigmoid router, DeepSeek-V2-Lite's uncompressed q (llama.cpp knows a
+# Lite model by its 27 layers, and wants q_lora_rank otherwise)
+ARCH_CONFIG: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+    "dots1": {"scoring_func": "sigmoid"},
+    # ERNIE-4.5-21B-A3B's proportions: the converter derives the shared expert's width from intermediate_size
+    "ernie4_5_moe": {"intermediate_size": 64, "moe_num_shared_experts": 2, "num_hidden_layers": 3},
+    # Hunyuan-A13B's config carries these as per-layer lists, which the converter reads
+    "hunyuan_v1_moe": {"moe_intermediate_size": [48, 48], "moe_topk": [2, 2], "num_shared_expert": [1, 1]},
+    "deepseek_v2": {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_hidden_layers": 27},
+}
+# run llama.cpp's converter with every model class's own vocabulary code replaced by the plain GPT-2 BPE one
+_CONVERT = """
+import importlib, pkgutil, runpy, sys
+tree = sys.argv.pop(1)
+sys.path[:0] = [tree, tree + "/gguf-py"]
+import conversion, conversion.base as base
+for m in pkgutil.iter_modules(conversion.__path__):
+    try:
+        importlib.import_module("conversion." + m.name)
+    except Exception:
+        pass
+def walk(c):
+    for s in c.__subclasses__():
+        yield s
+        yield from walk(s)
+for cls in [base.TextModel, *walk(base.TextModel)]:
+    if "set_vocab" in cls.__dict__:
+        cls.set_vocab = base.TextModel._set_vocab_gpt2
+sys.argv[0] = tree + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str, Path]:
+    """F32 and `types` GGUFs of a tiny random `model_type` checkpoint, by llama.cpp's own converter and quantiser."""
+    from transformers import AutoModelForCausalLM
+
+    lc = get_llamacpp(cache, LLAMACPP_VERSION, skip_build=False)
+    out = cache / "llamacpp" / "gguf_archs" / model_type
+    src = out / "src"
+    if not (src / "model.safetensors").exists():
+        cfg = tiny_config(model_type, vocab_size=4096, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                          **ARCH_CONFIG.get(model_type, {}))  # fmt: skip
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for prm in model.parameters():  # matrices N(0, 0.05); norms and biases near 1 and small
+                prm.normal_(0, 0.05) if prm.dim() > 1 else prm.uniform_(0.5, 1.5)
+        model.save_pretrained(src)
+        for name in TOKENIZER_FILES:
+            shutil.copy2(TOKENIZER_SRC / name, src / name)
+    patch_pretokenizer(lc.tree, src)
+    files = {"F32": out / "F32.gguf", **{t: out / f"{t}.gguf" for t in types}}
+    if not files["F32"].exists():
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        run([sys.executable, "-c", _CONVERT, str(lc.tree), str(src), "--outtype", "f32", "--outfile",
+             str(files["F32"])], env=env)  # fmt: skip
+    for t in types:
+        if not files[t].exists():
+            run([str(lc.tool("llama-quantize")), "--allow-requantize", str(files["F32"]), str(files[t]), t, "2"])
+    return files
+
+
+def vs_transformers(gguf: Path, src: Path) -> float:
+    """max |logits| difference, moetier on the GGUF file against transformers on the checkpoint it came from (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(1, 4000, (1, 16), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+    engine = moetier.load(gguf, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="fp32", lean=False)))
+    try:
+        return float((engine.logits(ids)[0] - want).abs().max())
+    finally:
+        engine.close()
 
 
 def llama_logprobs(cache: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int) -> dict[str, Any]:
@@ -127,9 +216,16 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--archs", default="", help="transformers model types to check instead of the qwen3_moe model")
     args = ap.parse_args()
-    files = make_ggufs(args.cache_dir, args.types.split(","))
+    types = [t for t in args.types.split(",") if t]
+    if args.archs:
+        files = {f"{mt}/{t}": p for mt in args.archs.split(",")
+                 for t, p in make_arch_ggufs(args.cache_dir, mt, types).items()}  # fmt: skip
+    else:
+        files = make_ggufs(args.cache_dir, types)
     text = args.cache_dir / "llamacpp" / "gguf_tiny" / "text.txt"
+    text.parent.mkdir(parents=True, exist_ok=True)
     text.write_text((REPO / "README.md").read_text())  # tokenizes to far more than ctx * chunks tokens
     rows = {}
     for name, path in files.items():
@@ -137,12 +233,15 @@ def main() -> None:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
         bos = int(meta.get("tokenizer.ggml.bos_token_id", 0))
         ref = llama_logprobs(args.cache_dir, path, text, args.ctx, args.chunks, args.threads)
-        types = sorted({t.type_name for t in read_gguf(path).tensors.values()})
-        rows[name] = {**compare(path, ref, add_bos, bos), "tensor_types": types}
-    print(f"{'file':8} {'max|dlogp|':>11} {'mean KL':>10} {'top-1':>6}  tensor types")
+        kinds = sorted({t.type_name for t in read_gguf(path).tensors.values()})
+        rows[name] = {**compare(path, ref, add_bos, bos), "tensor_types": kinds}
+        if args.archs:
+            rows[name]["max_abs_vs_transformers"] = vs_transformers(path, path.parent / "src")
+    print(f"{'file':24} {'max|dlogp|':>11} {'mean KL':>10} {'top-1':>6} {'vs tf':>9}  tensor types")
     for name, r in rows.items():
-        print(f"{name:8} {r['max_abs_logprob']:11.2e} {r['mean_kl']:10.2e} {r['top1_agree']:6.3f}  "
-              f"{','.join(r['tensor_types'])}")  # fmt: skip
+        tf = r.get("max_abs_vs_transformers")
+        print(f"{name:24} {r['max_abs_logprob']:11.2e} {r['mean_kl']:10.2e} {r['top1_agree']:6.3f} "
+              f"{'-' if tf is None else f'{tf:.2e}':>9}  {','.join(r['tensor_types'])}")  # fmt: skip
     print(json.dumps({"benchmark": "gguf_vs_llamacpp", "ctx": args.ctx, "chunks": args.chunks, "results": rows}))
 
 

@@ -25,7 +25,12 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_JSON = REPO / "models" / "tiny-shakespeare-moe" / "tokenizer.json"
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+ARCH.update(glm4_moe="glm4moe", dots1="dots1")
+ARCH.update(ernie4_5_moe="ernie4_5-moe", hunyuan_v1_moe="hunyuan-moe")
+ARCH.update(granitemoe="granitemoe", granitemoeshared="granitemoe", sarvam_moe="bailingmoe2")
+_GRANITE = ("granitemoe", "granitemoeshared")  # experts fused in the checkpoint (input_linear), split in the GGUF
+_PERMUTED = ("mixtral", *_GRANITE)  # llama-style converters: q/k rows permuted for interleaved RoPE
 # (checkpoint block, gate, up, down) of each family's per-expert tensors
 EXPERTS = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -33,7 +38,37 @@ EXPERTS = {
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "gpt_oss": ("mlp", "gate_proj", "up_proj", "down_proj"),  # (as moetier names GPT-OSS's split pieces)
+    "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj"), "dots1": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "ernie4_5_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "hunyuan_v1_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "sarvam_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    # Granite: as moetier names the pieces llama.cpp splits from input_linear / output_linear
+    "granitemoe": ("block_sparse_moe", "gate_proj", "up_proj", "down_proj"),
+    "granitemoeshared": ("block_sparse_moe", "gate_proj", "up_proj", "down_proj"),
 }  # fmt: skip
+# per-family names where llama.cpp's converter names a tensor otherwise than _LAYER does
+_FAMILY_LAYER = {
+    "gpt_oss": {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+                "self_attn.o_proj.bias": "attn_output.bias"},
+    "glm4_moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+    "ernie4_5_moe": {"mlp.moe_statics.e_score_correction_bias": "exp_probs_b.bias"},
+    "hunyuan_v1_moe": {"mlp.gate.wg.weight": "ffn_gate_inp.weight", "self_attn.o_proj.bias": "attn_output.bias",
+                       "self_attn.query_layernorm.weight": "attn_q_norm.weight",
+                       "self_attn.key_layernorm.weight": "attn_k_norm.weight",
+                       "mlp.shared_mlp.gate_proj.weight": "ffn_gate_shexp.weight",
+                       "mlp.shared_mlp.up_proj.weight": "ffn_up_shexp.weight",
+                       "mlp.shared_mlp.down_proj.weight": "ffn_down_shexp.weight"},
+    # the Sarvam checkpoint's names (transformers' sarvam_moe saves them) as llama.cpp's bailingmoe2 converter maps them
+    "sarvam_moe": {"attention.query_key_value.weight": "attn_qkv.weight", "mlp.gate.expert_bias": "exp_probs_b.bias",
+                   "attention.dense.weight": "attn_output.weight",
+                   "attention.query_layernorm.weight": "attn_q_norm.weight",
+                   "attention.key_layernorm.weight": "attn_k_norm.weight"},
+    **{f: {"block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
+           "shared_mlp.output_linear.weight": "ffn_down_shexp.weight"} for f in _GRANITE},
+}  # fmt: skip
+_FAMILY_GLOBAL = {"sarvam_moe": {"model.word_embeddings.weight": "token_embd.weight"}}
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -71,28 +106,85 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
     cfg = json.loads((src / "config.json").read_text())
     sd = {k: v.float().numpy() for k, v in load_file(src / "model.safetensors").items()}
     block, g, u, d = EXPERTS[family]
-    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    n_exp = (cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+             or cfg.get("moe_num_experts"))
     out: dict[str, np.ndarray] = {}
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}."
+        if family == "gpt_oss":  # fused [E, H, 2I] gate/up interleaved, [E, I, H] down: split and transposed
+            gu = sd.pop(f"{pre}mlp.experts.gate_up_proj").swapaxes(1, 2)
+            gub = sd.pop(f"{pre}mlp.experts.gate_up_proj_bias")
+            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = gu[:, ::2], gu[:, 1::2]
+            out[f"blk.{i}.ffn_gate_exps.bias"], out[f"blk.{i}.ffn_up_exps.bias"] = gub[:, ::2], gub[:, 1::2]
+            out[f"blk.{i}.ffn_down_exps.weight"] = sd.pop(f"{pre}mlp.experts.down_proj").swapaxes(1, 2)
+            out[f"blk.{i}.ffn_down_exps.bias"] = sd.pop(f"{pre}mlp.experts.down_proj_bias")
+        if family in _GRANITE:  # llama.cpp's GraniteMoeModel: fused [E, 2I, H] (and the shared [2S, H]) split in two
+            gu = sd.pop(f"{pre}block_sparse_moe.input_linear.weight")
+            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = np.split(gu, 2, axis=1)
+            out[f"blk.{i}.ffn_down_exps.weight"] = sd.pop(f"{pre}block_sparse_moe.output_linear.weight")
+            if f"{pre}shared_mlp.input_linear.weight" in sd:
+                sh = np.split(sd.pop(f"{pre}shared_mlp.input_linear.weight"), 2, axis=0)
+                out[f"blk.{i}.ffn_gate_shexp.weight"], out[f"blk.{i}.ffn_up_shexp.weight"] = sh
         for piece, gname in ((g, "ffn_gate_exps"), (u, "ffn_up_exps"), (d, "ffn_down_exps")):
             names = [f"{pre}{block}.experts.{e}.{piece}.weight" for e in range(n_exp)]
             if names[0] in sd:  # (DeepSeek's leading layers are dense)
                 out[f"blk.{i}.{gname}.weight"] = np.stack([sd.pop(n) for n in names])
         for k in [k for k in sd if k.startswith(pre)]:
-            name = _LAYER[k[len(pre) :]]
-            w = sd.pop(k)
-            if family == "mixtral" and name == "attn_q.weight":
+            name = {**_LAYER, **_FAMILY_LAYER.get(family, {})}[k[len(pre) :]]
+            w = np.ascontiguousarray(sd.pop(k))
+            if family in _PERMUTED and name == "attn_q.weight":
                 w = permute_qk(w, cfg["num_attention_heads"])
-            elif family == "mixtral" and name == "attn_k.weight":
+            elif family in _PERMUTED and name == "attn_k.weight":
                 w = permute_qk(w, cfg["num_key_value_heads"])
             if name == "attn_kv_b.weight":  # llama.cpp's deepseek2 converter: k_b (transposed per head) and v_b
                 out[f"blk.{i}.attn_k_b.weight"], out[f"blk.{i}.attn_v_b.weight"] = split_kv_b(w, cfg)
                 continue
             out[f"blk.{i}.{name}"] = w
+    if family == "glm4_moe":
+        out.update(nextn_blocks(out, cfg))
+    if family == "sarvam_moe":  # as BailingMoeV2Model writes Ling 2.0 (SarvamMoEModel also zero-means exp_probs_b)
+        out.update(bailing_nextn_blocks(out, cfg))
     for k, v in sd.items():
-        out[_GLOBAL[k]] = v
+        out[{**_GLOBAL, **_FAMILY_GLOBAL.get(family, {})}[k]] = v
     return out
+
+
+def bailing_nextn_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Ling 2.0's MTP layers as llama.cpp's bailingmoe2 converter writes them from model.layers.L.* (L =
+    num_hidden_layers, counted in block_count): a decoder layer plus nextn.eh_proj [H, 2H], nextn.enorm / hnorm and
+    layer_output_norm (the layer's final_layernorm). Here: a copy of the last layer's tensors and random others."""
+    n_layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    rng = np.random.default_rng(8)
+    last = f"blk.{n_layers - 1}."
+    extra: dict[str, np.ndarray] = {}
+    for j in range(cfg.get("num_nextn_predict_layers") or 0):
+        b = f"blk.{n_layers + j}."
+        extra.update({b + k[len(last) :]: v.copy() for k, v in out.items() if k.startswith(last)})
+        extra[b + "nextn.eh_proj.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.05).astype(np.float32)
+        for n in ("nextn.enorm", "nextn.hnorm", "layer_output_norm"):
+            extra[f"{b}{n}.weight"] = np.ones(hidden, np.float32)
+    return extra
+
+
+def nextn_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """GLM's multi-token-prediction layers as llama.cpp's glm4moe converter writes them from a real checkpoint's
+    model.layers.L.* (L = num_hidden_layers; counted in block_count): a decoder layer plus nextn.eh_proj [H, 2H],
+    nextn.enorm / hnorm / shared_head_norm and, where the checkpoint has them, nextn.embed_tokens / shared_head_head
+    [V, H]. transformers does not keep them in a saved checkpoint, so here: a copy of the last layer's tensors and
+    random nextn ones."""
+    n_layers, hidden, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    rng = np.random.default_rng(7)
+    last = f"blk.{n_layers - 1}."
+    extra: dict[str, np.ndarray] = {}
+    for j in range(cfg.get("num_nextn_predict_layers") or 0):
+        b = f"blk.{n_layers + j}."
+        extra.update({b + k[len(last) :]: v.copy() for k, v in out.items() if k.startswith(last)})
+        extra[b + "nextn.eh_proj.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.05).astype(np.float32)
+        for n in ("enorm", "hnorm", "shared_head_norm"):
+            extra[f"{b}nextn.{n}.weight"] = np.ones(hidden, np.float32)
+        for n in ("embed_tokens", "shared_head_head"):
+            extra[f"{b}nextn.{n}.weight"] = (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float32)
+    return extra
 
 
 def split_kv_b(w: np.ndarray, cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -105,6 +197,20 @@ def split_kv_b(w: np.ndarray, cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarr
 
 def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The arch-specific `<arch>.*` keys llama.cpp's converter writes for `family` (beyond write_gguf's common ones)."""
+    if family in (*_GRANITE, "sarvam_moe"):
+        return granite_bailing_meta(family, cfg)
+    if family == "gpt_oss":
+        rope = cfg["rope_parameters"]
+        return {"attention.sliding_window": cfg["sliding_window"],
+                "expert_feed_forward_length": cfg["intermediate_size"],
+                "rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
+                "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+                "rope.scaling.yarn_beta_fast": float(rope["beta_fast"]),
+                "rope.scaling.yarn_beta_slow": float(rope["beta_slow"])}  # fmt: skip
+    if family in ("glm4_moe", "dots1"):
+        return v3_meta(family, cfg)
+    if family in ("ernie4_5_moe", "hunyuan_v1_moe"):
+        return ernie_hunyuan_meta(family, cfg)
     if ARCH[family] != "deepseek2":
         return {}
     rope = cfg["qk_rope_head_dim"]
@@ -123,6 +229,75 @@ def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("q_lora_rank"):
         meta["attention.q_lora_rank"] = cfg["q_lora_rank"]
     return meta
+
+
+def ernie_hunyuan_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ernie4_5-moe's keys (Ernie4_5MoeModel: its shared expert length is intermediate_size // num_key_value_heads,
+    which is the shared MLP's size in the published configs) and hunyuan-moe's (HunYuanMoEModel: the first entry of
+    each per-layer list; the shared MLP's length is intermediate_size)."""
+    if family == "ernie4_5_moe":
+        meta: dict[str, Any] = {
+            "expert_count": cfg["moe_num_experts"], "expert_used_count": cfg["moe_k"],
+            "interleave_moe_layer_step": cfg["moe_layer_interval"],
+            "leading_dense_block_count": cfg["moe_layer_start_index"],
+            "expert_feed_forward_length": cfg["moe_intermediate_size"],
+            "expert_shared_count": cfg["moe_num_shared_experts"],
+        }  # fmt: skip
+        if cfg["moe_num_shared_experts"]:
+            meta["expert_shared_feed_forward_length"] = cfg["intermediate_size"] // cfg["num_key_value_heads"]
+        return meta
+
+    def first(v: Any) -> Any:
+        return v[0] if isinstance(v, list) else v
+
+    return {
+        "expert_shared_feed_forward_length": cfg["intermediate_size"],
+        "expert_feed_forward_length": first(cfg["moe_intermediate_size"]), "expert_used_count": first(cfg["moe_topk"]),
+        "expert_shared_count": first(cfg["num_shared_expert"]), "attention.value_length": cfg["head_dim"],
+    }  # fmt: skip
+
+
+def v3_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """glm4moe's and dots1's keys (their converters: Glm4MoeModel, Dots1Model over Qwen2MoeModel); dots1's gating
+    func comes from the published configs' `scoring_func: sigmoid`, glm4moe's is written always."""
+    meta: dict[str, Any] = {
+        "leading_dense_block_count": cfg["first_k_dense_replace"], "expert_shared_count": cfg["n_shared_experts"],
+        "expert_weights_scale": float(cfg["routed_scaling_factor"]), "expert_weights_norm": int(cfg["norm_topk_prob"]),
+        "expert_group_count": cfg["n_group"], "expert_group_used_count": cfg["topk_group"], "expert_gating_func": 2,
+    }  # fmt: skip
+    if family == "glm4_moe":
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        meta["rope.dimension_count"] = int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 0.5))
+        if cfg.get("head_dim"):
+            meta["attention.value_length"] = head_dim
+        nextn = cfg.get("num_nextn_predict_layers") or 0
+        if nextn:
+            meta.update(block_count=cfg["num_hidden_layers"] + nextn, nextn_predict_layers=nextn)
+    return meta
+
+
+def granite_bailing_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """granitemoe's keys (GraniteMoeModel: Granite's multipliers as *_scale, each where the config sets it non-zero,
+    and the shared MLP's length) and bailingmoe2's (BailingMoeV2Model / SarvamMoEModel: the V3-style MoE keys, the
+    rotary part as rope.dimension_count, the shared experts' total length, nextn_predict_layers always)."""
+    heads = cfg["num_attention_heads"]
+    if family in _GRANITE:
+        meta: dict[str, Any] = {"rope.dimension_count": cfg["hidden_size"] // heads, "vocab_size": cfg["vocab_size"]}
+        for key, attr in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                          ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):  # fmt: skip
+            if cfg.get(attr):
+                meta[key] = float(cfg[attr])
+        if cfg.get("shared_intermediate_size"):
+            meta["expert_shared_feed_forward_length"] = cfg["shared_intermediate_size"]
+        return meta
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    nextn = cfg.get("num_nextn_predict_layers") or 0
+    return {
+        **v3_meta(family, cfg), "attention.value_length": head_dim, "vocab_size": cfg["vocab_size"],
+        "rope.dimension_count": int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 1.0)),
+        "expert_shared_feed_forward_length": cfg["moe_intermediate_size"] * cfg["n_shared_experts"],
+        "block_count": cfg["num_hidden_layers"] + nextn, "nextn_predict_layers": nextn,
+    }  # fmt: skip
 
 
 def _qtype_for(name: str, a: np.ndarray, qtype: str) -> gguf.GGMLQuantizationType:
@@ -208,14 +383,15 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
     arch = ARCH[family]
     w = gguf.GGUFWriter(str(out), arch)
     heads = cfg["num_attention_heads"]
-    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    n_exp = (cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+             or cfg.get("moe_num_experts"))
     values: dict[str, Any] = {
         "block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
         "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
         "attention.head_count": heads, "attention.head_count_kv": cfg["num_key_value_heads"],
         "rope.freq_base": float(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)),
         "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
-        "expert_count": n_exp, "expert_used_count": cfg["num_experts_per_tok"],
+        "expert_count": n_exp, "expert_used_count": cfg.get("num_experts_per_tok"),
         "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // heads,
     }  # fmt: skip
     if "moe_intermediate_size" in cfg:
@@ -267,9 +443,11 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
     decodes to (numpy reference), q/k rows back in transformers' order."""
     cfg = json.loads((src / "config.json").read_text())
     sd = load_file(src / "model.safetensors")
-    back = {v: k for k, v in _GLOBAL.items()}
+    back = {v: k for k, v in {**_GLOBAL, **_FAMILY_GLOBAL.get(family, {})}.items()}
     twin: dict[str, torch.Tensor] = {}
+    granite: dict[str, dict[str, np.ndarray]] = {}  # Granite: the split pieces per layer, fused back below
     mla: dict[str, np.ndarray] = {}
+    fused: dict[str, dict[str, np.ndarray]] = {}  # GPT-OSS: pieces per layer, fused back below
     for name, a in gguf_tensors(src, family).items():
         raw, t = encode(name, a, (types or {}).get(name, qtype))
         deq = decode(raw, t).reshape(a.shape)
@@ -283,22 +461,84 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
             continue
         if name.startswith("blk."):
             layer, rest = name.split(".", 2)[1:]
+            if int(layer) >= cfg["num_hidden_layers"]:  # GLM's MTP blocks: no transformers counterpart
+                continue
             pre = f"model.layers.{layer}."
+            if family == "gpt_oss" and "_exps." in rest:
+                fused.setdefault(pre, {})[rest] = deq
+                continue
+            if family in _GRANITE and ("_exps." in rest or rest in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")):
+                granite.setdefault(pre, {})[rest] = deq
+                continue
             if rest.endswith("_exps.weight"):
                 block, g, u, d = EXPERTS[family]
                 piece = {"ffn_gate_exps.weight": g, "ffn_up_exps.weight": u, "ffn_down_exps.weight": d}[rest]
                 for e in range(deq.shape[0]):
                     twin[f"{pre}{block}.experts.{e}.{piece}.weight"] = torch.from_numpy(deq[e].copy())
                 continue
-            if family == "mixtral" and rest in ("attn_q.weight", "attn_k.weight"):
+            if family in _PERMUTED and rest in ("attn_q.weight", "attn_k.weight"):
                 n = cfg["num_attention_heads"] if rest == "attn_q.weight" else cfg["num_key_value_heads"]
                 deq = deq.reshape(n, deq.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(deq.shape)
-            hf = next(k for k, v in _LAYER.items() if v == rest and pre + k in sd)
+            hf = next(k for k, v in {**_LAYER, **_FAMILY_LAYER.get(family, {})}.items() if v == rest and pre + k in sd)
             twin[pre + hf] = torch.from_numpy(np.ascontiguousarray(deq))
         else:
             twin[back[name]] = torch.from_numpy(np.ascontiguousarray(deq))
+    for pre, p in fused.items():  # gate/up interleaved into [E, H, 2I], down back to [E, I, H]
+        up = p["ffn_up_exps.weight"]
+        gu = np.stack([p["ffn_gate_exps.weight"], up], axis=2).reshape(up.shape[0], -1, up.shape[2])
+        gub = np.stack([p["ffn_gate_exps.bias"], p["ffn_up_exps.bias"]], axis=2).reshape(gu.shape[0], -1)
+        for k, v in (("gate_up_proj", gu.swapaxes(1, 2)), ("gate_up_proj_bias", gub),
+                     ("down_proj", p["ffn_down_exps.weight"].swapaxes(1, 2)),
+                     ("down_proj_bias", p["ffn_down_exps.bias"])):
+            twin[f"{pre}mlp.experts.{k}"] = torch.from_numpy(np.ascontiguousarray(v))
+    for pre, p in granite.items():  # gate rows first: input_linear [E, 2I, H] and the shared MLP's [2S, H]
+        fuse = {"block_sparse_moe.input_linear.weight": (["ffn_gate_exps.weight", "ffn_up_exps.weight"], 1),
+                "block_sparse_moe.output_linear.weight": (["ffn_down_exps.weight"], 0),
+                "shared_mlp.input_linear.weight": (["ffn_gate_shexp.weight", "ffn_up_shexp.weight"], 0)}  # fmt: skip
+        for k, (names, axis) in fuse.items():
+            if names[0] in p:
+                twin[pre + k] = torch.from_numpy(np.ascontiguousarray(np.concatenate([p[n] for n in names], axis)))
     assert set(twin) == set(sd), set(sd) ^ set(twin)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", out / "config.json")
     save_file({k: v.contiguous() for k, v in twin.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+# seam families (no entry in moetier.models.tiny.TINY): tiny_config sizes plus what the published models set
+SEAM_TINY: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(attention_bias=True, use_qk_norm=True, head_dim=16, routed_scaling_factor=2.5),  # GLM-4.5
+    "dots1": dict(num_key_value_heads=4, n_shared_experts=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    # ERNIE-4.5-21B-A3B's shape: 2 shared experts, one leading dense layer, intermediate_size // kv heads = shared size
+    "ernie4_5_moe": dict(intermediate_size=64, moe_num_shared_experts=2, num_hidden_layers=3),
+    # Hunyuan-A13B's per-layer lists (the converter reads them; transformers sizes experts by intermediate_size)
+    "hunyuan_v1_moe": dict(moe_intermediate_size=[48, 48], moe_topk=[2, 2], num_shared_expert=[1, 1]),
+    # Granite 3.x MoE: every multiplier away from 1 (attention's from 1/sqrt(head dim)), as the published configs set
+    **{f: dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+               logits_scaling=6.0, **({"shared_intermediate_size": 24} if f == "granitemoeshared" else {}))
+       for f in _GRANITE},
+    # Ling-mini-2.0's shape: half-rotary heads, one leading dense layer, a group-limited sigmoid router, an MTP layer
+    "sarvam_moe": dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 600000.0,
+                                                     "partial_rotary_factor": 0.5}, num_hidden_layers=3,
+                       num_nextn_predict_layers=1, routed_scaling_factor=2.5),
+}  # fmt: skip
+
+
+def tiny_checkpoint(family: str, out: Path, **overrides: Any) -> Path:
+    """`moetier.models.tiny.build_tiny_checkpoint` where it knows the family, else a random checkpoint of
+    `tiny_config(family)` (and SEAM_TINY) with random router score biases, as build_tiny_checkpoint gives them."""
+    from transformers import AutoModelForCausalLM
+
+    from moetier.models.tiny import TINY, build_tiny_checkpoint, tiny_config
+
+    if family in TINY:
+        return build_tiny_checkpoint(family, out, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **{**SEAM_TINY.get(family, {}), **overrides}),
+                                             dtype=torch.float32)  # fmt: skip
+    with torch.no_grad():
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:  # (ERNIE's is a parameter)
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.5, 0.5)
+    model.save_pretrained(out)
     return out

@@ -15,15 +15,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import moetier
-from gguf_ref import dequantized_twin, write_gguf
+from gguf_ref import dequantized_twin, tiny_checkpoint, write_gguf
 from moetier import EngineConfig, RuntimeConfig
 from moetier.errors import CheckpointError, UnknownArchitectureError
+from moetier.formats.gguf import read_gguf
 from moetier.models.gguf_config import open_gguf
 from moetier.models.open import describe, read_config
 from moetier.models.tiny import build_tiny_checkpoint
 
 RUNTIME = RuntimeConfig(device="cpu", dtype="fp32", lean=False)
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "dots1",
+            "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "sarvam_moe")
 BOUND = 1e-4
 
 
@@ -50,7 +52,7 @@ def gguf_model(tmp_path_factory: pytest.TempPathFactory):
 
     def get(family: str, qtype: str) -> tuple[Path, Path, Path]:
         if (family, qtype) not in cache:
-            src = build_tiny_checkpoint(family, root / f"{family}_{qtype}_src", **_overrides(family, qtype))
+            src = tiny_checkpoint(family, root / f"{family}_{qtype}_src", **_overrides(family, qtype))
             g = write_gguf(src, root / f"{family}_{qtype}.gguf", family, qtype)
             cache[(family, qtype)] = (src, g, dequantized_twin(src, root / f"{family}_{qtype}_twin", family, qtype))
         return cache[(family, qtype)]
@@ -82,7 +84,9 @@ def test_f32_gguf_matches_transformers_on_the_source_checkpoint(gguf_model, fami
     ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K"), ("qwen3_moe", "Q6_K"), ("qwen3_moe", "Q5_0"),
     ("mixtral", "Q4_K"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q5_K"), ("olmoe", "Q4_1"), ("olmoe", "Q3_K"),
     ("qwen2_moe", "Q2_K"), ("mixtral", "Q5_1"), ("qwen3_moe", "Q4_0"), ("deepseek_v3", "Q8_0"),
-    ("deepseek_v2", "Q4_0"),
+    ("deepseek_v2", "Q4_0"), ("gpt_oss", "MXFP4"), ("glm4_moe", "Q8_0"), ("dots1", "Q5_1"),
+    ("ernie4_5_moe", "Q5_0"), ("hunyuan_v1_moe", "Q4_1"),
+    ("granitemoe", "Q8_0"), ("granitemoeshared", "Q4_0"), ("sarvam_moe", "Q8_0"),
 ])  # fmt: skip
 def test_quantised_gguf_matches_its_dequantised_twin(gguf_model, family, qtype):
     _, g, twin = gguf_model(family, qtype)
@@ -254,3 +258,230 @@ def test_deepseek2_damaged_files_are_refused(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match=r"blk\.1\.attn_v_b\.weight is missing"):
         open_gguf(tmp_path / "half.gguf")
+
+
+def test_gpt_oss_config_and_split_experts(gguf_model):
+    """llama.cpp's gpt-oss: gate and up written apart (from the fused, interleaved gate_up_proj), each with its
+    bias; sliding windows on even layers and the SwiGLU clamp are llama.cpp constants; YaRN is not truncated."""
+    _, g, _ = gguf_model("gpt_oss", "MXFP4")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "gpt_oss" and cfg.layer_types == ["sliding_attention", "full_attention"]
+    assert cfg.swiglu_limit == 7.0 and cfg.sliding_window == 8 and cfg.rope_parameters["truncate"] is False
+    assert ck.index["model.layers.1.mlp.experts.4.up_proj.weight"].dtype == "gguf:MXFP4"
+    assert ck.index["model.layers.1.mlp.experts.4.up_proj.bias"].shape == (16,)
+    assert "model.layers.0.self_attn.sinks" in ck.index and "model.layers.0.mlp.router.bias" in ck.index
+    assert ck.family is not None and ck.family.sources["gate"].tensor == "experts.{e}.gate_proj.weight"
+
+
+def test_glm4moe_config_names_and_nextn_blocks(gguf_model):
+    """llama.cpp's glm4moe (GLM-4.5 / 4.6 / 4.7, a seam family): partial RoPE from rope.dimension_count, q/k/v bias,
+    q/k norm, sigmoid router with score bias, groups and routed scale, a leading dense block; the MTP layer written as
+    block 2 (block_count 3, nextn_predict_layers 1) is skipped on purpose, not taken for a layer."""
+    _, g, _ = gguf_model("glm4_moe", "Q8_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "glm4_moe" and cfg.architectures == ["Glm4MoeForCausalLM"] and ck.family is None
+    assert ck.metadata["glm4moe.block_count"] == 3 and "blk.2.nextn.eh_proj.weight" in read_gguf(g).tensors
+    assert (cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.head_dim) == (2, 1, 16)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.5 and cfg.use_qk_norm and cfg.attention_bias
+    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.first_k_dense_replace) == (6, 1, 1)
+    assert (cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob) == (2.5, 2, 1, True)
+    idx = ck.index
+    assert idx["model.layers.1.mlp.experts.5.gate_proj.weight"].shape == (16, 32)
+    assert idx["model.layers.1.self_attn.q_proj.weight"].dtype == "gguf:Q8_0"
+    for name in ("mlp.shared_experts.up_proj.weight", "mlp.gate.e_score_correction_bias",
+                 "post_attention_layernorm.weight", "self_attn.k_norm.weight", "self_attn.v_proj.bias"):
+        assert f"model.layers.1.{name}" in idx
+    assert not any(n.startswith("model.layers.2.") for n in idx.names())
+
+
+def test_dots1_config_and_names(gguf_model):
+    """llama.cpp's dots1 (dots.llm1, a seam family): q/k norm, the DeepSeek-V3 router, two shared experts as one MLP
+    of twice the expert size, every layer full attention (llama.cpp has no sliding window for it)."""
+    _, g, _ = gguf_model("dots1", "Q5_1")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "dots1" and cfg.architectures == ["Dots1ForCausalLM"] and ck.family is None
+    assert cfg.sliding_window is None and cfg.layer_types == ["full_attention", "full_attention"]
+    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.moe_intermediate_size) == (6, 2, 16)
+    assert (cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob) == (2.5, 2, 1, True)
+    assert ck.index["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape == (32, 32)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in ck.index
+    assert "model.layers.0.mlp.gate_proj.weight" in ck.index  # the leading dense layer
+
+
+@pytest.mark.parametrize(("family", "meta", "skip", "names"), [
+    ("glm4_moe", {"expert_gating_func": 1}, (), "expert_gating_func 1"),
+    ("dots1", {"expert_gating_func": 3}, (), "expert_gating_func 3"),
+    ("glm4_moe", {"rope.dimension_count": 5}, (), "rope.dimension_count 5"),
+    ("glm4_moe", {"nextn_predict_layers": 3}, (), "nextn_predict_layers 3"),
+    ("glm4_moe", {}, ("nextn_predict_layers",), r"'blk\.2\.nextn\.\w+\.weight' has no"),  # undeclared MTP
+    ("glm4_moe", {"expert_shared_count": 2}, (), r"ffn_up_shexp\.weight.*expert_shared_count 2"),
+    ("dots1", {"leading_dense_block_count": 0}, (), "leading_dense_block_count 0"),
+    ("dots1", {"expert_group_count": 4}, (), "expert_group_count 4"),
+    ("dots1", {"rope.dimension_count": 4}, (), "rope.dimension_count 4"),
+])  # fmt: skip
+def test_glm4moe_dots1_damaged_files_are_refused(tmp_path, family, meta, skip, names):
+    src = tiny_checkpoint(family, tmp_path / "src")
+    g = write_gguf(src, tmp_path / "bad.gguf", family, meta=meta, skip_meta=skip)
+    with pytest.raises(CheckpointError, match=names):
+        open_gguf(g)
+
+
+def test_ernie45_moe_config_shared_experts_and_score_bias(gguf_model):
+    """llama.cpp's ernie4_5-moe (a seam family): MoE from leading_dense_block_count on, every
+    interleave_moe_layer_step-th layer; expert_shared_count shared experts as one MLP; the router's score bias."""
+    _, g, _ = gguf_model("ernie4_5_moe", "Q5_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "ernie4_5_moe" and cfg.architectures == ["Ernie4_5_MoeForCausalLM"] and ck.family is None
+    assert (cfg.moe_layer_start_index, cfg.moe_layer_interval, cfg.moe_layer_end_index) == (1, 1, 2)
+    assert (cfg.moe_num_experts, cfg.moe_k, cfg.moe_intermediate_size, cfg.moe_num_shared_experts) == (6, 2, 16, 2)
+    assert cfg.intermediate_size == 64 and not cfg.use_bias
+    idx = ck.index
+    assert idx["model.layers.1.mlp.moe_statics.e_score_correction_bias"].shape == (1, 6)
+    assert idx["model.layers.2.mlp.shared_experts.up_proj.weight"].shape == (32, 32)
+    assert idx["model.layers.1.mlp.experts.5.gate_proj.weight"].dtype == "gguf:Q5_0"
+    assert "model.layers.0.mlp.gate_proj.weight" in idx  # the leading dense layer
+
+
+def test_hunyuan_moe_config_and_names(gguf_model):
+    """llama.cpp's hunyuan-moe (a seam family): every layer MoE plus a shared MLP of the experts' size, q/k norms
+    named as transformers' query_layernorm / key_layernorm, the router as mlp.gate.wg."""
+    _, g, _ = gguf_model("hunyuan_v1_moe", "Q4_1")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "hunyuan_v1_moe" and cfg.architectures == ["HunYuanMoEV1ForCausalLM"]
+    assert (cfg.num_experts, cfg.moe_topk, cfg.intermediate_size, cfg.head_dim) == (6, 2, 48, 8)
+    assert not cfg.attention_bias and cfg.rope_parameters["rope_theta"] == 10000.0 and ck.family is None
+    idx = ck.index
+    assert idx["model.layers.1.mlp.gate.wg.weight"].shape == (6, 32)
+    assert idx["model.layers.0.self_attn.query_layernorm.weight"].shape == (8,)
+    assert idx["model.layers.1.mlp.shared_mlp.down_proj.weight"].shape == (32, 48)
+    assert idx["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == "gguf:Q4_1"
+
+
+def _gguf_without(g: Path, out: Path, arch: str, drop: str) -> Path:
+    """A copy of GGUF file `g` (its numeric `<arch>.*` keys and tensors) without tensor `drop`."""
+    import gguf as gguf_py
+
+    r = gguf_py.GGUFReader(str(g))
+    w = gguf_py.GGUFWriter(str(out), arch)
+    kinds = {gguf_py.GGUFValueType.UINT32: w.add_uint32, gguf_py.GGUFValueType.FLOAT32: w.add_float32}
+    for f in r.fields.values():
+        if f.name.startswith(arch + ".") and f.types and f.types[0] in kinds:
+            kinds[f.types[0]](f.name, f.parts[f.data[0]][0].item())
+    for t in r.tensors:
+        if t.name != drop:
+            w.add_tensor(t.name, t.data.reshape([int(x) for x in reversed(t.shape)]), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize(("family", "meta", "drop", "names"), [
+    # the converter's shared length (intermediate_size // kv heads) where that is not the shared MLP's size
+    ("ernie4_5_moe", {"expert_shared_feed_forward_length": 24}, None,
+     r"ffn_up_shexp\.weight' has 32 rows, metadata ernie4_5-moe\.expert_shared_feed_forward_length says 24"),
+    ("ernie4_5_moe", {"expert_shared_count": 1}, None, r"ffn_up_shexp\.weight' has 32 rows.*expert_shared_count 1"),
+    ("ernie4_5_moe", {"interleave_moe_layer_step": 2}, None, "interleave_moe_layer_step 2 say"),
+    ("ernie4_5_moe", {"leading_dense_block_count": 0}, None, "leading_dense_block_count 0"),
+    ("ernie4_5_moe", {}, "blk.1.exp_probs_b.bias", r"'blk\.1\.exp_probs_b\.bias' is missing"),
+    ("hunyuan_v1_moe", {"expert_shared_feed_forward_length": 64}, None,
+     r"hunyuan-moe\.expert_shared_feed_forward_length 64 differs"),
+    ("hunyuan_v1_moe", {"feed_forward_length": 64}, None, r"hunyuan-moe\.feed_forward_length 64 differs"),
+    ("hunyuan_v1_moe", {}, "blk.0.attn_q_norm.weight", r"'blk\.0\.attn_q_norm\.weight' is missing"),
+])  # fmt: skip
+def test_ernie_hunyuan_damaged_files_are_refused(tmp_path, family, meta, drop, names):
+    src = tiny_checkpoint(family, tmp_path / "src")
+    g = write_gguf(src, tmp_path / "bad.gguf", family, meta=meta)
+    if drop is not None:
+        arch = "ernie4_5-moe" if family == "ernie4_5_moe" else "hunyuan-moe"
+        g = _gguf_without(g, tmp_path / "dropped.gguf", arch, drop)
+    with pytest.raises(CheckpointError, match=names):
+        open_gguf(g)
+
+
+def test_granitemoe_config_multipliers_and_names(gguf_model, tmp_path):
+    """llama.cpp's granitemoe (Granite 3.x MoE and MoE Shared, seam families): Granite's multipliers from its *_scale
+    keys, q/k un-permuted, the experts llama.cpp splits from input_linear named per expert (names the GGUF index's own
+    converters fuse for the seam), the shared MLP's gate and up concatenated back into input_linear at load."""
+    _, g, _ = gguf_model("granitemoeshared", "Q4_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "granitemoeshared" and cfg.architectures == ["GraniteMoeSharedForCausalLM"]
+    assert ck.family is None and cfg.shared_intermediate_size == 24 and cfg.num_local_experts == 6
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == pytest.approx((12.0, 0.22, 6.0))
+    assert cfg.attention_multiplier == pytest.approx(0.0078125)
+    idx = ck.index
+    assert idx["model.layers.1.block_sparse_moe.experts.5.up_proj.weight"].shape == (48, 32)
+    assert idx["model.layers.0.self_attn.q_proj.weight"].dtype == "gguf:Q4_0+unpermute"
+    for name in ("block_sparse_moe.router.layer.weight", "shared_mlp.gate_proj.weight", "shared_mlp.up_proj.weight",
+                 "shared_mlp.output_linear.weight"):  # fmt: skip
+        assert f"model.layers.1.{name}" in idx
+    assert len(idx.converters) == 3
+    plain = open_gguf(gguf_model("granitemoe", "F32")[1]).config
+    assert plain.model_type == "granitemoe" and plain.architectures == ["GraniteMoeForCausalLM"]
+    # where a multiplier key is absent, llama.cpp's value: attention 1/sqrt(head dim), embedding and residual 1
+    src = tiny_checkpoint("granitemoe", tmp_path / "src")
+    g2 = write_gguf(src, tmp_path / "d.gguf", "granitemoe", skip_meta=("attention.scale", "embedding_scale",
+                                                                       "residual_scale"))  # fmt: skip
+    d = open_gguf(g2).config
+    assert (d.attention_multiplier, d.embedding_multiplier, d.residual_multiplier) == (8**-0.5, 1.0, 1.0)
+
+
+def test_bailingmoe2_config_names_and_mtp(gguf_model):
+    """llama.cpp's bailingmoe2 (Ling / Ring 2.0 and Sarvam-MoE) as transformers' sarvam_moe, a seam family: the
+    rotary part of each head from rope.dimension_count (Ling: half), attn_qkv under the Sarvam checkpoint's
+    query_key_value (split at load by transformers' rule), the V3-style router, and the MTP layer written as block 3
+    (block_count 4, nextn_predict_layers 1) skipped on purpose."""
+    _, g, _ = gguf_model("sarvam_moe", "Q8_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "sarvam_moe" and cfg.architectures == ["Glm4MoeForCausalLM"] and ck.family is None
+    assert ck.metadata["bailingmoe2.block_count"] == 4 and "blk.3.nextn.eh_proj.weight" in read_gguf(g).tensors
+    assert (cfg.num_hidden_layers, cfg.num_nextn_predict_layers, cfg.head_dim) == (3, 1, 16)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.5 and cfg.use_qk_norm and not cfg.attention_bias
+    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.first_k_dense_replace) == (6, 1, 1)
+    assert (cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group) == (2.5, 2, 1)
+    idx = ck.index
+    assert idx["model.layers.1.attention.query_key_value.weight"].shape == (128, 32)
+    assert idx["model.layers.1.attention.query_key_value.weight"].dtype == "gguf:Q8_0"
+    assert idx["model.layers.2.mlp.experts.5.down_proj.weight"].shape == (32, 16)
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in idx and "model.layers.0.mlp.gate_proj.weight" in idx
+    assert not any(n.startswith("model.layers.3.") for n in idx.names())
+
+
+def test_bailingmoe_has_no_transformers_family(tmp_path, monkeypatch):
+    """llama.cpp's bailingmoe (Ling / Ring 1.x, BailingMoeForCausalLM: remote code only) has no transformers model
+    type to run it as: refused, saying so."""
+    import gguf_ref
+
+    src = tiny_checkpoint("sarvam_moe", tmp_path / "src", num_nextn_predict_layers=0)
+    monkeypatch.setitem(gguf_ref.ARCH, "sarvam_moe", "bailingmoe")
+    g = write_gguf(src, tmp_path / "ling.gguf", "sarvam_moe")
+    with pytest.raises(UnknownArchitectureError, match=r"'bailingmoe' \(Ling / Ring 1\.x.* has no transformers family"):
+        open_gguf(g)
+
+
+@pytest.mark.parametrize(("family", "meta", "skip", "names"), [
+    ("granitemoe", {}, ("logit_scale",), r"lacks granitemoe\.logit_scale"),
+    ("granitemoe", {"expert_gating_func": 2}, (), "granitemoe.expert_gating_func 2"),
+    ("granitemoe", {"expert_weights_norm": 0}, (), "granitemoe.expert_weights_norm 0"),
+    ("granitemoe", {"attention.key_length": 16}, (), "granitemoe.attention.key_length 16"),
+    ("granitemoeshared", {"expert_shared_feed_forward_length": 16}, (),
+     r"ffn_up_shexp\.weight' has 24 rows, metadata granitemoe\.expert_shared_feed_forward_length says 16"),
+    ("sarvam_moe", {"expert_gating_func": 1}, (), "bailingmoe2.expert_gating_func 1"),
+    ("sarvam_moe", {"rope.dimension_count": 5}, (), "rope.dimension_count 5"),
+    ("sarvam_moe", {"attention.head_count_kv": 4}, (), r"attn_qkv\.weight' has shape \[128, 32\]"),
+    ("sarvam_moe", {"expert_shared_count": 2}, (), r"ffn_up_shexp\.weight.*expert_shared_count 2"),
+    ("sarvam_moe", {}, ("nextn_predict_layers",), r"'blk\.3\.[\w.]+' has no transformers counterpart"),  # MTP
+])  # fmt: skip
+def test_granite_bailing_damaged_files_are_refused(tmp_path, family, meta, skip, names):
+    src = tiny_checkpoint(family, tmp_path / "src")
+    g = write_gguf(src, tmp_path / "bad.gguf", family, meta=meta, skip_meta=skip)
+    with pytest.raises(CheckpointError, match=names):
+        open_gguf(g)

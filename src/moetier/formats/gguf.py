@@ -334,10 +334,13 @@ def read_blocks(loc: TensorLocation) -> tuple[str, torch.Tensor] | None:
 
 class GGUFIndex(CheckpointIndex):
     """A CheckpointIndex over GGUF tensors renamed to transformers' checkpoint names. `folder` is the
-    folder of the GGUF file(s); every location points into one of them."""
+    folder of the GGUF file(s); every location points into one of them. `converters`: transformers WeightConverters
+    for names only this index uses (pieces llama.cpp stores apart that the family's checkpoint fuses), which the
+    experts seam (models/seam.py) applies after the family's own rules."""
 
-    def __init__(self, folder: Path, locations: Iterable[TensorLocation]) -> None:  # no super(): nothing to scan
-        self.folder = folder
+    def __init__(self, folder: Path, locations: Iterable[TensorLocation], converters: Iterable[Any] = ()) -> None:
+        self.folder = folder  # no super(): nothing to scan
+        self.converters = tuple(converters)
         self.quantization = None  # GGUF block types are per tensor (encoded locations), not a config section
         self.tensors: dict[str, TensorLocation] = {}
         for loc in locations:

@@ -21,6 +21,7 @@ so they decode to transformers' rotate-half order. Weights are never read here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -29,11 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
 from moetier.errors import CheckpointError, UnknownArchitectureError
 from moetier.formats.checkpoint import TensorLocation
 from moetier.formats.gguf import GGUFIndex, GGUFTensor, location, read_gguf_model
+from moetier.formats.layout import ExpertSource
 from moetier.models.families import Family, find_family, find_row
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -56,7 +65,8 @@ _LAYER_NAMES: dict[str, str] = {
 }  # fmt: skip
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
-_EXPERT_PIECES = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+_EXPERT_PIECES = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+                  "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
 # MLA (deepseek2): llama.cpp's converter splits kv_b_proj [nh (nope + v), kv_lora] into these two per-head tensors
 _MLA_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 # names of the DeepSeek-style layers (deepseek2, and the families that copy its router and attention)
@@ -87,6 +97,12 @@ class GGUFArch:
     # names the transformers checkpoint uses, e.g. ("mlp", "gate_proj", "up_proj", "down_proj")
     experts: tuple[str, str, str, str] | None = None
     yarn_mscale: bool = False  # `rope.scaling.yarn_log_multiplier` is DeepSeek's 0.1 * mscale_all_dim
+    # a row family whose checkpoint fuses experts (GPT-OSS's gate_up_proj [E, H, 2I]) while llama.cpp writes each piece
+    # apart: the family's expert sources for GGUF input, per expert (`{e}`), each piece as llama.cpp stores it
+    sources: Mapping[str, ExpertSource] | None = None
+    # a seam family whose checkpoint fuses what llama.cpp stores apart (Granite's experts and shared MLP): transformers
+    # WeightConverters of the names only the GGUF index uses (formats/gguf.GGUFIndex.converters, models/seam.py)
+    converters: Callable[[], tuple[WeightConverter, ...]] | None = None
 
 
 class Meta:
@@ -229,6 +245,317 @@ def _deepseek2(m: Meta) -> dict[str, Any]:
     return cfg
 
 
+def _gptoss(m: Meta) -> dict[str, Any]:
+    """GPT-OSS: llama.cpp keeps two things as constants rather than metadata, so they come back as its constants:
+    sliding-window attention on even layers (transformers' default layer_types for the family) and the SwiGLU clamp
+    7.0. YaRN's correction range is not truncated (`truncate` False, as every GPT-OSS config sets it)."""
+    n = int(m.need("block_count"))
+    rope = _rope_parameters(m)
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+    return dict(
+        rope_parameters=rope, intermediate_size=m.expert_inter(), num_local_experts=int(m.need("expert_count")),
+        sliding_window=int(m.need("attention.sliding_window")), swiglu_limit=7.0, attention_bias=True,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+    )  # fmt: skip
+
+
+_GPTOSS_SOURCES = {
+    "gate": ExpertSource("experts.{e}.gate_proj.weight"), "up": ExpertSource("experts.{e}.up_proj.weight"),
+    "down": ExpertSource("experts.{e}.down_proj.weight"), "gate_bias": ExpertSource("experts.{e}.gate_proj.bias"),
+    "up_bias": ExpertSource("experts.{e}.up_proj.bias"), "down_bias": ExpertSource("experts.{e}.down_proj.bias"),
+}  # fmt: skip
+_GPTOSS_NAMES = {
+    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+    "attn_sinks.weight": "self_attn.sinks", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+}  # fmt: skip
+
+
+def _sigmoid_router(m: Meta) -> None:
+    """Routers that transformers scores by sigmoid only (DeepSeek-V3's, with the score bias): llama.cpp's
+    `expert_gating_func` must be 2 (sigmoid) or absent (glm4moe reads absent as sigmoid; dots1's converter writes it
+    from the published configs' `scoring_func: sigmoid`, and transformers' dots1 has no other router)."""
+    gating = m.get("expert_gating_func")
+    if gating is not None and int(gating) != 2:
+        raise CheckpointError(f"{m.path}: {m.arch}.expert_gating_func {gating} is not supported: transformers' "
+                              f"{m.arch} router is sigmoid (2)")  # fmt: skip
+
+
+def _v3_moe(m: Meta, n_layers: int) -> dict[str, Any]:
+    """The DeepSeek-V3-style MoE of glm4moe and dots1 over the model's first `n_layers` blocks: leading dense blocks,
+    routed experts of `expert_feed_forward_length`, `expert_shared_count` shared experts (one MLP of count times the
+    expert size), sigmoid router with score bias and groups (absent: one group, as llama.cpp reads it)."""
+    _sigmoid_router(m)
+    blocks = [b for b in m.moe_blocks() if b < n_layers]
+    dense = int(m.get("leading_dense_block_count", 0))
+    if not blocks or blocks != list(range(dense, n_layers)):
+        raise CheckpointError(f"{m.path}: routers in blocks {blocks}, but {m.arch}.leading_dense_block_count {dense} "
+                              f"says {list(range(dense, n_layers))}")  # fmt: skip
+    inter, experts = m.expert_inter(), int(m.need("expert_count"))
+    n_shared = int(m.need("expert_shared_count"))
+    name = f"blk.{blocks[0]}.ffn_up_shexp.weight"
+    if n_shared < 1 or m.shape(name)[0] != n_shared * inter:
+        raise CheckpointError(f"{m.path}: tensor {name!r} has shape {list(m.shape(name))}, {m.arch}."
+                              f"expert_shared_count {n_shared} x expert_feed_forward_length {inter} says "
+                              f"{n_shared * inter} rows")  # fmt: skip
+    n_group = int(m.get("expert_group_count") or 1)
+    topk_group = int(m.get("expert_group_used_count") or n_group)
+    if experts % n_group or not 0 < topk_group <= n_group:
+        raise CheckpointError(f"{m.path}: {m.arch}.expert_group_count {n_group} / expert_group_used_count "
+                              f"{topk_group} do not divide {experts} experts")  # fmt: skip
+    return dict(
+        intermediate_size=int(m.get("feed_forward_length", inter)), moe_intermediate_size=inter,
+        n_routed_experts=experts, n_shared_experts=n_shared, first_k_dense_replace=dense, n_group=n_group,
+        topk_group=topk_group, attention_bias="blk.0.attn_q.bias" in m.tensors,
+    )  # fmt: skip
+
+
+def _glm4moe(m: Meta) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 / 4.7: partial RoPE (`rope.dimension_count` of the head), optional q/k norm, q/k/v bias. llama.cpp
+    counts the `nextn_predict_layers` MTP blocks in block_count and writes them last (blk.L...: a decoder layer plus
+    nextn.*): num_hidden_layers excludes them, and hf_locations skips them (transformers does not run them)."""
+    blocks = int(m.need("block_count"))
+    nextn = int(m.get("nextn_predict_layers", 0))
+    if not 0 <= nextn < blocks:
+        raise CheckpointError(f"{m.path}: {m.arch}.nextn_predict_layers {nextn} leaves no layer of {blocks} blocks")
+    n_layers = blocks - nextn
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // heads))
+    if int(m.get("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.attention.value_length differs from key_length {head_dim}")
+    q_rows = m.shape("blk.0.attn_q.weight")[0]
+    if q_rows != heads * head_dim:
+        raise CheckpointError(f"{m.path}: tensor 'blk.0.attn_q.weight' has {q_rows} rows, {m.arch}.attention."
+                              f"head_count {heads} x key_length {head_dim} says {heads * head_dim}")  # fmt: skip
+    sections = m.metadata.get(f"{m.arch}.rope.dimension_sections")
+    if sections is not None and any(int(x) for x in sections):
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_sections (GLM-4.xV's M-RoPE) is not supported")
+    rope_dim = int(m.get("rope.dimension_count", head_dim))
+    rope = _rope_parameters(m)
+    rope["partial_rotary_factor"] = rope_dim / head_dim
+    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
+                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    return dict(
+        _v3_moe(m, n_layers), num_hidden_layers=n_layers, num_nextn_predict_layers=nextn, head_dim=head_dim,
+        rope_parameters=rope, use_qk_norm="blk.0.attn_q_norm.weight" in m.tensors,
+    )  # fmt: skip
+
+
+def _dots1(m: Meta) -> dict[str, Any]:
+    """dots.llm1: q/k norm, full RoPE, no sliding window in llama.cpp (every layer full attention)."""
+    rope_dim = m.get("rope.dimension_count")
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // heads))
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not the head size {head_dim}")
+    return dict(_v3_moe(m, int(m.need("block_count"))), sliding_window=None)
+
+
+# seam families' checkpoint names (no family row: no {shared} fill)
+_V3_SHARED = {f"ffn_{p}_shexp.weight": f"{{blk}}.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}
+_GLM4MOE_NAMES = {**_V3_SHARED, **_EXP_PROBS_B, "post_attention_norm.weight": "post_attention_layernorm.weight"}
+_DOTS1_NAMES = {**_V3_SHARED, **_EXP_PROBS_B, "attn_output.bias": "self_attn.o_proj.bias"}
+
+
+def _ernie45moe(m: Meta) -> dict[str, Any]:
+    """ERNIE-4.5 MoE. MoE layers: from `leading_dense_block_count` on, every `interleave_moe_layer_step`-th (llama.cpp's
+    rule: transformers' moe_layer_start_index / moe_layer_interval, the end index the last layer), checked against the
+    blocks that hold a router. Router: softmax, top-k chosen on probability + exp_probs_b (transformers'
+    moe_statics.e_score_correction_bias), weights renormalised (both do so always). Shared experts: one MLP of
+    expert_shared_count x the expert size (transformers' moe_num_shared_experts; llama.cpp sizes it by
+    expert_shared_feed_forward_length: both checked against the tensor). RoPE: interleaved in both, q/k as stored."""
+    n = int(m.need("block_count"))
+    inter = m.expert_inter()
+    blocks = m.moe_blocks()
+    start = int(m.get("leading_dense_block_count", 0))
+    step = int(m.need("interleave_moe_layer_step"))
+    expect = [i for i in range(n) if i >= start and step > 0 and (i + 1) % step == 0]
+    if blocks != expect:
+        raise CheckpointError(f"{m.path}: routers in blocks {blocks}, but {m.arch}.leading_dense_block_count {start} "
+                              f"and {m.arch}.interleave_moe_layer_step {step} say {expect}")  # fmt: skip
+    if "blk.0.attn_q.bias" in m.tensors:
+        raise CheckpointError(f"{m.path}: an ernie4_5-moe model with biases (blk.0.attn_q.bias) is not supported")
+    for b in blocks:  # llama.cpp reads a missing one as zeros; transformers' router always loads its own
+        if f"blk.{b}.exp_probs_b.bias" not in m.tensors:
+            raise CheckpointError(f"{m.path}: GGUF tensor 'blk.{b}.exp_probs_b.bias' is missing: transformers' "
+                                  "ERNIE-4.5 router always has its expert score bias")  # fmt: skip
+    name = f"blk.{blocks[0]}.ffn_up_shexp.weight"
+    count = int(m.get("expert_shared_count", 0))
+    rows = m.shape(name)[0] if count or name in m.tensors else 0
+    if rows != count * inter:
+        raise CheckpointError(f"{m.path}: tensor {name!r} has {rows} rows, but {m.arch}.expert_shared_count {count} "
+                              f"shared experts of {inter} make {count * inter}")  # fmt: skip
+    meta_rows = m.get("expert_shared_feed_forward_length")
+    if count and meta_rows is not None and int(meta_rows) != rows:
+        raise CheckpointError(f"{m.path}: tensor {name!r} has {rows} rows, metadata "
+                              f"{m.arch}.expert_shared_feed_forward_length says {meta_rows}")  # fmt: skip
+    ff = int(m.get("feed_forward_length", inter))
+    dense = [i for i in range(n) if i not in blocks]
+    if dense and m.shape(f"blk.{dense[0]}.ffn_up.weight")[0] != ff:
+        raise CheckpointError(f"{m.path}: tensor 'blk.{dense[0]}.ffn_up.weight' has "
+                              f"{m.shape(f'blk.{dense[0]}.ffn_up.weight')[0]} rows, {m.arch}.feed_forward_length says "
+                              f"{ff}")  # fmt: skip
+    return dict(
+        intermediate_size=ff, moe_intermediate_size=inter, moe_num_experts=int(m.need("expert_count")),
+        moe_num_shared_experts=count, moe_layer_start_index=start, moe_layer_interval=step,
+        moe_layer_end_index=n - 1, use_bias=False,
+    )  # fmt: skip
+
+
+_ERNIE_NAMES = {
+    "exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+
+
+def _hunyuanmoe(m: Meta) -> dict[str, Any]:
+    """Hunyuan-A13B (HunYuanMoEV1): every layer is MoE plus a shared MLP, q and k RMS-normed after RoPE (both as in
+    llama.cpp). transformers sizes the experts and the shared MLP alike by intermediate_size, so the tensors and
+    llama.cpp's expert_feed_forward_length, expert_shared_feed_forward_length and feed_forward_length (by which
+    llama.cpp sizes its experts) must agree. The converter folds Hunyuan's NTK-alpha RoPE into rope.freq_base (scaling
+    type none): the default RoPE at that base, which is what transformers' ntk_alpha computes."""
+    n = int(m.need("block_count"))
+    blocks = m.moe_blocks()
+    if blocks != list(range(n)):
+        raise CheckpointError(f"{m.path}: routers in blocks {blocks}; every layer of a hunyuan-moe model is MoE")
+    inter = m.expert_inter()
+    shared = m.shape("blk.0.ffn_up_shexp.weight")[0]
+    if shared != inter:
+        raise CheckpointError(f"{m.path}: tensor 'blk.0.ffn_up_shexp.weight' has {shared} rows, the experts {inter}: "
+                              "transformers' HunYuanMoEV1 sizes both by one intermediate_size")  # fmt: skip
+    for key in ("expert_shared_feed_forward_length", "feed_forward_length"):
+        v = m.get(key)
+        if v is not None and int(v) != inter:
+            raise CheckpointError(f"{m.path}: {m.arch}.{key} {v} differs from the experts' {inter} rows "
+                                  "(tensor 'blk.0.ffn_gate_exps.weight')")  # fmt: skip
+    m.shape("blk.0.attn_q_norm.weight"), m.shape("blk.0.attn_k_norm.weight")  # transformers always norms q and k
+    return dict(intermediate_size=inter, num_experts=int(m.need("expert_count")),
+                attention_bias="blk.0.attn_q.bias" in m.tensors)  # fmt: skip
+
+
+_HUNYUAN_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.wg.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.query_layernorm.weight", "attn_k_norm.weight": "self_attn.key_layernorm.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_mlp.gate_proj.weight", "ffn_up_shexp.weight": "mlp.shared_mlp.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_mlp.down_proj.weight",
+}  # fmt: skip
+_QWEN_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def _granitemoe_variant(m: Meta) -> tuple[str, str]:
+    """llama.cpp's converter writes Granite MoE and Granite MoE Shared (a shared MLP beside the experts) alike."""
+    if any(n.endswith(".ffn_up_shexp.weight") for n in m.tensors):
+        return "granitemoeshared", "GraniteMoeSharedForCausalLM"
+    return "granitemoe", "GraniteMoeForCausalLM"
+
+
+def _granitemoe(m: Meta) -> dict[str, Any]:
+    """Granite 3.x MoE (and MoE Shared): every layer MoE, top-k router renormalised (softmax of the k logits), q/k
+    rows permuted by the converter (llama's interleaved RoPE; un-permuted on read), heads of hidden / head_count, and
+    Granite's multipliers from llama.cpp's keys, read as llama.cpp reads them: attention.scale (absent or 0:
+    1/sqrt(head dim)), embedding_scale and residual_scale (absent or 0: not applied, 1), logit_scale (required)."""
+    n = int(m.need("block_count"))
+    if m.moe_blocks() != list(range(n)):
+        raise CheckpointError(f"{m.path}: routers in blocks {m.moe_blocks()}; every layer of a granitemoe model is MoE")
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    head_dim = hidden // heads
+    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+        v = m.get(key)
+        if v is not None and int(v) != head_dim:
+            raise CheckpointError(f"{m.path}: {m.arch}.{key} {v} is not hidden / head_count = {head_dim}, the head "
+                                  "size transformers' Granite MoE uses")  # fmt: skip
+    if any(n.startswith("blk.0.attn_") and n.endswith(".bias") for n in m.tensors):
+        raise CheckpointError(f"{m.path}: a granitemoe model with attention biases (blk.0.attn_*.bias) is not "
+                              "supported (the converter permutes the q/k bias rows too)")  # fmt: skip
+    gating, norm = m.get("expert_gating_func"), m.get("expert_weights_norm")
+    if (gating is not None and int(gating) != 1) or (norm is not None and not bool(norm)):
+        key = "expert_gating_func" if gating is not None and int(gating) != 1 else "expert_weights_norm"
+        raise CheckpointError(f"{m.path}: {m.arch}.{key} {m.get(key)}: transformers' Granite MoE router is a softmax "
+                              "of the top-k logits (gating 1, weights normalised)")  # fmt: skip
+    cfg: dict[str, Any] = dict(
+        intermediate_size=m.expert_inter(), num_local_experts=int(m.need("expert_count")), attention_bias=False,
+        attention_multiplier=float(m.get("attention.scale") or 0.0) or head_dim**-0.5,
+        embedding_multiplier=float(m.get("embedding_scale") or 1.0),
+        residual_multiplier=float(m.get("residual_scale") or 1.0), logits_scaling=float(m.need("logit_scale")),
+    )  # fmt: skip
+    shared = [n for n in m.tensors if n.endswith(".ffn_up_shexp.weight")]
+    if shared:
+        rows = m.shape(shared[0])[0]
+        meta = m.get("expert_shared_feed_forward_length")
+        if meta is None or int(meta) != rows:
+            raise CheckpointError(f"{m.path}: tensor {shared[0]!r} has {rows} rows, metadata "
+                                  f"{m.arch}.expert_shared_feed_forward_length says {meta}")  # fmt: skip
+        cfg["shared_intermediate_size"] = rows
+    return cfg
+
+
+def _granite_converters() -> tuple[WeightConverter, ...]:
+    """Granite's checkpoint fuses what llama.cpp stores apart: each layer's experts (input_linear [E, 2I, H], gate rows
+    first, and output_linear) and the shared MLP's input_linear [2S, H] (gate rows first). The GGUF index names the
+    pieces per expert and per projection, names no Granite checkpoint has; these converters (transformers' own ops)
+    say how they fuse, so the seam reads the experts per expert and concatenates the shared MLP at load."""
+    e = "block_sparse_moe.experts"
+    return (
+        WeightConverter([f"{e}.*.gate_proj.weight", f"{e}.*.up_proj.weight"], f"{e}.gate_up_proj",
+                        operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+        WeightConverter(f"{e}.*.down_proj.weight", f"{e}.down_proj", operations=[MergeModulelist(dim=0)]),
+        WeightConverter(["shared_mlp.gate_proj.weight", "shared_mlp.up_proj.weight"], "shared_mlp.input_linear.weight",
+                        operations=[Concatenate(dim=0)]),
+    )  # fmt: skip
+
+
+_GRANITE_NAMES = {
+    "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
+    "ffn_gate_shexp.weight": "shared_mlp.gate_proj.weight", "ffn_up_shexp.weight": "shared_mlp.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
+}  # fmt: skip
+
+
+def _bailingmoe2(m: Meta) -> dict[str, Any]:
+    """Ling / Ring 2.0 (BailingMoeV2) and Sarvam-MoE, which llama.cpp's converter writes alike, as transformers'
+    sarvam_moe (its GLM-4.5 modules): q|k|v fused (attn_qkv: the Sarvam checkpoint's query_key_value, split at load
+    by transformers' own rule), q/k RMS norm, rotate-half RoPE over the first `rope.dimension_count` of each head
+    (Ling: half, Sarvam: all), the DeepSeek-V3-style MoE (_v3_moe), and `nextn_predict_layers` MTP blocks written
+    last, skipped. The converter zero-means Sarvam's score bias: a shift common to every expert, the same top-k."""
+    blocks = int(m.need("block_count"))
+    nextn = int(m.get("nextn_predict_layers", 0))
+    if not 0 <= nextn < blocks:
+        raise CheckpointError(f"{m.path}: {m.arch}.nextn_predict_layers {nextn} leaves no layer of {blocks} blocks")
+    n_layers = blocks - nextn
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    kv_heads = int(m.get("attention.head_count_kv", heads))
+    head_dim = int(m.get("attention.key_length", hidden // heads))
+    if int(m.get("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.attention.value_length differs from key_length {head_dim}")
+    qkv = m.shape("blk.0.attn_qkv.weight")
+    if qkv[0] != (heads + 2 * kv_heads) * head_dim:
+        raise CheckpointError(f"{m.path}: tensor 'blk.0.attn_qkv.weight' has shape {list(qkv)}, {m.arch}.attention"
+                              f".head_count {heads} + 2 x head_count_kv {kv_heads} heads of {head_dim} say "
+                              "otherwise")  # fmt: skip
+    m.shape("blk.0.attn_q_norm.weight"), m.shape("blk.0.attn_k_norm.weight")  # both norm q and k always
+    rope_dim = int(m.get("rope.dimension_count", head_dim))
+    rope = _rope_parameters(m)
+    rope["partial_rotary_factor"] = rope_dim / head_dim
+    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
+                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    return dict(
+        _v3_moe(m, n_layers), num_hidden_layers=n_layers, num_nextn_predict_layers=nextn, head_dim=head_dim,
+        rope_parameters=rope, use_qk_norm=True, attention_bias=False,
+    )  # fmt: skip
+
+
+_BAILING2_NAMES = {**_V3_SHARED, **_EXP_PROBS_B, "attn_qkv.weight": "attention.query_key_value.weight"}
+# llama.cpp architectures of models transformers has no family for (refused, saying so)
+_NO_TRANSFORMERS_FAMILY = {
+    "bailingmoe": "Ling / Ring 1.x (BailingMoeForCausalLM, remote code only)",
+}
+
+
 ARCHS: dict[str, GGUFArch] = {
     a.gguf_arch: a
     for a in (
@@ -238,6 +565,20 @@ ARCHS: dict[str, GGUFArch] = {
         GGUFArch("llama", "mixtral", "MixtralForCausalLM", _mixtral, unpermute_qk=True, norm_topk_default=True),
         GGUFArch("deepseek2", "deepseek_v2", "DeepseekV2ForCausalLM", _deepseek2, names={**_MLA_NAMES, **_EXP_PROBS_B},
                  scale_attr="routed_scaling_factor", variant=_deepseek2_variant, yarn_mscale=True),
+        GGUFArch("ernie4_5-moe", "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", _ernie45moe, norm_topk_default=True,
+                 names=_ERNIE_NAMES, experts=_QWEN_EXPERTS),
+        GGUFArch("hunyuan-moe", "hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", _hunyuanmoe, norm_topk_default=True,
+                 names=_HUNYUAN_NAMES, experts=_QWEN_EXPERTS),
+        GGUFArch("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gptoss, names=_GPTOSS_NAMES, sources=_GPTOSS_SOURCES),
+        GGUFArch("glm4moe", "glm4_moe", "Glm4MoeForCausalLM", _glm4moe, names=_GLM4MOE_NAMES,
+                 scale_attr="routed_scaling_factor", experts=("mlp", "gate_proj", "up_proj", "down_proj")),
+        GGUFArch("dots1", "dots1", "Dots1ForCausalLM", _dots1, names=_DOTS1_NAMES, scale_attr="routed_scaling_factor",
+                 experts=("mlp", "gate_proj", "up_proj", "down_proj")),
+        GGUFArch("granitemoe", "granitemoe", "GraniteMoeForCausalLM", _granitemoe, unpermute_qk=True,
+                 variant=_granitemoe_variant, names=_GRANITE_NAMES, converters=_granite_converters,
+                 experts=("block_sparse_moe", "gate_proj", "up_proj", "down_proj")),
+        GGUFArch("bailingmoe2", "sarvam_moe", "Glm4MoeForCausalLM", _bailingmoe2, names=_BAILING2_NAMES,
+                 scale_attr="routed_scaling_factor", experts=_QWEN_EXPERTS),
     )
 }
 
@@ -321,6 +662,11 @@ def build_config(
     if not isinstance(arch_name, str):
         raise CheckpointError(f"{path}: GGUF metadata lacks general.architecture")
     arch = ARCHS.get(arch_name)
+    if arch is None and arch_name in _NO_TRANSFORMERS_FAMILY:
+        raise UnknownArchitectureError(
+            f"{path}: GGUF architecture {arch_name!r} ({_NO_TRANSFORMERS_FAMILY[arch_name]}) has no transformers "
+            "family (transformers has no such model type); moetier runs GGUF models as transformers families"
+        )
     if arch is None:
         raise UnknownArchitectureError(
             f"{path}: GGUF architecture {arch_name!r} is not supported; moetier reads GGUF models of {', '.join(ARCHS)}"
@@ -348,7 +694,7 @@ def hf_locations(
     if family is not None:
         block = family.ckpt_block
         fills = {"blk": block, "shared": family.shared_attr or "?", "shared_gate": family.shared_gate_attr or "?"}
-        templates = {p: block + "." + family.sources[p].tensor for p in ("gate", "up", "down")}
+        templates = {p: block + "." + src.tensor for p, src in family.sources.items()}
         has_shared = family.shared_attr is not None
     else:
         if arch.experts is None:
@@ -370,14 +716,19 @@ def hf_locations(
                 f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {config.model_type}"
             )
         layer, rest = int(m.group(1)), m.group(2)
+        if 0 <= layer - int(config.num_hidden_layers) < int(getattr(config, "num_nextn_predict_layers", 0) or 0):
+            continue  # a multi-token-prediction (nextn) block, written after the layers: transformers does not run it
         prefix = f"model.layers.{layer}."
         if rest in _EXPERT_PIECES:
-            if len(t.shape) != 3 or t.shape[0] != n_experts:
+            if len(t.shape) != (2 if rest.endswith(".bias") else 3) or t.shape[0] != n_experts:
                 raise CheckpointError(
                     f"{t.file}: tensor {gname!r} has shape {list(t.shape)}, expected {n_experts} experts first "
                     f"({arch.gguf_arch}.expert_count)"
                 )
-            template = templates[_EXPERT_PIECES[rest]]
+            template = templates.get(_EXPERT_PIECES[rest], "")
+            if "{e}" not in template:
+                raise CheckpointError(f"{t.file}: GGUF tensor {gname!r} has no per-expert counterpart in "
+                                      f"{config.model_type}")  # fmt: skip
             for e in range(n_experts):
                 out.append(location(t, prefix + template.format(e=e), t.shape[1:], expert=e))
             continue
@@ -431,14 +782,20 @@ class GGUFCheckpoint:
     metadata: dict[str, Any]
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """transformers' tokenizer built from the GGUF metadata (tokenizer.ggml.*), offline."""
+        """transformers' tokenizer built from the GGUF metadata (tokenizer.ggml.*), offline. AutoTokenizer first (it
+        picks the family's tokenizer class); where transformers cannot read the file's architecture for that
+        (deepseek2, glm4moe... it parses the whole config first), its generic fast tokenizer from the same
+        metadata."""
+        folder, name = str(self.path.parent), self.path.name
         try:
-            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(
-                f"{self.path}: transformers cannot build a tokenizer from its metadata ({exc})"
-            ) from exc
-        return tok
+            return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except (OSError, ValueError, KeyError, TypeError) as first:
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(
+                    f"{self.path}: transformers cannot build a tokenizer from its metadata ({first}; {exc})"
+                ) from exc
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
@@ -460,5 +817,8 @@ def _open_cached(path: str, size: int, mtime: int) -> GGUFCheckpoint:
     family = find_row(config.model_type, config.architectures)
     if family is None and arch.experts is None:
         family = find_family(config.model_type, config.architectures)  # raises, naming the architecture
-    index = GGUFIndex(first.parent, hf_locations(first, tensors, config, family, arch))
+    if family is not None and arch.sources is not None:
+        family = dataclasses.replace(family, sources=dict(arch.sources))
+    converters = arch.converters() if arch.converters is not None else ()
+    index = GGUFIndex(first.parent, hf_locations(first, tensors, config, family, arch), converters)
     return GGUFCheckpoint(first, config, family, arch, index, metadata)

@@ -88,7 +88,8 @@ def make_ggufs(cache: Path, types: list[str]) -> dict[str, Path]:
 # Lite model by its 27 layers, and wants q_lora_rank otherwise)
 ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-    "dots1": {"scoring_func": "sigmoid"},
+    "dots1": {"scoring_func": "sigmoid", "num_key_value_heads": 4},  # dots.llm1 is MHA; llama.cpp assumes so
+    "granitemoeshared": {"shared_intermediate_size": 24},  # (its default 0 is no shared MLP: plain granitemoe)
     # ERNIE-4.5-21B-A3B's proportions: the converter derives the shared expert's width from intermediate_size
     "ernie4_5_moe": {"intermediate_size": 64, "moe_num_shared_experts": 2, "num_hidden_layers": 3},
     # Hunyuan-A13B's config carries these as per-layer lists, which the converter reads

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -362,8 +363,9 @@ def test_hunyuan_moe_config_and_names(gguf_model):
     assert idx["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == "gguf:Q4_1"
 
 
-def _gguf_without(g: Path, out: Path, arch: str, drop: str) -> Path:
-    """A copy of GGUF file `g` (its numeric `<arch>.*` keys and tensors) without tensor `drop`."""
+def _gguf_without(g: Path, out: Path, arch: str, drop: str, flat: str = "") -> Path:
+    """A copy of GGUF file `g` (its numeric `<arch>.*` keys and tensors) without tensor `drop`, the tensors whose
+    names end with `flat` (when given) written 1-D."""
     import gguf as gguf_py
 
     r = gguf_py.GGUFReader(str(g))
@@ -374,7 +376,10 @@ def _gguf_without(g: Path, out: Path, arch: str, drop: str) -> Path:
             kinds[f.types[0]](f.name, f.parts[f.data[0]][0].item())
     for t in r.tensors:
         if t.name != drop:
-            w.add_tensor(t.name, t.data.reshape([int(x) for x in reversed(t.shape)]), raw_dtype=t.tensor_type)
+            shape = [int(x) for x in reversed(t.shape)]
+            if flat and t.name.endswith(flat):
+                shape = [int(np.prod(shape))]
+            w.add_tensor(t.name, t.data.reshape(shape), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -485,3 +490,12 @@ def test_granite_bailing_damaged_files_are_refused(tmp_path, family, meta, skip,
     g = write_gguf(src, tmp_path / "bad.gguf", family, meta=meta, skip_meta=skip)
     with pytest.raises(CheckpointError, match=names):
         open_gguf(g)
+
+
+def test_ernie_score_bias_written_flat_loads(gguf_model, tmp_path):
+    """llama-quantize writes ERNIE's exp_probs_b as [E] where the converter wrote [1, E]: both are the [1, E]
+    moe_statics transformers holds, with the same logits."""
+    src, g, _ = gguf_model("ernie4_5_moe", "F32")
+    flat = _gguf_without(g, tmp_path / "flat.gguf", "ernie4_5-moe", "", flat="exp_probs_b.bias")
+    assert open_gguf(flat).index["model.layers.1.mlp.moe_statics.e_score_correction_bias"].shape == (1, 6)
+    assert _logits_diff(flat, src) <= BOUND

@@ -743,6 +743,8 @@ def hf_locations(
         shape = t.shape
         if rest == "ffn_gate_inp_shexp.weight":
             shape = (1, t.shape[-1])  # transformers' shared_expert_gate is a Linear(H, 1)
+        elif rest == "exp_probs_b.bias" and config.model_type == "ernie4_5_moe":
+            shape = (1, t.shape[-1])  # ERNIE's moe_statics holds [1, E]; llama-quantize writes the tensor as [E]
         unpermute = None
         if arch.unpermute_qk and rest in ("attn_q.weight", "attn_k.weight"):
             unpermute = heads if rest == "attn_q.weight" else kv_heads

@@ -23,7 +23,7 @@ from kernels.test_decode import quantise_act
 from moetier.kernels import decode, native
 
 BF16 = torch.bfloat16
-PATHS = ("native", "avx2", "avx2-novnni", "c")
+PATHS = ("native", "avx2", "avx2-novnni", "c", "novbmi")
 
 
 def _flags() -> set[str]:
@@ -34,6 +34,8 @@ def _runs_here(isa: str) -> bool:
     flags = _flags()
     if isa.startswith("avx2"):
         return {"avx2", "fma"} <= flags
+    if isa == "novbmi":  # differs from native only on a CPU with AVX512-VBMI (the fp8 rows' byte tables)
+        return "avx512vbmi" in flags
     return True
 
 

@@ -14,7 +14,8 @@ with its error, so later starts skip that compiler at once. Where none works, `l
 with the reasons in `load_error()` and callers fall back to torch ops.
 
 `isa` builds a lower path than the CPU's best for tests ("avx2", "avx2-novnni", "c": csrc/mm.h's
-MT_FORCE_* macros), so every path a CPU can run is checked against the float64 reference on it.
+MT_FORCE_* macros; "novbmi": the best without AVX512-VBMI), so every path a CPU can run is checked against the
+float64 reference on it.
 
 Invariants: every switch is an argument (`enabled` = RuntimeConfig.native_kernels, `cache_dir` =
 RuntimeConfig.kernel_cache, `isa`); nothing here reads the environment. `load` is cached per argument
@@ -50,6 +51,7 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {  # csrc/mm.h: the path each build comp
     "avx2": ("-DMT_FORCE_AVX2",),  # AVX2 (+ 256-bit VNNI where the CPU has it)
     "avx2-novnni": ("-DMT_FORCE_AVX2", "-DMT_NO_VNNI"),
     "c": ("-DMT_FORCE_C",),
+    "novbmi": ("-mno-avx512vbmi",),  # the CPU's best without AVX512-VBMI (fp8 rows by word tables, Cooper Lake)
 }
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

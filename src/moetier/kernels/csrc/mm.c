@@ -1189,6 +1189,7 @@ static void mm_avx512(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt
 
 static float F8F[256];          /* e4m3fn byte -> fp32 */
 static uint16_t F8B[128];       /* |e4m3fn| (7 bits) -> bf16 bits, exact; 0x7f: NaN */
+static uint8_t F8HI[128], F8LO[128]; /* its high and low bytes (the VBMI byte tables) */
 __attribute__((constructor)) static void f8_tables(void) {
     for (int b = 0; b < 256; b++) {
         const int e = (b >> 3) & 15, m = b & 7;
@@ -1198,6 +1199,8 @@ __attribute__((constructor)) static void f8_tables(void) {
             uint32_t u;
             memcpy(&u, &v, 4);
             F8B[b] = (uint16_t)(u >> 16); /* exact: at most 4 significant bits */
+            F8HI[b] = (uint8_t)(F8B[b] >> 8);
+            F8LO[b] = (uint8_t)(F8B[b] & 0xff);
         }
     }
 }
@@ -1213,32 +1216,117 @@ static inline __m512i f8_bf16x32(const uint8_t* p, const __m512i* L) {
     return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
 }
 
+#if defined(__AVX512VBMI__)
+/* 64 fp8 values -> 64 bf16 (AVX512-VBMI): the high and the low byte of each value's bf16 from two 128-entry byte
+ * tables (vpermt2b on the 7-bit magnitude), the sign or-ed into the high byte, then bytes paired into words per
+ * 128-bit lane: *a holds values [0-7, 16-23, 32-39, 48-55], *b [8-15, 24-31, 40-47, 56-63] (f8_x64 orders the
+ * activation alike) */
+static inline void f8_bf16x64(const uint8_t* p, const __m512i* T, __m512i* a, __m512i* b) {
+    const __m512i v = _mm512_loadu_si512((const void*)p);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(T[0], v, T[1]), v,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (v & 0x80) */
+    const __m512i lo = _mm512_permutex2var_epi8(T[2], v, T[3]);
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+}
+static inline void f8_x64(const uint16_t* x, __m512i* a, __m512i* b) {
+    const __m512i x0 = _mm512_loadu_si512((const void*)x), x1 = _mm512_loadu_si512((const void*)(x + 32));
+    *a = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+    *b = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+}
+#define MT_F8_VBMI 1
+#else
+#define MT_F8_VBMI 0
+#endif
+
+/* R weight rows x TB activation rows: per group, two accumulator chains per (row, activation) (a group of 128 is four
+ * dependent vdpbf16ps otherwise, latency-bound), then one fmadd by the group's scale. T: the byte tables (VBMI, groups
+ * of 64s) or L: the word tables (any group of 32s) */
+static inline __attribute__((always_inline)) void f8_rows3(const mt_w* w, int64_t K, int64_t r, const int R,
+                                                            const uint16_t* const* x, const int TB, const __m512i* L,
+                                                            const __m512i* T, float* out) {
+    const int64_t G = K / w->group, gs = w->group;
+    __m512 tot[2][4];
+    for (int j = 0; j < R; j++)
+        for (int t = 0; t < TB; t++) tot[j][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a0[2][4], a1[2][4];
+        for (int j = 0; j < R; j++)
+            for (int t = 0; t < TB; t++) a0[j][t] = a1[j][t] = _mm512_setzero_ps();
+        int64_t k = g * gs;
+        const int64_t end = k + gs;
+#if MT_F8_VBMI
+        if (T != NULL)
+            for (; k + 64 <= end; k += 64) {
+                __m512i xa[4], xb[4];
+                for (int t = 0; t < TB; t++) f8_x64(x[t] + k, &xa[t], &xb[t]);
+                for (int j = 0; j < R; j++) {
+                    __m512i wa, wb;
+                    f8_bf16x64((const uint8_t*)w->q + (r + j) * K + k, T, &wa, &wb);
+                    for (int t = 0; t < TB; t++) {
+                        a0[j][t] = _mm512_dpbf16_ps(a0[j][t], (__m512bh)wa, (__m512bh)xa[t]);
+                        a1[j][t] = _mm512_dpbf16_ps(a1[j][t], (__m512bh)wb, (__m512bh)xb[t]);
+                    }
+                }
+            }
+#else
+        (void)T;
+#endif
+        for (; k + 64 <= end; k += 64)
+            for (int j = 0; j < R; j++) {
+                const uint8_t* q = (const uint8_t*)w->q + (r + j) * K;
+                const __m512i w0 = f8_bf16x32(q + k, L), w1 = f8_bf16x32(q + k + 32, L);
+                for (int t = 0; t < TB; t++) {
+                    a0[j][t] = _mm512_dpbf16_ps(a0[j][t], (__m512bh)w0, (__m512bh)_mm512_loadu_si512((const void*)(x[t] + k)));
+                    a1[j][t] = _mm512_dpbf16_ps(a1[j][t], (__m512bh)w1,
+                                                (__m512bh)_mm512_loadu_si512((const void*)(x[t] + k + 32)));
+                }
+            }
+        if (k < end) /* a group of an odd number of 32s */
+            for (int j = 0; j < R; j++) {
+                const __m512i w0 = f8_bf16x32((const uint8_t*)w->q + (r + j) * K + k, L);
+                for (int t = 0; t < TB; t++)
+                    a0[j][t] = _mm512_dpbf16_ps(a0[j][t], (__m512bh)w0, (__m512bh)_mm512_loadu_si512((const void*)(x[t] + k)));
+            }
+        for (int j = 0; j < R; j++) {
+            const __m512 sc = _mm512_set1_ps(((const float*)(const void*)w->s)[(r + j) * G + g]);
+            for (int t = 0; t < TB; t++) tot[j][t] = _mm512_fmadd_ps(_mm512_add_ps(a0[j][t], a1[j][t]), sc, tot[j][t]);
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int t = 0; t < TB; t++) out[j * 4 + t] = _mm512_reduce_add_ps(tot[j][t]);
+}
+
 static void mm_f8(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow,
                   int64_t nt, float* const* yrow, const float* alpha) {
-    __m512i L[4];
+    __m512i L[4], Tb[4];
     for (int i = 0; i < 4; i++) L[i] = _mm512_loadu_si512((const void*)(F8B + 32 * i));
-    const int64_t G = K / w->group;
+    for (int i = 0; i < 2; i++) {
+        Tb[i] = _mm512_loadu_si512((const void*)(F8HI + 64 * i));
+        Tb[2 + i] = _mm512_loadu_si512((const void*)(F8LO + 64 * i));
+    }
+    const __m512i* T = MT_F8_VBMI && w->group % 64 == 0 ? Tb : NULL;
+    float out[8];
     for (int64_t i0 = 0; i0 < nt; i0 += 4) {
         const int TB = nt - i0 < 4 ? (int)(nt - i0) : 4;
         const uint16_t* x[4];
         for (int t = 0; t < TB; t++) x[t] = (const uint16_t*)(const void*)rec_of(A, arow[i0 + t]);
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t* q = (const uint8_t*)w->q + r * K;
-            const float* s = (const float*)(const void*)w->s + r * G;
-            __m512 tot[4];
-            for (int t = 0; t < TB; t++) tot[t] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc[4];
-                for (int t = 0; t < TB; t++) acc[t] = _mm512_setzero_ps();
-                for (int64_t k = g * w->group; k < (g + 1) * w->group; k += 32) {
-                    const __m512i wv = f8_bf16x32(q + k, L);
-                    for (int t = 0; t < TB; t++)
-                        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)wv, (__m512bh)_mm512_loadu_si512((const void*)(x[t] + k)));
-                }
-                const __m512 sc = _mm512_set1_ps(s[g]);
-                for (int t = 0; t < TB; t++) tot[t] = _mm512_fmadd_ps(acc[t], sc, tot[t]);
+        int64_t r = r0;
+        if (TB <= 2) /* decode: two weight rows a pass, so four chains run at once */
+            for (; r + 2 <= r1; r += 2) {
+                if (TB == 1) f8_rows3(w, K, r, 2, x, 1, L, T, out);
+                else f8_rows3(w, K, r, 2, x, 2, L, T, out);
+                for (int j = 0; j < 2; j++)
+                    for (int t = 0; t < TB; t++) put(yrow, alpha, i0 + t, r + j, out[j * 4 + t]);
             }
-            for (int t = 0; t < TB; t++) put(yrow, alpha, i0 + t, r, _mm512_reduce_add_ps(tot[t]));
+        for (; r < r1; r++) {
+            switch (TB) {
+                case 1: f8_rows3(w, K, r, 1, x, 1, L, T, out); break;
+                case 2: f8_rows3(w, K, r, 1, x, 2, L, T, out); break;
+                case 3: f8_rows3(w, K, r, 1, x, 3, L, T, out); break;
+                default: f8_rows3(w, K, r, 1, x, 4, L, T, out); break;
+            }
+            for (int t = 0; t < TB; t++) put(yrow, alpha, i0 + t, r, out[t]);
         }
     }
 }

@@ -125,7 +125,8 @@ class PrecisionConfig:
     """Expert precision. A static mode keeps every expert at one precision; "dynamic" keeps
     hot experts at `hi` and cold ones at `lo` under the compute tier's expert budget (DynaExq).
     "auto" (the default) is "stored" for a checkpoint whose experts the native kernels compute as stored (GGUF
-    block types: kernels/ggml.py; GPTQ / AWQ / compressed-tensors int4: store/source.py StoredIntSource), else
+    block types: kernels/ggml.py; GPTQ / AWQ / compressed-tensors int4: store/source.py StoredIntSource; block-scaled
+    FP8: StoredFp8Source), else
     "full"; runtime/wire.py resolves it when a model is opened.
 
     `groups` overrides the quantisation group size per precision, e.g. (("int4", 64),); the

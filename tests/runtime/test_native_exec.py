@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 import moetier
 from moetier.errors import ConfigError
-from moetier.kernels import decode, native
+from moetier.kernels import decode, ggml, native
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-moe"
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "shakespeare_heldout.txt"
@@ -85,7 +87,15 @@ def test_dense_precision_quantises_projections(dense: str) -> None:
     with _engine(True, dense_precision=dense) as q, _engine(True) as full:
         layer0 = q.decoder.layers[0]
         assert isinstance(layer0.wqkv, decode.QDense) and layer0.wqkv.bits == decode.DENSE_BITS[dense]
-        assert isinstance(q.decoder.lm_head, decode.QDense) and q.decoder.lm_head.bits == 8  # as Q4_0's Q6_K head
+        head = q.decoder.lm_head
+        assert isinstance(head, decode.QDense)
+        # int8: Q8_0; int4: Q6_K by ggml (as llama.cpp's Q4_0 files keep the head), Q8_0 without ggml
+        q6k = ggml.KIND_BASE + GGMLQuantizationType.Q6_K.value
+        assert head.bits == (q6k if dense == "int4" and ggml.available() else 8)
+        if head.bits == q6k:  # ggml's quantiser: its blocks decode (numpy reference) to the bf16 head within 6 bits
+            deq = torch.from_numpy(dequantize(head.q.numpy(), GGMLQuantizationType.Q6_K))  # [V, H] fp32
+            w = q.loaded.model.get_output_embeddings().weight.float()  # the bf16 copy stays in the model
+            assert deq.shape == w.shape and (deq - w).abs().max() <= 0.03 * w.abs().max()
         lq, lf = _decode_logits(q, ids), _decode_logits(full, ids)
     agree = float((lq.argmax(-1) == lf.argmax(-1)).float().mean())
     assert agree >= (0.97 if dense == "int8" else 0.75), agree

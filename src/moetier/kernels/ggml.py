@@ -26,7 +26,9 @@ import ctypes
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 KIND_BASE = 1000  # csrc/mm.h MT_KIND_GG
@@ -41,6 +43,7 @@ _FEATURES = {
 _SKIP = {"F32", "F64", "I8", "I16", "I32", "I64", "Q8_1", "Q8_K"}
 
 _errors: dict[str, str] = {}
+_quantizer: list[Any] = []  # ggml_quantize_chunk, once ggml is loaded
 
 
 class _Traits(ctypes.Structure):
@@ -74,7 +77,7 @@ def _ggml() -> ctypes.CDLL | None:
         return None
     libdir = Path(spec.origin).parent / "lib"
     try:
-        ctypes.CDLL(str(libdir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        base = ctypes.CDLL(str(libdir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"))
     except OSError as exc:
         _errors["load"] = f"cannot load ggml-python's CPU library from {libdir}: {exc}"
@@ -97,6 +100,11 @@ def _ggml() -> ctypes.CDLL | None:
     cpu.ggml_cpu_init()
     cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
     cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    q = base.ggml_quantize_chunk  # type, src, dst, start, nrows, n_per_row, imatrix -> bytes written
+    q.restype = ctypes.c_size_t
+    q.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p]  # fmt: skip
+    _quantizer.append(q)
     return cpu
 
 
@@ -178,3 +186,22 @@ def type_name(kind: int) -> str | None:
 def block_of(type_name: str) -> int:
     """Values per block of a GGUF type."""
     return int(GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0])
+
+
+def quantize(type_name: str, w: torch.Tensor, rows: int = 4096) -> torch.Tensor | None:
+    """w [N, K] (any float dtype) in GGUF type `type_name`'s blocks by ggml's own quantiser (`ggml_quantize_chunk`,
+    what llama-quantize runs; no importance matrix), uint8 [N, row bytes]; None without ggml, for a type that needs
+    an importance matrix, or K not a whole number of blocks. Rows go `rows` at a time (bounded fp32 temporaries)."""
+    if _ggml() is None or not _quantizer or type_name not in GGMLQuantizationType.__members__ or w.dim() != 2:
+        return None
+    n, k = w.shape
+    if k % block_of(type_name) or type_name.startswith("IQ"):
+        return None
+    t = GGMLQuantizationType[type_name].value
+    out = torch.empty((n, row_bytes(type_name, k)), dtype=torch.uint8)
+    for r in range(0, n, rows):
+        chunk = w[r : r + rows].float().contiguous()  # [rows, K]
+        got = _quantizer[0](t, chunk.data_ptr(), out[r].data_ptr(), 0, chunk.shape[0], k, None)
+        if got != chunk.shape[0] * out.shape[1]:
+            raise RuntimeError(f"ggml_quantize_chunk wrote {got} bytes for {chunk.shape[0]} rows of {type_name}")
+    return out

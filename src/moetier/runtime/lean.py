@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
-from moetier.kernels import decode
+from moetier.kernels import decode, ggml
 from moetier.kernels.decode import QDense
 from moetier.runtime.loader import LoadedModel
 
@@ -105,7 +105,8 @@ class LeanDecoder:
     ) -> None:
         """`native`: the decode kernels are loaded (kernels/decode.py); the projections of up to
         decode.native_rows() rows take them. `dense_precision` int8 / int4 quantises the attention projections
-        (Q8_0 / Q4_0 blocks, needs `native`) and the output head (Q8_0 under both); the bf16 copies stay in the
+        (Q8_0 / Q4_0 blocks, needs `native`) and the output head (Q8_0; under int4 Q6_K where ggml quantises and
+        computes it, as llama.cpp's Q4_0 files hold it); the bf16 copies stay in the
         model's modules. `stored` (checkpoint tensor name -> the tensor as a stored QDense, or None) gives the
         projections and the head as the file stores them (GGUF blocks, GPTQ / AWQ int4; a fused q/k/v only when
         all three have one type), computed by the native kernels; the rest as above (so `dense_precision` still
@@ -132,8 +133,9 @@ class LeanDecoder:
         self.final_norm = inner.norm.weight  # [H]
         full: Any = model
         head = full.get_output_embeddings()
-        # the output head at 8 bits under int4, as llama.cpp's Q4_0 files keep it at 6 (Q6_K; no 6-bit kernel here)
-        self.lm_head = self._stored_or((head.weight,)) or self._dense(head.weight, 8 if self.dense_bits else 0)
+        # the output head: under int4 at 6.6 bits (Q6_K, by ggml's quantiser and dot product), as llama.cpp's Q4_0 files
+        # keep it, else (no ggml, K not whole 256s) at 8; under int8 at 8
+        self.lm_head = self._stored_or((head.weight,)) or self._head(head.weight)
         self.layers = [self._layer(layer) for layer in inner.layers]
         self.per_head_norm = self.layers[0].q_norm is not None and self.layers[0].q_norm.numel() == self.hd
         # 1. rotary table from the family's own rotary module: cos/sin [max_len, hd]
@@ -152,6 +154,14 @@ class LeanDecoder:
         """A projection's weight as the decoder reads it: quantised to `bits` (default dense_bits) when set."""
         bits = self.dense_bits if bits is None else bits
         return decode.quantize_dense(w.detach(), bits) if bits else w
+
+    def _head(self, w: torch.Tensor) -> torch.Tensor | QDense:
+        if self.dense_bits == 4:
+            q6 = ggml.quantize("Q6_K", w.detach())
+            got = decode.stored_dense("Q6_K", q6, w.shape[1]) if q6 is not None else None
+            if got is not None:
+                return got
+        return self._dense(w, 8 if self.dense_bits else 0)
 
     def _stored_or(self, params: tuple[torch.Tensor, ...]) -> QDense | None:
         """The weights `params` (rows concatenated) as the checkpoint stores them, when `stored` gives every one

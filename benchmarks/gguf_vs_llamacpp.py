@@ -94,7 +94,8 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "ernie4_5_moe": {"intermediate_size": 64, "moe_num_shared_experts": 2, "num_hidden_layers": 3},
     # Hunyuan-A13B's config carries these as per-layer lists, which the converter reads
     "hunyuan_v1_moe": {"moe_intermediate_size": [48, 48], "moe_topk": [2, 2], "num_shared_expert": [1, 1]},
-    "deepseek_v2": {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_hidden_layers": 27},
+    "deepseek_v2": {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                    "num_hidden_layers": 27},
 }
 # run llama.cpp's converter with every model class's own vocabulary code replaced by the plain GPT-2 BPE one
 _CONVERT = """

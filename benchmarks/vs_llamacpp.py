@@ -157,6 +157,7 @@ import moetier
 from benchmarks._models import qwen3_bench_model
 from benchmarks.decode import _Clock
 from moetier.kernels import native
+from moetier.kernels.decode import QDense
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_SRC = REPO / "models" / "tiny-shakespeare-moe"
@@ -592,7 +593,8 @@ def transformers_row(s: Setup, compiled: bool) -> Result:
             "kernels": f"torch ({torch.backends.cpu.get_cpu_capability()})", "note": note}  # fmt: skip
 
 
-def moetier_bytes_per_token(s: Setup, experts: str, dense: str, slot_bytes: int | None) -> float:
+def moetier_bytes_per_token(s: Setup, experts: str, dense: str, slot_bytes: int | None,
+                            head_bytes: int | None = None) -> float:  # fmt: skip
     p, c = s.params, s.config
     k, n_exp, layers = c["num_experts_per_tok"], c["num_experts"], c["num_hidden_layers"]
     if slot_bytes is not None:
@@ -600,9 +602,10 @@ def moetier_bytes_per_token(s: Setup, experts: str, dense: str, slot_bytes: int 
     else:
         k_in = (c["hidden_size"], c["moe_intermediate_size"])
         expert = p["experts"] * k / n_exp * expert_bytes_per_param(experts, k_in)
-    # moetier quantizes attention per dense precision, keeps the router bf16, the head at Q8_0 under int4
-    head_b = DENSE_BYTES["int8" if dense == "int4" else dense]
-    dense_b = p["attention"] * DENSE_BYTES[dense] + p["router"] * 2 + p["head"] * head_b
+    # moetier quantizes attention per dense precision, keeps the router bf16, the head at Q6_K (or Q8_0 without
+    # ggml) under int4: `head_bytes`, the engine's own, where it says
+    head = head_bytes if head_bytes is not None else p["head"] * DENSE_BYTES["int8" if dense == "int4" else dense]
+    dense_b = p["attention"] * DENSE_BYTES[dense] + p["router"] * 2 + head
     rest = p["norms"] * 2 + p["embedding"] / c["vocab_size"] * 2 + p["other"] * 2
     return expert + dense_b + rest
 
@@ -690,6 +693,8 @@ def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: st
         note.append(f"host budget {budget / 2**20:.0f} MiB")
     with moetier.load(model, moetier_config(s, experts, dense, budget)) as engine:
         slot, _ = expert_pool_bytes(engine)
+        head = getattr(getattr(engine, "decoder", None), "lm_head", None)
+        head_bytes = head.nbytes if isinstance(head, QDense) else None  # a quantised head: its real bytes
         preload = getattr(engine.store, "preload", None)
         if not disk:  # every expert resident, as llama.cpp's are: no first-touch read in a timed decode
             if callable(preload):
@@ -735,7 +740,7 @@ def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: st
     if gguf is not None:  # the file's own bytes where the engine computes them as stored
         bpt = gguf_bytes_per_token(s, gguf, slot, stats)
     else:
-        bpt = moetier_bytes_per_token(s, experts, dense, slot if not disk else None)
+        bpt = moetier_bytes_per_token(s, experts, dense, slot if not disk else None, head_bytes)
     return {"prefill": prefill, "decode": decode, "bytes_per_token": bpt,
             "kernels": stats.get("kernels"), "note": "; ".join(note)}  # fmt: skip
 

@@ -104,7 +104,9 @@ def _ggml() -> ctypes.CDLL | None:
     q.restype = ctypes.c_size_t
     q.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                   ctypes.c_void_p]  # fmt: skip
-    _quantizer.append(q)
+    needs = base.ggml_quantize_requires_imatrix
+    needs.restype, needs.argtypes = ctypes.c_bool, [ctypes.c_int]
+    _quantizer.extend((q, needs))
     return cpu
 
 
@@ -195,9 +197,9 @@ def quantize(type_name: str, w: torch.Tensor, rows: int = 4096) -> torch.Tensor 
     if _ggml() is None or not _quantizer or type_name not in GGMLQuantizationType.__members__ or w.dim() != 2:
         return None
     n, k = w.shape
-    if k % block_of(type_name) or type_name.startswith("IQ"):
-        return None
     t = GGMLQuantizationType[type_name].value
+    if k % block_of(type_name) or _quantizer[1](t):
+        return None
     out = torch.empty((n, row_bytes(type_name, k)), dtype=torch.uint8)
     for r in range(0, n, rows):
         chunk = w[r : r + rows].float().contiguous()  # [rows, K]

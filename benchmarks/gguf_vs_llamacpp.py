@@ -90,6 +90,10 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
     "dots1": {"scoring_func": "sigmoid", "num_key_value_heads": 4},  # dots.llm1 is MHA; llama.cpp assumes so
     "granitemoeshared": {"shared_intermediate_size": 24},  # (its default 0 is no shared MLP: plain granitemoe)
+    # Llama-4's layout as llama.cpp hard-codes it (and transformers defaults it): MoE every other layer here, chunks
+    # of 8192, temperature floor 8192, RoPE-less full attention every fourth layer
+    "llama4_text": {"num_hidden_layers": 4, "interleave_moe_layer_step": 2, "moe_layers": None,
+                    "no_rope_layers": None, "attention_chunk_size": 8192, "floor_scale": 8192, "layer_types": None},
     # ERNIE-4.5-21B-A3B's proportions: the converter derives the shared expert's width from intermediate_size
     "ernie4_5_moe": {"intermediate_size": 64, "moe_num_shared_experts": 2, "num_hidden_layers": 3},
     # Hunyuan-A13B's config carries these as per-layer lists, which the converter reads

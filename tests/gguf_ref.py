@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_JSON = REPO / "models" / "tiny-shakespeare-moe" / "tokenizer.json"
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "llama4_text": "llama4"}
 ARCH.update(glm4_moe="glm4moe", dots1="dots1")
 ARCH.update(ernie4_5_moe="ernie4_5-moe", hunyuan_v1_moe="hunyuan-moe")
 ARCH.update(granitemoe="granitemoe", granitemoeshared="granitemoe", sarvam_moe="bailingmoe2")
@@ -39,6 +39,7 @@ EXPERTS = {
     "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "gpt_oss": ("mlp", "gate_proj", "up_proj", "down_proj"),  # (as moetier names GPT-OSS's split pieces)
+    "llama4_text": ("feed_forward", "gate_proj", "up_proj", "down_proj"),  # (and Llama-4's)
     "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj"), "dots1": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "ernie4_5_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "hunyuan_v1_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -53,6 +54,10 @@ _FAMILY_LAYER = {
                 "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
                 "self_attn.o_proj.bias": "attn_output.bias"},
     "glm4_moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+    "llama4_text": {"feed_forward.router.weight": "ffn_gate_inp.weight",
+                    **{f"feed_forward.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+                    **{f"feed_forward.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+                       for p in ("gate", "up", "down")}},
     "ernie4_5_moe": {"mlp.moe_statics.e_score_correction_bias": "exp_probs_b.bias"},
     "hunyuan_v1_moe": {"mlp.gate.wg.weight": "ffn_gate_inp.weight", "self_attn.o_proj.bias": "attn_output.bias",
                        "self_attn.query_layernorm.weight": "attn_q_norm.weight",
@@ -118,6 +123,10 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
             out[f"blk.{i}.ffn_gate_exps.bias"], out[f"blk.{i}.ffn_up_exps.bias"] = gub[:, ::2], gub[:, 1::2]
             out[f"blk.{i}.ffn_down_exps.weight"] = sd.pop(f"{pre}mlp.experts.down_proj").swapaxes(1, 2)
             out[f"blk.{i}.ffn_down_exps.bias"] = sd.pop(f"{pre}mlp.experts.down_proj_bias")
+        if family == "llama4_text" and f"{pre}feed_forward.experts.gate_up_proj" in sd:  # [E, H, 2I]: halves, .T
+            gu = sd.pop(f"{pre}feed_forward.experts.gate_up_proj").swapaxes(1, 2)
+            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = np.split(gu, 2, axis=1)
+            out[f"blk.{i}.ffn_down_exps.weight"] = sd.pop(f"{pre}feed_forward.experts.down_proj").swapaxes(1, 2)
         if family in _GRANITE:  # llama.cpp's GraniteMoeModel: fused [E, 2I, H] (and the shared [2S, H]) split in two
             gu = sd.pop(f"{pre}block_sparse_moe.input_linear.weight")
             out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = np.split(gu, 2, axis=1)
@@ -199,6 +208,10 @@ def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The arch-specific `<arch>.*` keys llama.cpp's converter writes for `family` (beyond write_gguf's common ones)."""
     if family in (*_GRANITE, "sarvam_moe"):
         return granite_bailing_meta(family, cfg)
+    if family == "llama4_text":
+        return {"interleave_moe_layer_step": cfg["interleave_moe_layer_step"],
+                "expert_feed_forward_length": cfg["intermediate_size"],
+                "feed_forward_length": cfg["intermediate_size_mlp"]}  # fmt: skip
     if family == "gpt_oss":
         rope = cfg["rope_parameters"]
         return {"attention.sliding_window": cfg["sliding_window"],
@@ -464,7 +477,7 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
             if int(layer) >= cfg["num_hidden_layers"]:  # GLM's MTP blocks: no transformers counterpart
                 continue
             pre = f"model.layers.{layer}."
-            if family == "gpt_oss" and "_exps." in rest:
+            if family in ("gpt_oss", "llama4_text") and "_exps." in rest:
                 fused.setdefault(pre, {})[rest] = deq
                 continue
             if family in _GRANITE and ("_exps." in rest or rest in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")):
@@ -483,7 +496,11 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
             twin[pre + hf] = torch.from_numpy(np.ascontiguousarray(deq))
         else:
             twin[back[name]] = torch.from_numpy(np.ascontiguousarray(deq))
-    for pre, p in fused.items():  # gate/up interleaved into [E, H, 2I], down back to [E, I, H]
+    for pre, p in fused.items() if family == "llama4_text" else ():  # [gate | up] columns [E, H, 2I], down [E, I, H]
+        gu = np.concatenate([p["ffn_gate_exps.weight"], p["ffn_up_exps.weight"]], axis=1).swapaxes(1, 2)
+        for k, v in (("gate_up_proj", gu), ("down_proj", p["ffn_down_exps.weight"].swapaxes(1, 2))):
+            twin[f"{pre}feed_forward.experts.{k}"] = torch.from_numpy(np.ascontiguousarray(v))
+    for pre, p in fused.items() if family == "gpt_oss" else ():  # gate/up interleaved into [E, H, 2I], down [E, I, H]
         up = p["ffn_up_exps.weight"]
         gu = np.stack([p["ffn_gate_exps.weight"], up], axis=2).reshape(up.shape[0], -1, up.shape[2])
         gub = np.stack([p["ffn_gate_exps.bias"], p["ffn_up_exps.bias"]], axis=2).reshape(gu.shape[0], -1)
@@ -507,6 +524,10 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
 
 # seam families (no entry in moetier.models.tiny.TINY): tiny_config sizes plus what the published models set
 SEAM_TINY: dict[str, dict[str, Any]] = {
+    # Llama-4's layout as llama.cpp holds it: MoE every other layer, RoPE-less full attention every fourth, chunks of
+    # 8192 and temperature floor 8192 (its constants, transformers' defaults)
+    "llama4_text": dict(num_hidden_layers=4, interleave_moe_layer_step=2, moe_layers=None, no_rope_layers=None,
+                        layer_types=None, attention_chunk_size=8192, floor_scale=8192),
     "glm4_moe": dict(attention_bias=True, use_qk_norm=True, head_dim=16, routed_scaling_factor=2.5),  # GLM-4.5
     "dots1": dict(num_key_value_heads=4, n_shared_experts=2, norm_topk_prob=True, routed_scaling_factor=2.5),
     # ERNIE-4.5-21B-A3B's shape: 2 shared experts, one leading dense layer, intermediate_size // kv heads = shared size

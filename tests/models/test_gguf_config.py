@@ -26,7 +26,7 @@ from moetier.models.tiny import build_tiny_checkpoint
 
 RUNTIME = RuntimeConfig(device="cpu", dtype="fp32", lean=False)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "dots1",
-            "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "sarvam_moe")
+            "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "sarvam_moe", "llama4_text")
 BOUND = 1e-4
 
 
@@ -85,7 +85,7 @@ def test_f32_gguf_matches_transformers_on_the_source_checkpoint(gguf_model, fami
     ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_K"), ("qwen3_moe", "Q6_K"), ("qwen3_moe", "Q5_0"),
     ("mixtral", "Q4_K"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q5_K"), ("olmoe", "Q4_1"), ("olmoe", "Q3_K"),
     ("qwen2_moe", "Q2_K"), ("mixtral", "Q5_1"), ("qwen3_moe", "Q4_0"), ("deepseek_v3", "Q8_0"),
-    ("deepseek_v2", "Q4_0"), ("gpt_oss", "MXFP4"), ("glm4_moe", "Q8_0"), ("dots1", "Q5_1"),
+    ("deepseek_v2", "Q4_0"), ("gpt_oss", "MXFP4"), ("glm4_moe", "Q8_0"), ("dots1", "Q5_1"), ("llama4_text", "Q8_0"),
     ("ernie4_5_moe", "Q5_0"), ("hunyuan_v1_moe", "Q4_1"),
     ("granitemoe", "Q8_0"), ("granitemoeshared", "Q4_0"), ("sarvam_moe", "Q8_0"),
 ])  # fmt: skip
@@ -363,9 +363,10 @@ def test_hunyuan_moe_config_and_names(gguf_model):
     assert idx["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == "gguf:Q4_1"
 
 
-def _gguf_without(g: Path, out: Path, arch: str, drop: str, flat: str = "") -> Path:
+def _gguf_without(g: Path, out: Path, arch: str, drop: str, flat: str = "",
+                  extra: dict[str, np.ndarray] | None = None) -> Path:  # fmt: skip
     """A copy of GGUF file `g` (its numeric `<arch>.*` keys and tensors) without tensor `drop`, the tensors whose
-    names end with `flat` (when given) written 1-D."""
+    names end with `flat` (when given) written 1-D, plus `extra` tensors (F32)."""
     import gguf as gguf_py
 
     r = gguf_py.GGUFReader(str(g))
@@ -380,6 +381,8 @@ def _gguf_without(g: Path, out: Path, arch: str, drop: str, flat: str = "") -> P
             if flat and t.name.endswith(flat):
                 shape = [int(np.prod(shape))]
             w.add_tensor(t.name, t.data.reshape(shape), raw_dtype=t.tensor_type)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -499,3 +502,28 @@ def test_ernie_score_bias_written_flat_loads(gguf_model, tmp_path):
     flat = _gguf_without(g, tmp_path / "flat.gguf", "ernie4_5-moe", "", flat="exp_probs_b.bias")
     assert open_gguf(flat).index["model.layers.1.mlp.moe_statics.e_score_correction_bias"].shape == (1, 6)
     assert _logits_diff(flat, src) <= BOUND
+
+
+def test_llama4_config_split_experts_and_layout(gguf_model, tmp_path):
+    """llama.cpp's llama4: gate and up written apart from the fused gate_up_proj, read as per-expert pieces of the
+    llama4 row; MoE every interleave step; the attention layout llama.cpp keeps as constants (chunks of 8192,
+    temperature floor 8192, RoPE-less full attention every fourth layer, q/k norm except at 128 experts)."""
+    _, g, _ = gguf_model("llama4_text", "Q8_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "llama4_text" and cfg.moe_layers == [1, 3] and cfg.no_rope_layers == [1, 1, 1, 0]
+    assert cfg.attention_chunk_size == 8192 and cfg.floor_scale == 8192 and cfg.use_qk_norm
+    assert cfg.intermediate_size == 48 and cfg.intermediate_size_mlp == 64
+    assert ck.index["model.layers.1.feed_forward.experts.3.up_proj.weight"].shape == (48, 32)
+    assert "model.layers.0.feed_forward.gate_proj.weight" in ck.index  # a dense layer
+    assert "model.layers.1.feed_forward.shared_expert.down_proj.weight" in ck.index
+    assert ck.family is not None and ck.family.sources["gate"].tensor == "experts.{e}.gate_proj.weight"
+    src = tiny_checkpoint("llama4_text", tmp_path / "src")
+    with pytest.raises(CheckpointError, match="interleave_moe_layer_step 1"):
+        open_gguf(write_gguf(src, tmp_path / "step.gguf", "llama4_text", meta={"interleave_moe_layer_step": 1}))
+    with pytest.raises(CheckpointError, match="sliding_window 0"):
+        open_gguf(write_gguf(src, tmp_path / "swa.gguf", "llama4_text", meta={"attention.sliding_window": 0}))
+    f32 = gguf_model("llama4_text", "F32")[1]
+    freqs = _gguf_without(f32, tmp_path / "freqs.gguf", "llama4", "", extra={"rope_freqs.weight": np.ones(4)})
+    with pytest.raises(CheckpointError, match="rope_freqs"):  # Llama-3-style RoPE scaling as factors: refused
+        open_gguf(freqs)

@@ -556,6 +556,43 @@ _NO_TRANSFORMERS_FAMILY = {
 }
 
 
+def _llama4(m: Meta) -> dict[str, Any]:
+    """Llama-4 (Scout, Maverick): llama.cpp keeps its attention layout as constants rather than metadata, so they come
+    back as its constants, which are also transformers' defaults: chunked attention (chunks of 8192) with RoPE on
+    three layers of four and full attention without RoPE on the fourth, attention temperature tuning (scale 0.1,
+    floor 8192), and the q/k L2 norm except on 128-expert models (Maverick). MoE on every
+    `interleave_moe_layer_step`-th layer, checked against the blocks that hold a router."""
+    n, step = int(m.need("block_count")), int(m.need("interleave_moe_layer_step"))
+    blocks = m.moe_blocks()
+    expect = [i for i in range(n) if step > 0 and (i + 1) % step == 0]
+    if blocks != expect:
+        raise CheckpointError(f"{m.path}: routers in blocks {blocks}, but {m.arch}.interleave_moe_layer_step {step} "
+                              f"says {expect}")  # fmt: skip
+    if m.get("attention.sliding_window") == 0:
+        raise CheckpointError(f"{m.path}: {m.arch}.attention.sliding_window 0 (no chunked attention, RoPE on every "
+                              "layer: a MobileLLM-style file) has no transformers Llama-4 counterpart")  # fmt: skip
+    if "rope_freqs.weight" in m.tensors:
+        raise CheckpointError(f"{m.path}: GGUF tensor 'rope_freqs.weight' (Llama-3-style RoPE scaling baked into "
+                              "per-frequency factors) is not supported for GGUF input yet")  # fmt: skip
+    experts = int(m.need("expert_count"))
+    return dict(
+        intermediate_size=m.expert_inter(), intermediate_size_mlp=int(m.need("feed_forward_length")),
+        num_local_experts=experts, interleave_moe_layer_step=step, moe_layers=None, no_rope_layers=None,
+        layer_types=None, attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+        use_qk_norm=experts != 128,
+    )  # fmt: skip
+
+
+_LLAMA4_SOURCES = {
+    "gate": ExpertSource("experts.{e}.gate_proj.weight"), "up": ExpertSource("experts.{e}.up_proj.weight"),
+    "down": ExpertSource("experts.{e}.down_proj.weight"),
+}  # fmt: skip
+_LLAMA4_NAMES = {
+    "ffn_gate_inp.weight": "feed_forward.router.weight", "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight", "ffn_down.weight": "feed_forward.down_proj.weight",
+}  # fmt: skip
+
+
 ARCHS: dict[str, GGUFArch] = {
     a.gguf_arch: a
     for a in (
@@ -570,6 +607,7 @@ ARCHS: dict[str, GGUFArch] = {
         GGUFArch("hunyuan-moe", "hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", _hunyuanmoe, norm_topk_default=True,
                  names=_HUNYUAN_NAMES, experts=_QWEN_EXPERTS),
         GGUFArch("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gptoss, names=_GPTOSS_NAMES, sources=_GPTOSS_SOURCES),
+        GGUFArch("llama4", "llama4_text", "Llama4ForCausalLM", _llama4, names=_LLAMA4_NAMES, sources=_LLAMA4_SOURCES),
         GGUFArch("glm4moe", "glm4_moe", "Glm4MoeForCausalLM", _glm4moe, names=_GLM4MOE_NAMES,
                  scale_attr="routed_scaling_factor", experts=("mlp", "gate_proj", "up_proj", "down_proj")),
         GGUFArch("dots1", "dots1", "Dots1ForCausalLM", _dots1, names=_DOTS1_NAMES, scale_attr="routed_scaling_factor",

@@ -204,6 +204,26 @@ def split_kv_b(w: np.ndarray, cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarr
     return np.ascontiguousarray(kv[:, :nope].swapaxes(1, 2)), np.ascontiguousarray(kv[:, nope:])
 
 
+def llama3_factors(cfg: dict[str, Any]) -> np.ndarray:
+    """rope_freqs.weight [head_dim / 2] F32 as llama.cpp's converter computes it from a `llama3` rope_parameters."""
+    rope = cfg["rope_parameters"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    orig = rope["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wl = 2 * np.pi / f
+        if wl < orig / high:
+            out.append(1.0)
+        elif wl > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wl - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The arch-specific `<arch>.*` keys llama.cpp's converter writes for `family` (beyond write_gguf's common ones)."""
     if family in (*_GRANITE, "sarvam_moe"):
@@ -425,6 +445,9 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
             w.add_uint32(full, int(v))
     if tokenizer:
         add_tokenizer(w)
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp's converter bakes Llama-3 scaling into per-frequency factors
+        w.add_tensor("rope_freqs.weight", llama3_factors(cfg))
     for name, a in gguf_tensors(src, family).items():
         raw, t = encode(name, a, (types or {}).get(name, qtype))
         w.add_tensor(name, raw, raw_dtype=t)

@@ -524,6 +524,22 @@ def test_llama4_config_split_experts_and_layout(gguf_model, tmp_path):
     with pytest.raises(CheckpointError, match="sliding_window 0"):
         open_gguf(write_gguf(src, tmp_path / "swa.gguf", "llama4_text", meta={"attention.sliding_window": 0}))
     f32 = gguf_model("llama4_text", "F32")[1]
-    freqs = _gguf_without(f32, tmp_path / "freqs.gguf", "llama4", "", extra={"rope_freqs.weight": np.ones(4)})
-    with pytest.raises(CheckpointError, match="rope_freqs"):  # Llama-3-style RoPE scaling as factors: refused
+    junk = np.array([1.0, 3.0, 2.0, 7.0])  # factors no Llama-3 scaling gives
+    freqs = _gguf_without(f32, tmp_path / "freqs.gguf", "llama4", "", extra={"rope_freqs.weight": junk})
+    with pytest.raises(CheckpointError, match="rope_freqs"):
         open_gguf(freqs)
+
+
+@pytest.mark.parametrize(("low", "high", "orig"), [(1.0, 1.0, 8192), (1.0, 32.0, 32768)])
+def test_llama3_rope_factors_come_back_as_rope_parameters(tmp_path, low, high, orig):
+    """llama.cpp writes Llama-3 RoPE scaling as per-frequency factors (rope_freqs.weight); read back as transformers'
+    llama3 parameters (Llama-4 Scout's equal low and high factors, and a smooth band over two frequencies), the
+    logits are transformers' on the source checkpoint."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": orig}  # fmt: skip
+    src = tiny_checkpoint("llama4_text", tmp_path / "src", head_dim=16, rope_parameters=rope)
+    g = write_gguf(src, tmp_path / "r.gguf", "llama4_text")
+    got = open_gguf(g).config.rope_parameters
+    assert got["rope_type"] == "llama3" and got["factor"] == 8.0
+    assert "rope_freqs.weight" not in open_gguf(g).index  # consumed by the config
+    assert _logits_diff(g, src) <= BOUND

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from transformers import (
     AutoConfig,
     AutoTokenizer,
@@ -43,6 +45,7 @@ from moetier.errors import CheckpointError, UnknownArchitectureError
 from moetier.formats.checkpoint import TensorLocation
 from moetier.formats.gguf import GGUFIndex, GGUFTensor, location, read_gguf_model
 from moetier.formats.layout import ExpertSource
+from moetier.formats.location import read_bytes
 from moetier.models.families import Family, find_family, find_row
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -571,9 +574,6 @@ def _llama4(m: Meta) -> dict[str, Any]:
     if m.get("attention.sliding_window") == 0:
         raise CheckpointError(f"{m.path}: {m.arch}.attention.sliding_window 0 (no chunked attention, RoPE on every "
                               "layer: a MobileLLM-style file) has no transformers Llama-4 counterpart")  # fmt: skip
-    if "rope_freqs.weight" in m.tensors:
-        raise CheckpointError(f"{m.path}: GGUF tensor 'rope_freqs.weight' (Llama-3-style RoPE scaling baked into "
-                              "per-frequency factors) is not supported for GGUF input yet")  # fmt: skip
     experts = int(m.need("expert_count"))
     return dict(
         intermediate_size=m.expert_inter(), intermediate_size_mlp=int(m.need("feed_forward_length")),
@@ -630,6 +630,12 @@ def _common(m: Meta, arch: GGUFArch, tensors: dict[str, GGUFTensor]) -> dict[str
             f"{m.path}: tensor 'token_embd.weight' has rows of {embd_hidden}, {m.arch}.embedding_length says {hidden}"
         )
     rope = _rope_parameters(m, arch.yarn_mscale)
+    if "rope_freqs.weight" in tensors:  # Llama-3-style scaling, written as per-frequency factors
+        if rope["rope_type"] != "default":
+            raise CheckpointError(f"{m.path}: both rope_freqs.weight and {m.arch}.rope.scaling.type "
+                                  f"{rope['rope_type']!r}: not supported")  # fmt: skip
+        head_dim = int(m.get("rope.dimension_count") or m.get("attention.key_length") or hidden // heads)
+        rope = _llama3_rope(m, tensors["rope_freqs.weight"], rope["rope_theta"], head_dim)
     md = m.metadata
     cfg: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=int(m.need("block_count")),
@@ -685,6 +691,47 @@ def _rope_parameters(m: Meta, yarn_mscale: bool = False) -> dict[str, Any]:
                 out[name] = float(v)
         if yarn_mscale and log_mul is not None:
             out["mscale"] = out["mscale_all_dim"] = float(log_mul) / 0.1
+    return out
+
+
+def _llama3_rope(m: Meta, t: GGUFTensor, theta: float, dim: int) -> dict[str, Any]:
+    """transformers' `llama3` rope_parameters back from the per-frequency factors llama.cpp's converter writes for
+    it (`rope_freqs.weight`, [dim / 2] F32; the one tensor read here): the factor is their largest; frequencies at
+    factor 1 and at the factor bound the thresholds; in between, 1 / r = (1 - s) / factor + s with s linear in 1 /
+    wavelength, which fixes where both thresholds lie (the original context then only scales low_freq_factor and
+    high_freq_factor along, so 8192, Llama's, is taken). With no frequency in between (Llama-4 Scout's equal
+    factors) the thresholds meet between the two groups. The recovered parameters must give back every factor to
+    1e-5, or the file is refused."""
+    if t.type_name != "F32" or t.shape != (dim // 2,):
+        raise CheckpointError(f"{t.file}: tensor 'rope_freqs.weight' is {t.type_name} {list(t.shape)}, expected F32 "
+                              f"[{dim // 2}] for head dimension {dim}")  # fmt: skip
+    r = np.frombuffer(read_bytes(location(t, "rope_freqs", t.shape)), dtype=np.float32).astype(np.float64)
+    wl = 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim)  # wavelength of each frequency
+    factor = float(r.max())
+    if factor <= 1.0 + 1e-6:
+        return {"rope_type": "default", "rope_theta": theta}
+    one, top = np.abs(r - 1) <= 1e-6 * factor, np.abs(r - factor) <= 1e-6 * factor
+    mid = ~(one | top)
+    orig = 8192.0
+    if mid.sum() >= 2:  # s = a / wl + b, least squares over the frequencies in between
+        smooth = (1 / r[mid] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(1 / wl[mid], smooth, 1)
+        low, high = -b * orig / a, (1 - b) * orig / a  # s = 0 at wl = orig / low, s = 1 at wl = orig / high
+    elif mid.sum() == 0 and one.any() and top.any() and wl[one].max() < wl[top].min():
+        orig = float(round(math.sqrt(wl[one].max() * wl[top].min())))  # (an integer, as transformers wants)
+        low = high = 1.0
+    else:
+        raise CheckpointError(f"{t.file}: tensor 'rope_freqs.weight' does not determine a Llama-3 RoPE scaling "
+                              f"({int(mid.sum())} frequency between the two bounds)")  # fmt: skip
+    out = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": float(low),
+           "high_freq_factor": float(high), "original_max_position_embeddings": int(orig)}  # fmt: skip
+    back = np.where(wl < orig / high, 1.0, np.where(wl > orig / low, factor, 0.0))
+    if mid.any():
+        s_ = (orig / wl[mid] - low) / (high - low)
+        back[mid] = 1 / ((1 - s_) / factor + s_)
+    if not np.allclose(back, r, rtol=1e-5, atol=0):
+        raise CheckpointError(f"{t.file}: tensor 'rope_freqs.weight' does not follow Llama-3 RoPE scaling (worst "
+                              f"factor off by {float(np.abs(back - r).max()):.3g})")  # fmt: skip
     return out
 
 
@@ -745,6 +792,8 @@ def hf_locations(
     out: list[TensorLocation] = []
     mla: dict[int, dict[str, GGUFTensor]] = {}
     for gname, t in tensors.items():
+        if gname == "rope_freqs.weight":  # read into the config's rope_parameters (_llama3_rope)
+            continue
         if gname in _GLOBAL_NAMES:
             out.append(location(t, _GLOBAL_NAMES[gname], t.shape))
             continue

@@ -97,7 +97,19 @@ class FaultLog:
             return self.count, self.last, self.last_time, self.last_monotonic
 
 
-class FullSource:
+class _FromReader:
+    """A source whose experts come from one ExpertReader: it names their files and closes with it."""
+
+    reader: ExpertReader
+
+    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
+        return self.reader.locate(key, piece)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class FullSource(_FromReader):
     """The checkpoint's own experts at the model dtype."""
 
     precision = Precision.FULL
@@ -112,12 +124,6 @@ class FullSource:
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> SlotPool:
         return SlotPool(self.layout, n_slots, self.dtype, device, pin=pin)
-
-    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
-        return self.reader.locate(key, piece)
-
-    def close(self) -> None:
-        self.reader.close()
 
 
 class QuantSource:
@@ -161,7 +167,7 @@ class QuantSource:
 _MATRIX_OF = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of rows)
 
 
-class StoredIntSource:
+class StoredIntSource(_FromReader):
     """A GPTQ / AWQ / compressed-tensors int4 checkpoint's experts in our native int4 slots (precision "stored"
     with the native kernels loaded): each read takes the stored parts into a staging buffer allocated once, then
     writes their 4-bit values, integer zeros and own scales (fp16 or bf16, as stored: exact) into the slot, in the
@@ -254,14 +260,8 @@ class StoredIntSource:
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
         return QuantPool(self.fmt, n_slots, device, pin=pin)
 
-    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
-        return self.reader.locate(key, piece)
 
-    def close(self) -> None:
-        self.reader.close()
-
-
-class StoredFp8Source:
+class StoredFp8Source(_FromReader):
     """A block-scaled FP8 checkpoint's experts in FP8 slots (precision "stored" with the native kernels loaded):
     each read takes the stored e4m3fn bytes as they are and the scale grid widened to fp32, one grid row per weight
     row (kernels/fp8.py Fp8Format); no dequantisation. The budget counts the slot: a byte a weight plus 4 bytes
@@ -321,12 +321,6 @@ class StoredFp8Source:
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
         return QuantPool(cast(Any, self.fmt), n_slots, device, pin=pin)
 
-    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
-        return self.reader.locate(key, piece)
-
-    def close(self) -> None:
-        self.reader.close()
-
 
 def _fp8_block(codec: str) -> tuple[int, int]:
     """(bn, bk) of an `fp8_block:{bn}x{bk}` codec name."""
@@ -334,7 +328,7 @@ def _fp8_block(codec: str) -> tuple[int, int]:
     return int(bn), int(bk)
 
 
-class StoredSource:
+class StoredSource(_FromReader):
     """The checkpoint's experts as stored (precision "stored"): raw parts into the slot, biases decoded."""
 
     precision = Precision.STORED
@@ -362,9 +356,3 @@ class StoredSource:
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
         # a mixed format's slots are StoredVariants: the consumers take a layer's variant (stored.for_layer)
         return StoredPool(cast(Any, self.fmt), n_slots, device, pin=pin)
-
-    def locate(self, key: ExpertKey, piece: str | None = None) -> str:
-        return self.reader.locate(key, piece)
-
-    def close(self) -> None:
-        self.reader.close()

@@ -334,12 +334,7 @@ def _glm4moe(m: Meta) -> dict[str, Any]:
     sections = m.metadata.get(f"{m.arch}.rope.dimension_sections")
     if sections is not None and any(int(x) for x in sections):
         raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_sections (GLM-4.xV's M-RoPE) is not supported")
-    rope_dim = int(m.get("rope.dimension_count", head_dim))
-    rope = _rope_parameters(m)
-    rope["partial_rotary_factor"] = rope_dim / head_dim
-    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
-        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
-                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    rope = _partial_rope(m, head_dim)
     return dict(
         _v3_moe(m, n_layers), num_hidden_layers=n_layers, num_nextn_predict_layers=nextn, head_dim=head_dim,
         rope_parameters=rope, use_qk_norm="blk.0.attn_q_norm.weight" in m.tensors,
@@ -540,12 +535,7 @@ def _bailingmoe2(m: Meta) -> dict[str, Any]:
                               f".head_count {heads} + 2 x head_count_kv {kv_heads} heads of {head_dim} say "
                               "otherwise")  # fmt: skip
     m.shape("blk.0.attn_q_norm.weight"), m.shape("blk.0.attn_k_norm.weight")  # both norm q and k always
-    rope_dim = int(m.get("rope.dimension_count", head_dim))
-    rope = _rope_parameters(m)
-    rope["partial_rotary_factor"] = rope_dim / head_dim
-    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
-        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
-                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    rope = _partial_rope(m, head_dim)
     return dict(
         _v3_moe(m, n_layers), num_hidden_layers=n_layers, num_nextn_predict_layers=nextn, head_dim=head_dim,
         rope_parameters=rope, use_qk_norm=True, attention_bias=False,
@@ -733,6 +723,17 @@ def _llama3_rope(m: Meta, t: GGUFTensor, theta: float, dim: int) -> dict[str, An
         raise CheckpointError(f"{t.file}: tensor 'rope_freqs.weight' does not follow Llama-3 RoPE scaling (worst "
                               f"factor off by {float(np.abs(back - r).max()):.3g})")  # fmt: skip
     return out
+
+
+def _partial_rope(m: Meta, head_dim: int) -> dict[str, Any]:
+    """rope_parameters with the rotary part of the head (`rope.dimension_count`) as transformers' partial factor."""
+    rope_dim = int(m.get("rope.dimension_count", head_dim))
+    rope = _rope_parameters(m)
+    rope["partial_rotary_factor"] = rope_dim / head_dim
+    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
+                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    return rope
 
 
 def _int_or_none(v: Any) -> int | None:

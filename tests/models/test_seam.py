@@ -173,3 +173,26 @@ def test_llama4_composite_is_refused_naming_the_text_model(tmp_path):
         moetier.load(tmp_path, EngineConfig(runtime=RUNTIME))
 
 
+
+
+def test_tensors_transformers_skips_are_skipped(family_ckpt, tmp_path):
+    """Qwen3-Next's published checkpoints carry a multi-token-prediction block (`mtp.*`, its experts per expert, which
+    transformers would merge) that transformers skips at load (`_keys_to_ignore_on_load_unexpected`): moetier skips
+    it too, with the logits of the checkpoint without it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = family_ckpt("qwen3_next")
+    out = tmp_path / "with_mtp"
+    shutil.copytree(folder, out)
+    sd = load_file(out / "model.safetensors")
+    moe = next(k.split(".mlp.")[0] + "." for k in sd if ".mlp.experts.0." in k)  # "model.layers.N." of an MoE layer
+    extra = {k.replace(moe, "mtp.layers.0.", 1): v.clone() for k, v in sd.items() if k.startswith(moe + "mlp.")}
+    assert any(".experts.0." in k for k in extra)  # per-expert tensors transformers' MergeModulelist would take
+    save_file({**sd, **extra, "mtp.fc.weight": torch.zeros(4, 4)}, out / "model.safetensors", metadata={"format": "pt"})
+    ids = _ids(5, 10)
+    with moetier.load(folder, EngineConfig(runtime=RUNTIME)) as a:
+        want = a.logits(ids)
+    with moetier.load(out, EngineConfig(runtime=RUNTIME)) as b:
+        assert torch.equal(b.logits(ids), want)

@@ -53,7 +53,7 @@ from moetier.formats.layout import ExpertSource
 from moetier.formats.safetensors import read_tensor
 from moetier.kernels.experts import SwiGLU
 from moetier.kernels.qformat import linear
-from moetier.models.base import assign
+from moetier.models.base import assign, ignored_unexpected
 from moetier.models.families import Family
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,10 @@ def checkpoint_layout(model: nn.Module, index: CheckpointIndex, sites: list[Seam
     found: dict[int, dict[str, tuple[str, str]]] = {s.layer: {} for s in sites}  # layer -> piece -> (name, op)
     ckpt_names: dict[str, str] = {}
     conversions: dict[str, Conversion] = {}
+    ignored = ignored_unexpected(model)  # what transformers skips at load (e.g. Qwen3-Next's `mtp.*`): not read here
     for key in index.names():
+        if any(p.search(key) for p in ignored):
+            continue
         target, pattern = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None), meta)
         site = owner.get(target)
         if site is None:

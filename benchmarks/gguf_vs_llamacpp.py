@@ -100,6 +100,9 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": {"moe_intermediate_size": [48, 48], "moe_topk": [2, 2], "num_shared_expert": [1, 1]},
     "deepseek_v2": {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
                     "num_hidden_layers": 27},
+    # Qwen3-Next-80B-A3B's layout: MoE on every layer (llama.cpp's converter maps no dense one), linear attention on
+    # three layers of four; its MTP layer (mtp.*, which the converter requires) is added by _add_qwen3next_mtp
+    "qwen3_next": {"mlp_only_layers": [], "num_hidden_layers": 4, "layer_types": None},
 }
 # run llama.cpp's converter with every model class's own vocabulary code replaced by the plain GPT-2 BPE one
 _CONVERT = """
@@ -124,6 +127,24 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def _add_qwen3next_mtp(src: Path, cfg: Any) -> None:
+    """Qwen3-Next's published checkpoints carry an MTP layer (mtp.fc, mtp.pre_fc_norm_*, mtp.norm and mtp.layers.0.*,
+    a full-attention MoE decoder layer), which transformers neither builds nor saves but llama.cpp's converter needs
+    (it counts the MTP layers from them): random ones, shaped as the last full-attention layer."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(src / "model.safetensors")
+    last = max(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    g, h = torch.Generator().manual_seed(1), cfg.hidden_size
+    for k, v in list(sd.items()):
+        if k.startswith(f"model.layers.{last}."):
+            sd[k.replace(f"model.layers.{last}.", "mtp.layers.0.")] = torch.randn(v.shape, generator=g) * 0.05
+    sd["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        sd[f"mtp.{n}.weight"] = torch.randn(h, generator=g) * 0.05
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+
+
 def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str, Path]:
     """F32 and `types` GGUFs of a tiny random `model_type` checkpoint, by llama.cpp's own converter and quantiser."""
     from transformers import AutoModelForCausalLM
@@ -140,6 +161,8 @@ def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str,
             for prm in model.parameters():  # matrices N(0, 0.05); norms and biases near 1 and small
                 prm.normal_(0, 0.05) if prm.dim() > 1 else prm.uniform_(0.5, 1.5)
         model.save_pretrained(src)
+        if model_type == "qwen3_next":
+            _add_qwen3next_mtp(src, cfg)
         for name in TOKENIZER_FILES:
             shutil.copy2(TOKENIZER_SRC / name, src / name)
     patch_pretokenizer(lc.tree, src)

@@ -29,6 +29,7 @@ ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mix
 ARCH.update(glm4_moe="glm4moe", dots1="dots1")
 ARCH.update(ernie4_5_moe="ernie4_5-moe", hunyuan_v1_moe="hunyuan-moe")
 ARCH.update(granitemoe="granitemoe", granitemoeshared="granitemoe", sarvam_moe="bailingmoe2")
+ARCH.update(qwen3_next="qwen3next")
 _GRANITE = ("granitemoe", "granitemoeshared")  # experts fused in the checkpoint (input_linear), split in the GGUF
 _PERMUTED = ("mixtral", *_GRANITE)  # llama-style converters: q/k rows permuted for interleaved RoPE
 # (checkpoint block, gate, up, down) of each family's per-expert tensors
@@ -44,6 +45,7 @@ EXPERTS = {
     "ernie4_5_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "hunyuan_v1_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "sarvam_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),
     # Granite: as moetier names the pieces llama.cpp splits from input_linear / output_linear
     "granitemoe": ("block_sparse_moe", "gate_proj", "up_proj", "down_proj"),
     "granitemoeshared": ("block_sparse_moe", "gate_proj", "up_proj", "down_proj"),
@@ -72,6 +74,11 @@ _FAMILY_LAYER = {
                    "attention.key_layernorm.weight": "attn_k_norm.weight"},
     **{f: {"block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
            "shared_mlp.output_linear.weight": "ffn_down_shexp.weight"} for f in _GRANITE},
+    # (in_proj_qkvz: split into attn_qkv and attn_gate by qwen3next_tensors unless QWEN3NEXT_LEGACY)
+    "qwen3_next": {"post_attention_layernorm.weight": "post_attention_norm.weight", "linear_attn.A_log": "ssm_a",
+                   "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+                   "linear_attn.in_proj_qkvz.weight": "ssm_in.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+                   "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight"},
 }  # fmt: skip
 _FAMILY_GLOBAL = {"sarvam_moe": {"model.word_embeddings.weight": "token_embd.weight"}}
 _LAYER = {
@@ -155,6 +162,9 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
         out.update(bailing_nextn_blocks(out, cfg))
     for k, v in sd.items():
         out[{**_GLOBAL, **_FAMILY_GLOBAL.get(family, {})}[k]] = v
+    if family == "qwen3_next":
+        out = qwen3next_tensors(out, cfg)
+        out.update(qwen3next_mtp_blocks(out, cfg))
     return out
 
 
@@ -193,6 +203,74 @@ def nextn_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, n
             extra[f"{b}nextn.{n}.weight"] = np.ones(hidden, np.float32)
         for n in ("embed_tokens", "shared_head_head"):
             extra[f"{b}nextn.{n}.weight"] = (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float32)
+    return extra
+
+
+# write Qwen3-Next's in_proj_qkvz whole (ssm_in, as stored), as llama.cpp's converter did before splitting it
+QWEN3NEXT_LEGACY = False
+_QWEN3NEXT_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+
+
+def qwen3next_tensors(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """What llama.cpp's Qwen3NextModel does to the renamed tensors: every zero-centred RMSNorm weight plus 1 (not the
+    DeltaNet's ssm_norm), A_log as -exp(A_log), conv1d squeezed to [C, K], in_proj_qkvz (per key head q, k, v, z)
+    split into attn_qkv (all q, all k, all v) and attn_gate (all z)."""
+    nk, hk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    vz = cfg["linear_num_value_heads"] // nk * cfg["linear_value_head_dim"]
+    res: dict[str, np.ndarray] = {}
+    for name, w in out.items():
+        rest = name.split(".", 2)[-1]
+        if name == "output_norm.weight" or rest in _QWEN3NEXT_NORMS:
+            w = w + np.float32(1)
+        elif rest == "ssm_a":
+            w = -torch.from_numpy(w).exp().numpy()  # (torch's exp, as the converter's: numpy's differs in the ulp)
+        elif rest == "ssm_conv1d.weight":
+            w = np.ascontiguousarray(w.reshape(w.shape[0], w.shape[-1]))
+        elif rest == "ssm_in.weight" and not QWEN3NEXT_LEGACY:
+            q, k, v, z = np.split(w.reshape(nk, 2 * hk + 2 * vz, -1), [hk, 2 * hk, 2 * hk + vz], axis=1)
+            base = name[: -len(rest)]
+            flat = [np.ascontiguousarray(x).reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
+            res[base + "attn_qkv.weight"], res[base + "attn_gate.weight"] = np.concatenate(flat[:3]), flat[3]
+            continue
+        res[name] = w
+    return res
+
+
+def qwen3next_back(rest: str, deq: np.ndarray, family: str) -> np.ndarray:
+    """The transformers value of a decoded qwen3next tensor (the inverse of qwen3next_tensors but for the split)."""
+    if family != "qwen3_next":
+        return deq
+    if rest in (*_QWEN3NEXT_NORMS, "output_norm.weight"):
+        return deq - np.float32(1)
+    if rest == "ssm_a":
+        return np.log(-deq)
+    if rest == "ssm_conv1d.weight":
+        return deq.reshape(deq.shape[0], 1, deq.shape[1])
+    return deq
+
+
+def merge_qkvz(qkv: np.ndarray, z: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """in_proj_qkvz [nk (2 hk + 2 vz), H] back from attn_qkv and attn_gate."""
+    nk, hk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    vz, h = cfg["linear_num_value_heads"] // nk * cfg["linear_value_head_dim"], qkv.shape[-1]
+    q, k, v = np.split(qkv, [nk * hk, 2 * nk * hk])
+    parts = [q.reshape(nk, hk, h), k.reshape(nk, hk, h), v.reshape(nk, vz, h), z.reshape(nk, vz, h)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(-1, h))
+
+
+def qwen3next_mtp_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Qwen3-Next's MTP layer as llama.cpp's converter writes it from the checkpoint's mtp.* (block L, counted in
+    block_count): a full-attention MoE decoder layer plus nextn.eh_proj [H, 2H] and nextn.enorm / hnorm /
+    shared_head_norm. transformers does not save mtp.*, so here: a copy of the last full-attention layer and random
+    nextn tensors."""
+    n_layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    last = f"blk.{max(i for i, t in enumerate(cfg['layer_types']) if t == 'full_attention')}."
+    rng = np.random.default_rng(9)
+    b = f"blk.{n_layers}."
+    extra = {b + k[len(last) :]: v.copy() for k, v in out.items() if k.startswith(last)}
+    extra[b + "nextn.eh_proj.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.05).astype(np.float32)
+    for n in ("enorm", "hnorm", "shared_head_norm"):
+        extra[f"{b}nextn.{n}.weight"] = np.ones(hidden, np.float32)
     return extra
 
 
@@ -244,6 +322,8 @@ def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return v3_meta(family, cfg)
     if family in ("ernie4_5_moe", "hunyuan_v1_moe"):
         return ernie_hunyuan_meta(family, cfg)
+    if family == "qwen3_next":
+        return qwen3next_meta(cfg)
     if ARCH[family] != "deepseek2":
         return {}
     rope = cfg["qk_rope_head_dim"]
@@ -262,6 +342,23 @@ def arch_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("q_lora_rank"):
         meta["attention.q_lora_rank"] = cfg["q_lora_rank"]
     return meta
+
+
+def qwen3next_meta(cfg: dict[str, Any]) -> dict[str, Any]:
+    """qwen3next's keys (Qwen3NextModel over Qwen2MoeModel): the DeltaNet sizes as ssm.*, the recurrent layers (one
+    bool per block, the MTP block full attention), full_attention_interval (the config's, else 4: written always),
+    the rotary part, one MTP layer (counted in block_count)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    nv, n = cfg["linear_num_value_heads"], cfg["num_hidden_layers"]
+    return {
+        "ssm.conv_kernel": cfg["linear_conv_kernel_dim"], "ssm.state_size": cfg["linear_key_head_dim"],
+        "ssm.group_count": cfg["linear_num_key_heads"], "ssm.time_step_rank": nv,
+        "ssm.inner_size": cfg["linear_value_head_dim"] * nv, "attention.value_length": head_dim,
+        "attention.recurrent_layers": [t == "linear_attention" for t in cfg["layer_types"]] + [False],
+        "full_attention_interval": cfg.get("full_attention_interval", 4),
+        "rope.dimension_count": int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)),
+        "block_count": n + 1, "nextn_predict_layers": 1,
+    }  # fmt: skip
 
 
 def ernie_hunyuan_meta(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -439,6 +536,8 @@ def write_gguf(src: Path, out: Path, family: str, qtype: str = "F32", *, tokeniz
         full = f"{arch}.{key}"
         if isinstance(v, float):
             w.add_float32(full, v)
+        elif isinstance(v, list):
+            w.add_array(full, v)
         elif isinstance(v, str):
             w.add_string(full, v)
         else:
@@ -484,6 +583,7 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
     granite: dict[str, dict[str, np.ndarray]] = {}  # Granite: the split pieces per layer, fused back below
     mla: dict[str, np.ndarray] = {}
     fused: dict[str, dict[str, np.ndarray]] = {}  # GPT-OSS: pieces per layer, fused back below
+    qkvz: dict[str, dict[str, np.ndarray]] = {}  # Qwen3-Next: attn_qkv and attn_gate per layer, merged below
     for name, a in gguf_tensors(src, family).items():
         raw, t = encode(name, a, (types or {}).get(name, qtype))
         deq = decode(raw, t).reshape(a.shape)
@@ -503,6 +603,10 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
             if family in ("gpt_oss", "llama4_text") and "_exps." in rest:
                 fused.setdefault(pre, {})[rest] = deq
                 continue
+            if family == "qwen3_next" and rest in ("attn_qkv.weight", "attn_gate.weight"):
+                qkvz.setdefault(pre, {})[rest] = deq
+                continue
+            deq = qwen3next_back(rest, deq, family)
             if family in _GRANITE and ("_exps." in rest or rest in ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")):
                 granite.setdefault(pre, {})[rest] = deq
                 continue
@@ -518,7 +622,10 @@ def dequantized_twin(src: Path, out: Path, family: str, qtype: str, types: dict[
             hf = next(k for k, v in {**_LAYER, **_FAMILY_LAYER.get(family, {})}.items() if v == rest and pre + k in sd)
             twin[pre + hf] = torch.from_numpy(np.ascontiguousarray(deq))
         else:
-            twin[back[name]] = torch.from_numpy(np.ascontiguousarray(deq))
+            twin[back[name]] = torch.from_numpy(np.ascontiguousarray(qwen3next_back(name, deq, family)))
+    for pre, p in qkvz.items():
+        merged = merge_qkvz(p["attn_qkv.weight"], p["attn_gate.weight"], cfg)
+        twin[pre + "linear_attn.in_proj_qkvz.weight"] = torch.from_numpy(merged)
     for pre, p in fused.items() if family == "llama4_text" else ():  # [gate | up] columns [E, H, 2I], down [E, I, H]
         gu = np.concatenate([p["ffn_gate_exps.weight"], p["ffn_up_exps.weight"]], axis=1).swapaxes(1, 2)
         for k, v in (("gate_up_proj", gu), ("down_proj", p["ffn_down_exps.weight"].swapaxes(1, 2))):
@@ -565,6 +672,9 @@ SEAM_TINY: dict[str, dict[str, Any]] = {
     "sarvam_moe": dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 600000.0,
                                                      "partial_rotary_factor": 0.5}, num_hidden_layers=3,
                        num_nextn_predict_layers=1, routed_scaling_factor=2.5),
+    # Qwen3-Next-80B-A3B's layout (MoE on every layer, full attention every fourth), with value heads wider than key
+    # heads (16, 8) and two value heads per key head, so in_proj_qkvz's regrouping is seen
+    "qwen3_next": dict(mlp_only_layers=[], num_hidden_layers=4, layer_types=None, linear_value_head_dim=16),
 }  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import moetier
 from gguf_ref import dequantized_twin, tiny_checkpoint, write_gguf
 from moetier import EngineConfig, RuntimeConfig
 from moetier.errors import CheckpointError, UnknownArchitectureError
+from moetier.formats.codecs import CODECS
 from moetier.formats.gguf import read_gguf
 from moetier.models.gguf_config import open_gguf
 from moetier.models.open import describe, read_config
@@ -26,7 +27,8 @@ from moetier.models.tiny import build_tiny_checkpoint
 
 RUNTIME = RuntimeConfig(device="cpu", dtype="fp32", lean=False)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "dots1",
-            "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "sarvam_moe", "llama4_text")
+            "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "sarvam_moe", "llama4_text",
+            "qwen3_next")
 BOUND = 1e-4
 
 
@@ -87,7 +89,7 @@ def test_f32_gguf_matches_transformers_on_the_source_checkpoint(gguf_model, fami
     ("qwen2_moe", "Q2_K"), ("mixtral", "Q5_1"), ("qwen3_moe", "Q4_0"), ("deepseek_v3", "Q8_0"),
     ("deepseek_v2", "Q4_0"), ("gpt_oss", "MXFP4"), ("glm4_moe", "Q8_0"), ("dots1", "Q5_1"), ("llama4_text", "Q8_0"),
     ("ernie4_5_moe", "Q5_0"), ("hunyuan_v1_moe", "Q4_1"),
-    ("granitemoe", "Q8_0"), ("granitemoeshared", "Q4_0"), ("sarvam_moe", "Q8_0"),
+    ("granitemoe", "Q8_0"), ("granitemoeshared", "Q4_0"), ("sarvam_moe", "Q8_0"), ("qwen3_next", "Q4_0"),
 ])  # fmt: skip
 def test_quantised_gguf_matches_its_dequantised_twin(gguf_model, family, qtype):
     _, g, twin = gguf_model(family, qtype)
@@ -543,3 +545,74 @@ def test_llama3_rope_factors_come_back_as_rope_parameters(tmp_path, low, high, o
     assert got["rope_type"] == "llama3" and got["factor"] == 8.0
     assert "rope_freqs.weight" not in open_gguf(g).index  # consumed by the config
     assert _logits_diff(g, src) <= BOUND
+
+
+def test_qwen3next_config_names_and_transforms(gguf_model, tmp_path, monkeypatch):
+    """llama.cpp's qwen3next (Qwen3-Next, a seam family): linear layers from attention.recurrent_layers (or
+    full_attention_interval), the DeltaNet sizes from ssm.*, the rotary part; what the converter transformed given
+    back (norms written plus 1, A_log as -exp(A_log), in_proj_qkvz split into attn_qkv and attn_gate, each part
+    decoded, then merged; older files' ssm_in as stored); the MTP layer (block 4) skipped on purpose."""
+    import gguf_ref
+
+    _, g, _ = gguf_model("qwen3_next", "Q4_0")
+    ck = open_gguf(g)
+    cfg = ck.config
+    assert cfg.model_type == "qwen3_next" and cfg.architectures == ["Qwen3NextForCausalLM"] and ck.family is None
+    assert ck.metadata["qwen3next.block_count"] == 5 and "blk.4.nextn.eh_proj.weight" in read_gguf(g).tensors
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cfg.num_hidden_layers == 4
+    assert (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads) == (2, 8, 4)
+    assert (cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.head_dim) == (16, 4, 8)
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (6, 16, 24)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25 and cfg.norm_topk_prob and cfg.mlp_only_layers == []
+    idx = ck.index
+    qkvz = idx["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    assert qkvz.dtype == "qwen3next_qkvz" and qkvz.shape == (2 * (8 + 8 + 2 * 2 * 16), 32)
+    assert [p.dtype for p in qkvz.parts] == ["gguf:Q4_0", "gguf:Q4_0"]  # both halves blocks, decoded, then merged
+    assert idx["model.layers.0.linear_attn.A_log"].dtype == "log_neg"
+    for name in ("model.layers.3.self_attn.q_norm.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight",
+                 "model.layers.2.post_attention_layernorm.weight"):  # fmt: skip
+        assert idx[name].dtype == "minus_one"
+    assert idx["model.layers.0.linear_attn.norm.weight"].dtype == "F32"  # the gated norm is written as it is
+    assert idx["model.layers.1.linear_attn.conv1d.weight"].shape == (96, 1, 4)
+    assert idx["model.layers.3.self_attn.q_proj.weight"].shape == (2 * 4 * 8, 32)  # query and gate per head
+    assert idx["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 32)
+    assert idx["model.layers.2.mlp.experts.5.gate_proj.weight"].dtype == "gguf:Q4_0"
+    assert not any(n.startswith("model.layers.4.") for n in idx.names())
+    with pytest.raises(ValueError, match="not -exp"):  # an ssm_a value no A_log gives
+        CODECS["log_neg"].decode([torch.tensor([-1.0, 0.5])], (2,))
+    # without the recurrent-layer list: llama.cpp's full_attention_interval rule; older files' ssm_in (in_proj_qkvz
+    # as stored) with the same logits
+    monkeypatch.setattr(gguf_ref, "QWEN3NEXT_LEGACY", True)
+    f32 = gguf_model("qwen3_next", "F32")[0]
+    old = write_gguf(f32, tmp_path / "old.gguf", "qwen3_next", skip_meta=("attention.recurrent_layers",))
+    assert "blk.0.ssm_in.weight" in read_gguf(old).tensors
+    assert open_gguf(old).config.layer_types == cfg.layer_types
+    assert open_gguf(old).index["model.layers.0.linear_attn.in_proj_qkvz.weight"].dtype == "F32"
+    assert _logits_diff(old, f32) <= BOUND
+
+
+@pytest.mark.parametrize(("meta", "skip", "drop", "names"), [
+    ({"ssm.time_step_rank": 3}, (), None, r"ssm\.time_step_rank 3 value heads"),
+    ({"ssm.group_count": 4}, (), None, r"'blk\.0\.ssm_conv1d\.weight' has shape \[96, 4\]"),
+    ({"ssm.inner_size": 32}, (), None, r"'blk\.0\.ssm_conv1d\.weight' has shape"),
+    ({"attention.recurrent_layers": [True, True, False, False, False]}, (), None,
+     r"recurrent_layers makes block 2 full attention, but tensor 'blk\.2\.attn_q\.weight' is missing"),
+    ({"attention.recurrent_layers": [True, True, True, False]}, (), None, "one flag per block"),
+    ({"full_attention_interval": 2}, ("attention.recurrent_layers",), None, "full_attention_interval makes block 1"),
+    ({"attention.head_count": 2}, (), None, r"'blk\.3\.attn_q\.weight' has 64 rows"),
+    ({"rope.dimension_count": 5}, (), None, "rope.dimension_count 5"),
+    ({"expert_gating_func": 2}, (), None, "qwen3next.expert_gating_func 2"),
+    ({"expert_weights_norm": 0}, (), None, "qwen3next.expert_weights_norm 0"),
+    ({"expert_shared_feed_forward_length": 16}, (), None, r"ffn_up_shexp\.weight' has 24 rows"),
+    ({}, ("nextn_predict_layers",), None, r"'blk\.4\.nextn\.[\w.]+' has no transformers counterpart"),  # MTP
+    ({}, (), "blk.1.attn_gate.weight", r"blk\.1\.attn_gate\.weight is missing \(Qwen3-Next's attn_qkv and"),
+    ({}, (), "blk.0.attn_norm.weight", "MTP-only qwen3next file"),
+    ({}, (), "blk.2.ffn_gate_inp.weight", r"routers in blocks \[0, 1, 3\]"),
+])  # fmt: skip
+def test_qwen3next_damaged_files_are_refused(gguf_model, tmp_path, meta, skip, drop, names):
+    src = gguf_model("qwen3_next", "F32")[0]
+    g = write_gguf(src, tmp_path / "bad.gguf", "qwen3_next", meta=meta, skip_meta=skip)
+    if drop is not None:  # (the copy keeps the numeric keys: full_attention_interval gives the same layers)
+        g = _gguf_without(g, tmp_path / "dropped.gguf", "qwen3next", drop)
+    with pytest.raises(CheckpointError, match=names):
+        open_gguf(g)

@@ -11,6 +11,10 @@ Two codecs per block type:
 - `gguf:<TYPE>`: parts[0] holds the tensor's bytes in stored order (any shape; it is flattened).
 - `mla_kv_b`: two parts, MLA's k_b and v_b (each a plain or a `gguf:<TYPE>` tensor of its own, read and
   decoded first), merged back into the kv_b_proj transformers holds.
+- `qwen3next_qkvz`: two parts, Qwen3-Next's attn_qkv and attn_gate (each read and decoded first), merged back
+  into the in_proj_qkvz transformers holds (per key head: q, k, v, z).
+- `minus_one`, `log_neg`: one part (read and decoded first), given back as part - 1 (a zero-centred RMSNorm weight
+  llama.cpp's converter wrote plus 1) or log(-part) (Qwen3-Next's A_log, written as -exp(A_log)).
 - `gguf:<TYPE>+unpermute`: parts[0] has shape [n_head, head_dim / 2, 2, row_bytes]: the rows of
   a llama-architecture q or k projection that llama.cpp's converter permuted for its interleaved
   RoPE. The decoder restores transformers' row order (head, half, index within half) before
@@ -214,8 +218,36 @@ def _mla_kv_b(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(shape)  # [nh, nope + v, kv_lora] -> shape
 
 
+def _qwen3next_qkvz(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz [nk (2 hk + 2 r hv), H] from the two tensors llama.cpp's converter splits it into,
+    each already read (decoded where it is a block type): attn_qkv [nk hk (q) + nk hk (k) + nk r hv (v), H] and
+    attn_gate viewed as [nk, r hv, H] (z, one group of value heads per key head). Per key head: q, k, v, z rows."""
+    qkv, z = (p.float() for p in parts)
+    nk, vz, cols = z.shape
+    hk = (qkv.shape[0] - nk * vz) // (2 * nk)
+    q, k, v = qkv.split([nk * hk, nk * hk, nk * vz])
+    return torch.cat([q.view(nk, hk, cols), k.view(nk, hk, cols), v.view(nk, vz, cols), z], dim=1).reshape(shape)
+
+
+def _minus_one(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """A zero-centred RMSNorm weight (transformers multiplies by 1 + w) that llama.cpp's converter wrote as w + 1:
+    exact in fp32 for stored values in [0.5, 2] (Sterbenz), and 1 + (s - 1) gives back s wherever s - 1 is exact."""
+    return (parts[0].float() - 1.0).reshape(shape)
+
+
+def _log_neg(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Qwen3-Next's A_log from the -exp(A_log) llama.cpp's converter writes (ssm_a): log(-a), which needs a < 0."""
+    a = parts[0].float()
+    if not bool((a < 0).all()):
+        raise ValueError(f"ssm_a holds {int((a >= 0).sum())} value(s) >= 0: not -exp(A_log)")
+    return torch.log(-a).reshape(shape)
+
+
 GGUF_CODECS: dict[str, Codec] = {
     c.name: c for t in BLOCK_SIZES for c in (_codec(t, unpermute=False), _codec(t, unpermute=True))
 }
 GGUF_CODECS["mla_kv_b"] = Codec("mla_kv_b", _mla_kv_b, bits=32.0)  # bits: of its parts, which say their own
+GGUF_CODECS["qwen3next_qkvz"] = Codec("qwen3next_qkvz", _qwen3next_qkvz, bits=32.0)
+GGUF_CODECS["minus_one"] = Codec("minus_one", _minus_one, bits=32.0)
+GGUF_CODECS["log_neg"] = Codec("log_neg", _log_neg, bits=32.0)
 

@@ -106,6 +106,10 @@ class GGUFArch:
     # a seam family whose checkpoint fuses what llama.cpp stores apart (Granite's experts and shared MLP): transformers
     # WeightConverters of the names only the GGUF index uses (formats/gguf.GGUFIndex.converters, models/seam.py)
     converters: Callable[[], tuple[WeightConverter, ...]] | None = None
+    # tensors the converter wrote transformed (GGUF name, per-layer part or global): codec (formats/codecs_gguf.py)
+    # that gives the transformers value back from the stored one once that is decoded, e.g. Qwen3-Next's norms
+    # written plus 1 ("minus_one")
+    decode: Mapping[str, str] = field(default_factory=dict)
 
 
 class Meta:
@@ -583,6 +587,120 @@ _LLAMA4_NAMES = {
 }  # fmt: skip
 
 
+def _qwen3next(m: Meta) -> dict[str, Any]:
+    """Qwen3-Next (Qwen3NextForCausalLM): gated DeltaNet linear attention on the layers `attention.recurrent_layers`
+    marks (files without the list: all but every `full_attention_interval`-th, llama.cpp's rule, default 4), gated
+    full attention on the others (q_proj holds each head's query and gate) with q/k norm and RoPE over the first
+    `rope.dimension_count` of each head, MoE with a sigmoid-gated shared expert (softmax router, top-k renormalised:
+    llama.cpp's constants), and `nextn_predict_layers` MTP blocks written last, skipped. DeltaNet sizes: key heads
+    `ssm.group_count` of `ssm.state_size`, value heads `ssm.time_step_rank` of `ssm.inner_size` / that, conv kernel
+    `ssm.conv_kernel`, each checked against the first linear layer's tensors."""
+    blocks = int(m.need("block_count"))
+    nextn = int(m.get("nextn_predict_layers", 0))
+    if not 0 <= nextn < blocks:
+        raise CheckpointError(f"{m.path}: {m.arch}.nextn_predict_layers {nextn} leaves no layer of {blocks} blocks")
+    if nextn and "blk.0.attn_norm.weight" not in m.tensors:
+        raise CheckpointError(f"{m.path}: an MTP-only qwen3next file (no blk.0.attn_norm.weight: convert_hf_to_gguf "
+                              "--mtp) has no decoder layers to run")  # fmt: skip
+    n = blocks - nextn
+    for key, want in (("expert_gating_func", 1), ("expert_weights_norm", True)):
+        v = m.get(key)
+        if v is not None and (bool(v) if key == "expert_weights_norm" else int(v)) != want:
+            raise CheckpointError(f"{m.path}: {m.arch}.{key} {v}: llama.cpp and transformers' Qwen3-Next route by a "
+                                  "softmax, top-k renormalised (gating 1, weights normalised)")  # fmt: skip
+    recurrent = m.metadata.get(f"{m.arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        linear = [bool(x) for x in (recurrent.tolist() if hasattr(recurrent, "tolist") else recurrent)]
+        if len(linear) != blocks or any(linear[n:]):
+            raise CheckpointError(f"{m.path}: {m.arch}.attention.recurrent_layers {linear} is not one flag per block "
+                                  f"of {blocks} with the MTP blocks full attention")  # fmt: skip
+        linear, source = linear[:n], "attention.recurrent_layers"
+    else:
+        interval = int(m.get("full_attention_interval", 4))
+        if interval < 1:
+            raise CheckpointError(f"{m.path}: {m.arch}.full_attention_interval {interval} is not supported")
+        linear, source = [(i + 1) % interval != 0 for i in range(n)], "full_attention_interval"
+    for i, lin in enumerate(linear):
+        name = f"blk.{i}.ssm_a" if lin else f"blk.{i}.attn_q.weight"
+        if name not in m.tensors:
+            kind = "linear" if lin else "full"
+            raise CheckpointError(f"{m.path}: {m.arch}.{source} makes block {i} {kind} attention, but tensor "
+                                  f"{name!r} is missing")  # fmt: skip
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    kv_heads = int(m.get("attention.head_count_kv", heads))
+    head_dim = int(m.get("attention.key_length", hidden // heads))
+    if int(m.get("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.attention.value_length differs from key_length {head_dim}")
+    full = [i for i, lin in enumerate(linear) if not lin]
+    for part, rows in (("q", 2 * heads * head_dim), ("k", kv_heads * head_dim)) if full else ():
+        name = f"blk.{full[0]}.attn_{part}.weight"
+        if m.shape(name)[0] != rows:
+            raise CheckpointError(f"{m.path}: tensor {name!r} has {m.shape(name)[0]} rows, {m.arch}.attention."
+                                  f"head_count(_kv) and key_length {head_dim} say {rows}"
+                                  + (" (query and gate per head)" if part == "q" else ""))  # fmt: skip
+    rope_dim = int(m.get("rope.dimension_count", head_dim))
+    rope = _rope_parameters(m)
+    rope["partial_rotary_factor"] = rope_dim / head_dim
+    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
+        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
+                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    kernel, hk = int(m.need("ssm.conv_kernel")), int(m.need("ssm.state_size"))
+    nk, nv, inner = int(m.need("ssm.group_count")), int(m.need("ssm.time_step_rank")), int(m.need("ssm.inner_size"))
+    if nk < 1 or nv % nk or inner % nv:
+        raise CheckpointError(f"{m.path}: {m.arch}.ssm.time_step_rank {nv} value heads are not whole groups of "
+                              f"ssm.group_count {nk} key heads with ssm.inner_size {inner} split evenly")  # fmt: skip
+    if any(linear):
+        b = f"blk.{linear.index(True)}."
+        legacy = b + "ssm_in.weight" in m.tensors  # older files: in_proj_qkvz whole, as stored
+        sizes = {b + "ssm_conv1d.weight": (2 * nk * hk + inner, kernel), b + "ssm_ba.weight": (2 * nv, hidden),
+                 b + "ssm_a": (nv,), b + "ssm_dt.bias": (nv,), b + "ssm_norm.weight": (inner // nv,),
+                 **({b + "ssm_in.weight": (2 * nk * hk + 2 * inner, hidden)} if legacy else
+                    {b + "attn_qkv.weight": (2 * nk * hk + inner, hidden), b + "attn_gate.weight": (inner, hidden)})}
+        for name, shape in sizes.items():
+            if tuple(m.shape(name)) != shape:
+                raise CheckpointError(f"{m.path}: tensor {name!r} has shape {list(m.shape(name))}, the {m.arch}.ssm.* "
+                                      f"sizes say {list(shape)}")  # fmt: skip
+    inter, routers = m.expert_inter(), [b for b in m.moe_blocks() if b < n]
+    if routers != list(range(n)):  # (llama.cpp's loader and converter know no dense Qwen3-Next layer)
+        raise CheckpointError(f"{m.path}: routers in blocks {routers}; every layer of a qwen3next model is MoE")
+    name = "blk.0.ffn_up_shexp.weight"
+    shared = m.shape(name)[0]  # transformers' Qwen3-Next always has the shared expert (and its gate)
+    meta_shared = m.get("expert_shared_feed_forward_length", shared)
+    if int(meta_shared) != shared:
+        raise CheckpointError(f"{m.path}: tensor {name!r} has {shared} rows, metadata "
+                              f"{m.arch}.expert_shared_feed_forward_length says {meta_shared}")  # fmt: skip
+    m.shape("blk.0.ffn_gate_inp_shexp.weight")
+    return dict(
+        num_hidden_layers=n, num_nextn_predict_layers=nextn, head_dim=head_dim, rope_parameters=rope,
+        layer_types=["linear_attention" if lin else "full_attention" for lin in linear],
+        linear_conv_kernel_dim=kernel, linear_key_head_dim=hk, linear_value_head_dim=inner // nv,
+        linear_num_key_heads=nk, linear_num_value_heads=nv, num_experts=int(m.need("expert_count")),
+        moe_intermediate_size=inter, shared_expert_intermediate_size=shared,
+        intermediate_size=int(m.get("feed_forward_length", inter)), decoder_sparse_step=1, mlp_only_layers=[],
+        attention_bias=bool(full) and f"blk.{full[0]}.attn_q.bias" in m.tensors,
+    )  # fmt: skip
+
+
+_QWEN3NEXT_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",  # older files: in_proj_qkvz whole, as stored
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}  # fmt: skip
+# Qwen3NextModel (llama.cpp's converter) writes every zero-centred RMSNorm weight plus 1 (not the DeltaNet's gated
+# norm, ssm_norm) and A_log as -exp(A_log)
+_QWEN3NEXT_DECODE = {**dict.fromkeys(("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
+                                      "attn_k_norm.weight", "output_norm.weight"), "minus_one"),
+                     "ssm_a": "log_neg"}  # fmt: skip
+# in_proj_qkvz as llama.cpp's converter splits it (per key head q, k, v, z -> all q, all k, all v; all z)
+_QWEN3NEXT_QKVZ = ("attn_qkv.weight", "attn_gate.weight")
+
+
 ARCHS: dict[str, GGUFArch] = {
     a.gguf_arch: a
     for a in (
@@ -607,6 +725,8 @@ ARCHS: dict[str, GGUFArch] = {
                  experts=("block_sparse_moe", "gate_proj", "up_proj", "down_proj")),
         GGUFArch("bailingmoe2", "sarvam_moe", "Glm4MoeForCausalLM", _bailingmoe2, names=_BAILING2_NAMES,
                  scale_attr="routed_scaling_factor", experts=_QWEN_EXPERTS),
+        GGUFArch("qwen3next", "qwen3_next", "Qwen3NextForCausalLM", _qwen3next, norm_topk_default=True,
+                 names=_QWEN3NEXT_NAMES, experts=_QWEN_EXPERTS, decode=_QWEN3NEXT_DECODE),
     )
 }
 
@@ -792,11 +912,12 @@ def hf_locations(
     names = {**_LAYER_NAMES, **arch.names}
     out: list[TensorLocation] = []
     mla: dict[int, dict[str, GGUFTensor]] = {}
+    qkvz: dict[int, dict[str, GGUFTensor]] = {}
     for gname, t in tensors.items():
         if gname == "rope_freqs.weight":  # read into the config's rope_parameters (_llama3_rope)
             continue
         if gname in _GLOBAL_NAMES:
-            out.append(location(t, _GLOBAL_NAMES[gname], t.shape))
+            out.append(_decoded(t, _GLOBAL_NAMES[gname], t.shape, arch.decode.get(gname)))
             continue
         m = _BLOCK.match(gname)
         if m is None:
@@ -823,6 +944,9 @@ def hf_locations(
         if rest in _MLA_KV_B and "attn_kv_a_mqa.weight" in arch.names:
             mla.setdefault(layer, {})[rest] = t
             continue
+        if rest in _QWEN3NEXT_QKVZ and arch.gguf_arch == "qwen3next":
+            qkvz.setdefault(layer, {})[rest] = t
+            continue
         if rest not in names or ("{shared" in names[rest] and not has_shared):
             raise CheckpointError(
                 f"{t.file}: GGUF tensor {gname!r} has no transformers counterpart in {config.model_type}"
@@ -833,12 +957,50 @@ def hf_locations(
             shape = (1, t.shape[-1])  # transformers' shared_expert_gate is a Linear(H, 1)
         elif rest == "exp_probs_b.bias" and config.model_type == "ernie4_5_moe":
             shape = (1, t.shape[-1])  # ERNIE's moe_statics holds [1, E]; llama-quantize writes the tensor as [E]
+        elif rest == "ssm_conv1d.weight" and len(t.shape) == 2:
+            shape = (t.shape[0], 1, t.shape[1])  # transformers' depthwise Conv1d [C, 1, K]; the converter squeezed it
         unpermute = None
         if arch.unpermute_qk and rest in ("attn_q.weight", "attn_k.weight"):
             unpermute = heads if rest == "attn_q.weight" else kv_heads
+        if rest in arch.decode:
+            out.append(_decoded(t, name, shape, arch.decode[rest]))
+            continue
         out.append(location(t, name, shape, unpermute_heads=unpermute))
     out += [_kv_b(layer, pair, config) for layer, pair in sorted(mla.items())]
+    out += [_qkvz(layer, pair, config) for layer, pair in sorted(qkvz.items())]
     return out
+
+
+def _decoded(t: GGUFTensor, name: str, shape: tuple[int, ...], codec: str | None) -> TensorLocation:
+    """`t` as `name`; with `codec` (GGUFArch.decode), wrapped: the stored tensor read and decoded, then `codec`."""
+    loc = location(t, name, shape)
+    if codec is None:
+        return loc
+    part = dataclasses.replace(loc, name=name + ":stored")
+    return TensorLocation(name, t.file, t.offset, t.nbytes, codec, shape, (part,))
+
+
+def _qkvz(layer: int, pair: dict[str, GGUFTensor], config: PretrainedConfig) -> TensorLocation:
+    """Qwen3-Next's in_proj_qkvz [nk (2 hk + 2 r hv), H] of one layer from llama.cpp's attn_qkv [2 nk hk + nv hv, H]
+    and attn_gate [nv hv, H] (codec `qwen3next_qkvz`, formats/codecs_gguf.py: each part decoded, rows regrouped per
+    key head; r = nv / nk value heads per key head)."""
+    qkv_name, gate_name = _QWEN3NEXT_QKVZ
+    some = next(iter(pair.values()))
+    if set(pair) != set(_QWEN3NEXT_QKVZ):
+        missing = qkv_name if qkv_name not in pair else gate_name
+        raise CheckpointError(f"{some.file}: blk.{layer}.{missing} is missing (Qwen3-Next's attn_qkv and attn_gate "
+                              "come as a pair)")  # fmt: skip
+    qkv, gate = pair[qkv_name], pair[gate_name]
+    nk, hk = int(config.linear_num_key_heads), int(config.linear_key_head_dim)
+    nv, hv, hidden = int(config.linear_num_value_heads), int(config.linear_value_head_dim), int(config.hidden_size)
+    for t, want in ((qkv, (2 * nk * hk + nv * hv, hidden)), (gate, (nv * hv, hidden))):
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, expected {list(want)} "
+                                  "from the ssm sizes in the metadata")  # fmt: skip
+    name = f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"
+    parts = (location(qkv, name + ":qkv", qkv.shape), location(gate, name + ":z", (nk, nv // nk * hv, hidden)))
+    return TensorLocation(name, qkv.file, qkv.offset, qkv.nbytes + gate.nbytes, "qwen3next_qkvz",
+                          (nk * (2 * hk + 2 * nv // nk * hv), hidden), parts)  # fmt: skip
 
 
 def _kv_b(layer: int, pair: dict[str, GGUFTensor], config: PretrainedConfig) -> TensorLocation:

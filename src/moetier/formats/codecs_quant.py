@@ -37,15 +37,18 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ
 FP8_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # block sides with a registered fp8_block codec
 _INT4_BITS = 4 + (16 + 4) / 128  # int4 weights + an fp16 scale and a 4-bit zero per group (of the usual 128)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8] nibble shifts of an int32 word
+# [8] the shift of the nibble holding each of an AWQ word's 8 columns, in column order (no gather afterwards)
+_AWQ_SHIFTS = torch.tensor([4 * AWQ_ORDER.index(j) for j in range(8)], dtype=torch.int32)
 
 
 def fp8_codec_name(bn: int, bk: int) -> str:
     return f"fp8_block:{bn}x{bk}"
 
 
-def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> int32 [..., W, 8]: nibble i (bits 4i..4i+3) of every word, as 0..15."""
-    return (words.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF
+def _unpack_nibbles(words: torch.Tensor, shifts: torch.Tensor = _SHIFTS) -> torch.Tensor:
+    """int32 [..., W] -> int32 [..., W, 8]: nibble i (bits 4i..4i+3) of every word, as 0..15; with `shifts` (e.g.
+    _AWQ_SHIFTS), entry j is the nibble at bit shifts[j] instead: a reordering at the cost of the unpacking."""
+    return (words.to(torch.int32).unsqueeze(-1) >> shifts.to(words.device)) & 0xF
 
 
 def _fp8_decoder(bn: int, bk: int):  # type: ignore[no-untyped-def]
@@ -87,9 +90,8 @@ def decode_awq(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tenso
     qweight, qzeros, scales = parts  # [K, N/8], [G, N/8], [G, N]
     k = qweight.shape[0]
     groups, n = scales.shape
-    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)  # column j: nibble inverse[j]
-    q = _unpack_nibbles(qweight)[..., inverse].reshape(k, n)  # [K, N]
-    z = _unpack_nibbles(qzeros)[..., inverse].reshape(groups, n)  # [G, N]
+    q = _unpack_nibbles(qweight, _AWQ_SHIFTS).reshape(k, n)  # [K, N], columns in order
+    z = _unpack_nibbles(qzeros, _AWQ_SHIFTS).reshape(groups, n)  # [G, N]
     g = torch.arange(k, device=q.device) // (k // groups)  # [K]
     w = (q - z[g]).float() * scales.float()[g]  # [K, N]
     return w.t().contiguous().reshape(shape)  # [N, K]
@@ -134,9 +136,8 @@ def _awq_ints(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, to
     qweight, qzeros, scales = parts  # [K, N/8], [G, N/8], [G, N]
     k = qweight.shape[0]
     groups, n = scales.shape
-    inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=qweight.device)
-    v = _unpack_nibbles(qweight)[..., inverse].reshape(k, n).t()  # [N, K]
-    z = _unpack_nibbles(qzeros)[..., inverse].reshape(groups, n).t()  # [N, G]
+    v = _unpack_nibbles(qweight, _AWQ_SHIFTS).reshape(k, n).t()  # [N, K], columns in order
+    z = _unpack_nibbles(qzeros, _AWQ_SHIFTS).reshape(groups, n).t()  # [N, G]
     return v, z, scales.t()
 
 

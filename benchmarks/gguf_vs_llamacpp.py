@@ -73,13 +73,18 @@ def make_ggufs(cache: Path, types: list[str]) -> dict[str, Path]:
             shutil.copy2(TOKENIZER_SRC / name, src / name)
     patch_pretokenizer(lc.tree, src)
     files = {"F32": out / "tiny-F32.gguf", **{t: out / f"tiny-{t}.gguf" for t in types}}
+    return convert_and_quantize(lc, [str(lc.tree / "convert_hf_to_gguf.py")], src, files)
+
+
+def convert_and_quantize(lc: Any, converter: list[str], src: Path, files: dict[str, Path]) -> dict[str, Path]:
+    """files["F32"] from checkpoint `src` by llama.cpp's converter (`converter`: the arguments after python), then
+    each other type of `files` from it by llama-quantize; a file that exists is kept."""
     if not files["F32"].exists():
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-        run([sys.executable, str(lc.tree / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
-             "--outfile", str(files["F32"])], env=env)  # fmt: skip
-    for t in types:
-        if not files[t].exists():
-            run([str(lc.tool("llama-quantize")), "--allow-requantize", str(files["F32"]), str(files[t]), t, "2"])
+        run([sys.executable, *converter, str(src), "--outtype", "f32", "--outfile", str(files["F32"])], env=env)
+    for t, path in files.items():
+        if t != "F32" and not path.exists():
+            run([str(lc.tool("llama-quantize")), "--allow-requantize", str(files["F32"]), str(path), t, "2"])
     return files
 
 
@@ -167,14 +172,7 @@ def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str,
             shutil.copy2(TOKENIZER_SRC / name, src / name)
     patch_pretokenizer(lc.tree, src)
     files = {"F32": out / "F32.gguf", **{t: out / f"{t}.gguf" for t in types}}
-    if not files["F32"].exists():
-        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-        run([sys.executable, "-c", _CONVERT, str(lc.tree), str(src), "--outtype", "f32", "--outfile",
-             str(files["F32"])], env=env)  # fmt: skip
-    for t in types:
-        if not files[t].exists():
-            run([str(lc.tool("llama-quantize")), "--allow-requantize", str(files["F32"]), str(files[t]), t, "2"])
-    return files
+    return convert_and_quantize(lc, ["-c", _CONVERT, str(lc.tree)], src, files)
 
 
 def vs_transformers(gguf: Path, src: Path) -> float:

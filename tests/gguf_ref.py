@@ -159,7 +159,7 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
     if family == "glm4_moe":
         out.update(nextn_blocks(out, cfg))
     if family == "sarvam_moe":  # as BailingMoeV2Model writes Ling 2.0 (SarvamMoEModel also zero-means exp_probs_b)
-        out.update(bailing_nextn_blocks(out, cfg))
+        out.update(nextn_blocks(out, cfg, ("nextn.enorm", "nextn.hnorm", "layer_output_norm"), (), seed=8))
     for k, v in sd.items():
         out[{**_GLOBAL, **_FAMILY_GLOBAL.get(family, {})}[k]] = v
     if family == "qwen3_next":
@@ -168,41 +168,30 @@ def gguf_tensors(src: Path, family: str) -> dict[str, np.ndarray]:
     return out
 
 
-def bailing_nextn_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Ling 2.0's MTP layers as llama.cpp's bailingmoe2 converter writes them from model.layers.L.* (L =
-    num_hidden_layers, counted in block_count): a decoder layer plus nextn.eh_proj [H, 2H], nextn.enorm / hnorm and
-    layer_output_norm (the layer's final_layernorm). Here: a copy of the last layer's tensors and random others."""
-    n_layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
-    rng = np.random.default_rng(8)
+_GLM_NEXTN_NORMS = ("nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm")
+_GLM_NEXTN_VOCAB = ("nextn.embed_tokens", "nextn.shared_head_head")
+
+
+def nextn_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any], norms: tuple[str, ...] = _GLM_NEXTN_NORMS,
+                 vocab: tuple[str, ...] = _GLM_NEXTN_VOCAB, seed: int = 7) -> dict[str, np.ndarray]:  # fmt: skip
+    """Multi-token-prediction layers as llama.cpp's converters write them from a real checkpoint's model.layers.L.*
+    (L = num_hidden_layers; counted in block_count): a decoder layer plus nextn.eh_proj [H, 2H], the `norms` [H]
+    and the `vocab` tensors [V, H]. GLM (glm4moe): nextn.enorm / hnorm / shared_head_norm and, where the checkpoint
+    has them, nextn.embed_tokens / shared_head_head; Ling 2.0 (bailingmoe2): nextn.enorm / hnorm and
+    layer_output_norm (the layer's final_layernorm). transformers does not keep them in a saved checkpoint, so
+    here: a copy of the last layer's tensors and random others."""
+    n_layers, hidden, n_vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    rng = np.random.default_rng(seed)
     last = f"blk.{n_layers - 1}."
     extra: dict[str, np.ndarray] = {}
     for j in range(cfg.get("num_nextn_predict_layers") or 0):
         b = f"blk.{n_layers + j}."
         extra.update({b + k[len(last) :]: v.copy() for k, v in out.items() if k.startswith(last)})
         extra[b + "nextn.eh_proj.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.05).astype(np.float32)
-        for n in ("nextn.enorm", "nextn.hnorm", "layer_output_norm"):
+        for n in norms:
             extra[f"{b}{n}.weight"] = np.ones(hidden, np.float32)
-    return extra
-
-
-def nextn_blocks(out: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """GLM's multi-token-prediction layers as llama.cpp's glm4moe converter writes them from a real checkpoint's
-    model.layers.L.* (L = num_hidden_layers; counted in block_count): a decoder layer plus nextn.eh_proj [H, 2H],
-    nextn.enorm / hnorm / shared_head_norm and, where the checkpoint has them, nextn.embed_tokens / shared_head_head
-    [V, H]. transformers does not keep them in a saved checkpoint, so here: a copy of the last layer's tensors and
-    random nextn ones."""
-    n_layers, hidden, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
-    rng = np.random.default_rng(7)
-    last = f"blk.{n_layers - 1}."
-    extra: dict[str, np.ndarray] = {}
-    for j in range(cfg.get("num_nextn_predict_layers") or 0):
-        b = f"blk.{n_layers + j}."
-        extra.update({b + k[len(last) :]: v.copy() for k, v in out.items() if k.startswith(last)})
-        extra[b + "nextn.eh_proj.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.05).astype(np.float32)
-        for n in ("enorm", "hnorm", "shared_head_norm"):
-            extra[f"{b}nextn.{n}.weight"] = np.ones(hidden, np.float32)
-        for n in ("embed_tokens", "shared_head_head"):
-            extra[f"{b}nextn.{n}.weight"] = (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float32)
+        for n in vocab:
+            extra[f"{b}{n}.weight"] = (rng.standard_normal((n_vocab, hidden)) * 0.05).astype(np.float32)
     return extra
 
 

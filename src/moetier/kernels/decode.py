@@ -128,11 +128,10 @@ def _check_gemv(x: torch.Tensor, q: torch.Tensor, kind: int, group: int) -> tupl
                              f"{q.dtype} {list(q.shape)}")  # fmt: skip
         return m, k, q.shape[0]
     if kind == KIND_F8:
-        if k % QBLOCK or group % QBLOCK or k % group or q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] != k:
+        if (k % QBLOCK or group % QBLOCK or k % group or q.dim() != 2 or q.dtype != torch.uint8 or q.shape[1] != k
+                or not q.is_contiguous()):  # fmt: skip
             raise ValueError(f"gemv: an fp8 weight must be contiguous uint8 [N, {k}] with groups of 32s dividing K, "
                              f"got {q.dtype} {list(q.shape)}, group {group}")  # fmt: skip
-        if not q.is_contiguous():
-            raise ValueError("gemv: an fp8 weight must be contiguous")
         return m, k, q.shape[0]
     if kind not in (8, 4, 2) or k % QBLOCK or group % QBLOCK or k % group or (kind == 2 and k % 128):
         raise ValueError(f"gemv: kind {kind} with K={k}, group {group} is not a layout of csrc/mm.h")

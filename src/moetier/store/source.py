@@ -181,16 +181,11 @@ class StoredIntSource(_FromReader):
         """(stored tensors, group, scale dtype) when every expert's matrices are int4 codecs our kernels read as
         stored (INT4_INTS: no act-order groups, whole matrices, groups a multiple of 32 along K, one group size and
         one fp16 / bf16 scale dtype), none with biases; else None."""
-        if reader.layout.has_bias or reader.layout.down_rows:
-            return None
-        try:
-            layouts, _ = reader.stored_layouts()
-        except CheckpointError:
-            return None
-        if len(layouts) != 1 or not layouts[0]:
+        tensors = _one_layout(reader)
+        if tensors is None:
             return None
         groups, dtypes = set(), set()
-        for t in layouts[0]:
+        for t in tensors:
             if t.codec not in INT4_INTS or len(t.pieces) != 1 or t.pieces[0][1] != "copy":
                 return None
             if t.pieces[0][0] not in _MATRIX_OF or len(t.shape) != 2:
@@ -207,18 +202,18 @@ class StoredIntSource(_FromReader):
         group, sdt = groups.pop(), dtypes.pop()
         if group % 32 or sdt not in (torch.float16, torch.bfloat16):
             return None
-        if any(t.codec in ("gptq4", "gptq4_v2") for t in layouts[0]) and reader.plans:
+        if any(t.codec in ("gptq4", "gptq4_v2") for t in tensors) and reader.plans:
             # g_idx: act-order checkpoints permute every tensor's groups; the first expert tells (a later one that
             # differs is refused when read, naming its tensor)
-            raw = [[torch.empty(n, dtype=torch.uint8) for n in t.part_bytes] for t in layouts[0]]
+            raw = [[torch.empty(n, dtype=torch.uint8) for n in t.part_bytes] for t in tensors]
             reader.read_stored(next(iter(reader.plans)), raw, {})
-            for t, parts in zip(layouts[0], raw, strict=True):
+            for t, parts in zip(tensors, raw, strict=True):
                 typed = [r.view(dt).view(shape) for r, (dt, shape) in zip(parts, t.parts, strict=True)]
                 try:
                     INT4_INTS[str(t.codec)](typed)
                 except ValueError:
                     return None
-        return layouts[0], group, sdt
+        return tensors, group, sdt
 
     def __init__(self, reader: ExpertReader, dtype: torch.dtype, device: torch.device,
                  fit: tuple[tuple[StoredTensor, ...], int, torch.dtype]) -> None:  # fmt: skip
@@ -274,16 +269,11 @@ class StoredFp8Source(_FromReader):
         """(stored tensors, column block) when every expert matrix is one `fp8_block:{bn}x{bk}` tensor of the
         checkpoint (gate, up and down each as stored, no op), one bk for all, a whole number of blocks along K and
         bk a multiple of 32; no biases; else None."""
-        if reader.layout.has_bias or reader.layout.down_rows:
-            return None
-        try:
-            layouts, _ = reader.stored_layouts()
-        except CheckpointError:
-            return None
-        if len(layouts) != 1 or not layouts[0]:
+        tensors = _one_layout(reader)
+        if tensors is None:
             return None
         bks = set()
-        for t in layouts[0]:
+        for t in tensors:
             codec = t.codec or ""
             if not codec.startswith("fp8_block:") or len(t.pieces) != 1 or t.pieces[0][1] != "copy":
                 return None
@@ -296,7 +286,7 @@ class StoredFp8Source(_FromReader):
         h, i = reader.layout.hidden, reader.layout.inter
         if not (fits_fp8(2 * i, h, bk) and fits_fp8(h, i, bk)):
             return None
-        return layouts[0], bk
+        return tensors, bk
 
     def __init__(self, reader: ExpertReader, fit: tuple[tuple[StoredTensor, ...], int]) -> None:
         tensors, bk = fit
@@ -320,6 +310,18 @@ class StoredFp8Source(_FromReader):
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:
         return QuantPool(cast(Any, self.fmt), n_slots, device, pin=pin)
+
+
+def _one_layout(reader: ExpertReader) -> tuple[StoredTensor, ...] | None:
+    """The stored tensors of every expert when all layers store them alike (one layout), bias-free and without down
+    rows: what the native stored sources take; else None."""
+    if reader.layout.has_bias or reader.layout.down_rows:
+        return None
+    try:
+        layouts, _ = reader.stored_layouts()
+    except CheckpointError:
+        return None
+    return layouts[0] if len(layouts) == 1 and layouts[0] else None
 
 
 def _fp8_block(codec: str) -> tuple[int, int]:

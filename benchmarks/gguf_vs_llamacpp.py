@@ -110,7 +110,7 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "qwen3_next": {"mlp_only_layers": [], "num_hidden_layers": 4, "layer_types": None},
 }
 # run llama.cpp's converter with every model class's own vocabulary code replaced by the plain GPT-2 BPE one
-_CONVERT = """
+CONVERT = """
 import importlib, pkgutil, runpy, sys
 tree = sys.argv.pop(1)
 sys.path[:0] = [tree, tree + "/gguf-py"]
@@ -172,7 +172,7 @@ def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str,
             shutil.copy2(TOKENIZER_SRC / name, src / name)
     patch_pretokenizer(lc.tree, src)
     files = {"F32": out / "F32.gguf", **{t: out / f"{t}.gguf" for t in types}}
-    return convert_and_quantize(lc, ["-c", _CONVERT, str(lc.tree)], src, files)
+    return convert_and_quantize(lc, ["-c", CONVERT, str(lc.tree)], src, files)
 
 
 def vs_transformers(gguf: Path, src: Path) -> float:

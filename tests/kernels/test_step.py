@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moetier.kernels import decode, native
-from moetier.kernels.step import DESC, AttnLayer, AttnSpec, Head, MoeLayer, Step, desc_row
+from moetier.kernels.step import DESC, Activation, AttnLayer, AttnSpec, Head, MoeLayer, Step, desc_row
 from moetier.store.pool import SlotViews
 
 BF16 = torch.bfloat16
@@ -231,6 +231,66 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
     step.moe(dense)
     want = r(x0.double() + r(swiglu(hin.double(), sh13, sh2)))
     assert float((step.x[:2].double() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_moe_half_gpt_oss_experts_match_float64(lib: ctypes.CDLL) -> None:
+    """GPT-OSS's experts (csrc/step.h act 1): biases read from each slot's descriptor and added to the gate/up and
+    down outputs, gate clamped above, up clamped both ways, (up + 1) * gate * sigmoid(alpha * gate); one expert
+    without biases in the same call; an unknown activation refused."""
+    h, inter, e, k, alpha, limit = 64, 32, 5, 2, 1.702, 0.6  # a low limit: the clamps bind on these values
+    g = torch.Generator().manual_seed(11)
+    experts = []
+    for ex in range(e):
+        w13 = (torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16)
+        w2 = (torch.randn(h, inter, generator=g) * 0.2).to(BF16)
+        b13 = None if ex == 3 else (torch.randn(2 * inter, generator=g) * 0.3).to(BF16)
+        b2 = None if ex == 3 else (torch.randn(h, generator=g) * 0.3).to(BF16)
+        parts = [w13.reshape(-1), w2.reshape(-1)] + ([b13, b2] if b13 is not None and b2 is not None else [])
+        row = torch.cat(parts).contiguous()
+        n13, n2 = 2 * inter * h, h * inter
+        views = SlotViews(row[:n13].view(2 * inter, h), row[n13 : n13 + n2].view(h, inter),
+                          None if b13 is None else row[n13 + n2 : n13 + n2 + 2 * inter],
+                          None if b2 is None else row[n13 + n2 + 2 * inter :], row, {})  # fmt: skip
+        experts.append((w13, w2, b13, b2, row, views))
+    table = torch.tensor([desc_row(x[5]) for x in experts], dtype=torch.int64)  # [E, DESC]
+    assert int(table[3, 11]) == -1 and int(table[0, 11]) == 2 * (2 * inter * h + h * inter)
+
+    def expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
+               b2: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        gu = x @ w13.double().T + (b13.double() if b13 is not None else 0.0)
+        gate, up = gu[:, :inter].clamp(max=limit), gu[:, inter:].clamp(-limit, limit)
+        a = (up + 1) * gate * torch.sigmoid(alpha * gate)
+        return r(a) @ w2.double().T + (b2.double() if b2 is not None else 0.0)  # down rows read bf16 activations
+
+    moe = MoeLayer(h, inter, e, k, act=Activation(1, alpha, limit))
+    step = Step(lib, 4, h, 1, k, e, [], [moe], None, 0, 2)
+    step.layer(0)
+    step.s.nthreads, step.s.T = 2, 4
+    x0, hin = torch.randn(4, h, generator=g).to(BF16), torch.randn(4, h, generator=g).to(BF16)
+    ids = torch.tensor([[1, 4], [4, 3], [0, 3], [2, 4]], dtype=torch.int32)
+    wts = torch.rand(4, 2, generator=g)
+    step.x[:4].copy_(x0)
+    step.h[:4].copy_(hin)
+    step.ids[0, :4].copy_(ids)
+    step.wts[0, :4].copy_(wts)
+    for ex in range(e):
+        moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
+    step.moe(moe)
+    y = torch.zeros(4, h, dtype=torch.float64)
+    for t in range(4):
+        for j in range(k):
+            w13, w2, b13, b2 = experts[int(ids[t, j])][:4]
+            y[t] += float(wts[t, j]) * expert(hin[t : t + 1].double(), w13, w2, b13, b2)[0]
+    want = r(x0.double() + r(y))
+    assert float((step.x[:4].double() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    silu = (step.x[:4].double() - want).abs().max()  # the same call read as SiLU experts is far off: act is used
+    moe.s.act = 0
+    step.x[:4].copy_(x0)
+    step.moe(moe)
+    assert float((step.x[:4].double() - want).abs().max()) > 10 * float(silu) + 1e-3
+    moe.s.act = 7
+    with pytest.raises(ValueError, match="refused"):
+        step.moe(moe)
 
 
 def test_head_matches_float64_and_refuses_small_scratch(lib: ctypes.CDLL) -> None:

@@ -161,6 +161,8 @@ def test_static_int8_with_expert_biases(model, full_logits) -> None:
         assert rel_err(logits, ref) < 0.05  # the biases (random, std 0.5) are kept
         s = engine.stats()
         assert s["precision"] == {"int8": {"experts": 12, "bytes": 12 * engine.store.slot_bytes}}
+        if NATIVE:  # GPT-OSS's biased, clamped experts in the native MoE call (csrc/step.h act 1)
+            assert s["executor"] == "native" and s["native"]["native_calls"] > 0 and s["native"]["dense_calls"] == 0
         assert len(engine.generate(PROBE[0, :4].tolist(), max_new_tokens=3, stop_at_eos=False).token_ids) == 3
 
 

@@ -46,7 +46,7 @@ KIND_BF16 = 16
 KIND_F8 = 9  # csrc/mm.h MT_KIND_F8: fp8 e4m3fn rows, fp32 scales per group (a block-scaled FP8 checkpoint)
 SF16 = 256  # csrc/mm.h MT_SF16: a kind whose scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out)
 QBLOCK = 32  # activation (and dense weight) quantisation block
-DESC = 11  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, then w2's kind
+DESC = 13  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, w2's kind, 2 bias offsets
 LAYOUT = 9  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
 NATIVE_ROWS = 16  # rows up to which the native kernels beat torch's oneDNN GEMMs (AVX-512 / AMX CPUs)
 NATIVE_ROWS_NO_ONEDNN = 512  # the same where oneDNN takes no bf16 product (AVX2): torch's own bf16 GEMM is slower
@@ -205,6 +205,7 @@ def _moe_call(
         for j in range(LAYOUT):
             desc[DESC * e + 1 + j] = row[j]
         desc[DESC * e + 10] = row[0]  # both matrices of the op's experts have one kind
+        desc[DESC * e + 11] = desc[DESC * e + 12] = -1  # no biases: this op computes SiLU experts
     lib = _lib()
     p = len(tok)
     scratch = _scratch.get(lib.moetier_moe_scratch_bytes(t, h, inter, p))

@@ -29,7 +29,7 @@ from moetier.kernels.stored import StoredExpertViews, StoredVariants, StoredWeig
 from moetier.store.pool import SlotViews
 
 I64, F32, P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-DESC = 11  # int64 per slot descriptor: address, kind, then (group, q, scale, zero) per matrix, then w2's kind
+DESC = 13  # int64 per slot descriptor: address, kind, (group, q, scale, zero) per matrix, w2's kind, bias offsets
 _BF16 = torch.bfloat16
 
 
@@ -56,7 +56,20 @@ class MtStep(ctypes.Structure):
 
 class MtMoe(ctypes.Structure):
     _fields_ = [("H", I64), ("I", I64), ("E", I64), ("topk", I64), ("Is", I64), ("sh13", MtW), ("sh2", MtW),
-                ("sh_gate", P)]  # fmt: skip
+                ("sh_gate", P), ("act", I64), ("alpha", F32), ("limit", F32)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The routed experts' activation in the MoE half (csrc/step.h mt_moe.act): SiLU(gate) * up (kind 0), or
+    GPT-OSS's clamped alpha-sigmoid GLU (kind 1, `alpha`, `limit`; kernels/experts.py GptOssGLU)."""
+
+    kind: int = 0
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+SILU = Activation()
 
 
 class MtHead(ctypes.Structure):
@@ -140,7 +153,7 @@ class MoeLayer:
 
     def __init__(
         self, hidden: int, inter: int, experts: int, top_k: int, shared: tuple[torch.Tensor | QDense,
-        torch.Tensor | QDense, torch.Tensor | None] | None = None,
+        torch.Tensor | QDense, torch.Tensor | None] | None = None, act: Activation = SILU,
     ) -> None:  # fmt: skip
         keep: list[torch.Tensor] = []
         s13, s2, is_ = MtW(), MtW(), 0
@@ -155,7 +168,8 @@ class MoeLayer:
                 gc = g.detach().to(_BF16).reshape(-1).contiguous()
                 keep.append(gc)
                 gate = gc.data_ptr()
-        self.s = MtMoe(H=hidden, I=inter, E=experts, topk=top_k, Is=is_, sh13=s13, sh2=s2, sh_gate=gate)
+        self.s = MtMoe(H=hidden, I=inter, E=experts, topk=top_k, Is=is_, sh13=s13, sh2=s2, sh_gate=gate,
+                       act=act.kind, alpha=act.alpha, limit=act.limit)  # fmt: skip
         self.keep = keep
         self.ref = ctypes.byref(self.s)
         self.desc = (ctypes.c_void_p * max(experts, 1))()  # expert id -> its slot's descriptor row (this call)
@@ -258,11 +272,34 @@ class Step:
 
 def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
     """A slot's descriptor row (csrc/step.h): address, kind, then per matrix (w13 [2I, H], w2 [H, I]) its group
-    and the byte offsets of q, scale and zero from the address (-1: none), then w2's kind; None for a format the
-    kernels do not read (fp32 / fp16 slots, biases, down rows, non-native quantised kinds). With `lib`, a
-    stored-form slot of GGUF blocks whose types ggml computes (kernels/ggml.py) is read as stored."""
+    and the byte offsets of q, scale and zero from the address (-1: none), then w2's kind, then the byte offsets
+    of the biases b13 and b2 (bf16, -1: none); None for a format the kernels do not read (fp32 / fp16 slots, down
+    rows, non-native quantised kinds). With `lib`, a stored-form slot of GGUF blocks whose types ggml computes
+    (kernels/ggml.py) is read as stored."""
+    row = _matrices_row(views, lib)
+    if row is None:
+        return None
+    biases = _bias_offsets(views, row[0])
+    return None if biases is None else [*row, *biases]
+
+
+def _bias_offsets(views: Any, base: int) -> list[int] | None:
+    """[b13, b2] byte offsets from `base` (-1: none), None when a bias is not a contiguous bf16 vector."""
+    out = []
+    for b in (views.b13, views.b2):
+        if b is None:
+            out.append(-1)
+        elif b.dtype != _BF16 or not b.is_contiguous() or not b.is_cpu:
+            return None
+        else:
+            out.append(b.data_ptr() - base)
+    return out
+
+
+def _matrices_row(views: Any, lib: ctypes.CDLL | None) -> list[int] | None:
+    """desc_row's first 11 fields."""
     if isinstance(views, SlotViews):
-        if views.row.dtype != _BF16 or views.b13 is not None or views.down_rows is not None:
+        if views.row.dtype != _BF16 or views.down_rows is not None:
             return None
         if not (views.w13.is_contiguous() and views.w2.is_contiguous()) or not views.row.is_cpu:
             return None
@@ -270,7 +307,7 @@ def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
         return [base, KIND_BF16, 0, views.w13.data_ptr() - base, -1, -1, 0, views.w2.data_ptr() - base, -1, -1,
                 KIND_BF16]  # fmt: skip
     if isinstance(views, QExpertViews) and views.w13.kind == "f8":  # fp8 e4m3fn rows, fp32 scales (kernels/fp8.py)
-        if views.b13 is not None or views.b2 is not None or views.w2.kind != "f8" or not views.row.is_cpu:
+        if views.w2.kind != "f8" or not views.row.is_cpu:
             return None
         base = views.row.data_ptr()
         row = [base, KIND_F8]
@@ -278,9 +315,7 @@ def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
             row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, -1]
         return [*row, KIND_F8]
     if isinstance(views, QExpertViews):
-        if views.b13 is not None or views.b2 is not None or views.w13.kind not in NATIVE_KINDS:
-            return None
-        if views.w2.kind != views.w13.kind or not views.row.is_cpu:
+        if views.w13.kind not in NATIVE_KINDS or views.w2.kind != views.w13.kind or not views.row.is_cpu:
             return None
         base = views.row.data_ptr()
         kind = views.w13.bits | (SF16 if views.w13.scale.dtype == torch.float16 else 0)  # a checkpoint's fp16 scales
@@ -297,8 +332,12 @@ def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
 
 def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int, int, int] | None:
     """(kernel kind, group, address of its first row, address of its scales or -1) of a stored matrix: a re-laid
-    GGUF Q4_0 / Q8_0 matrix (our kernels, fp16 scales: kind | SF16, group 32), or rows of one GGUF block type
-    ggml computes laid out as one [N, K] run (gate then up adjacent); None otherwise."""
+    GGUF Q4_0 / Q8_0 matrix (our kernels, fp16 scales: kind | SF16, group 32), an MXFP4 safetensors matrix re-laid
+    as GGUF MXFP4 rows (ggml's), or rows of one GGUF block type ggml computes laid out as one [N, K] run (gate then
+    up adjacent); None otherwise."""
+    if w.relaid == "MXFP4" and w.region is not None:
+        kind = ggml.kind_of("MXFP4", lib)
+        return None if kind is None else (kind, 0, w.region.data_ptr(), -1)
     if w.relaid is not None:
         q, d = w.relay_split()
         return OWN_KERNEL_TYPES[w.relaid][0] | SF16, QBLOCK, q.data_ptr(), d.data_ptr()
@@ -335,7 +374,7 @@ def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int, int, int] 
 
 
 def _stored_row(views: StoredExpertViews, lib: ctypes.CDLL) -> list[int] | None:
-    if views.b13 is not None or views.b2 is not None or not views.row.is_cpu:
+    if not views.row.is_cpu:
         return None
     k13, k2 = stored_kind(views.w13, lib), stored_kind(views.w2, lib)
     if k13 is None or k2 is None:
@@ -400,5 +439,5 @@ class SlotTable:
         return self._addr
 
 
-__all__ = ["DESC", "AttnLayer", "AttnSpec", "Head", "MoeLayer", "MtAttn", "MtHead", "MtMoe", "MtStep", "MtW",
-           "SlotTable", "Step", "desc_row", "weight"]  # fmt: skip
+__all__ = ["DESC", "SILU", "Activation", "AttnLayer", "AttnSpec", "Head", "MoeLayer", "MtAttn", "MtHead", "MtMoe",
+           "MtStep", "MtW", "SlotTable", "Step", "desc_row", "weight"]  # fmt: skip

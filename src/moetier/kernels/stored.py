@@ -11,6 +11,11 @@ Two refinements on that layout:
 - GGUF Q4_0 / Q8_0 matrices our own kernels read (`relay`): after each read the matrix's blocks are split in
   place into all their quants, then their fp16 scales, in the same bytes (`StoredWeight.relay`); the descriptor
   gives the kernels kind | MT_SF16 (kernels/step.py), and `decode` puts the blocks back together for the codec.
+- MXFP4 safetensors matrices (GPT-OSS's `*_blocks` + `*_scales`, one tensor a matrix): after each read they are
+  re-laid in place as GGUF MXFP4 blocks (17 bytes a block of 32: the e8m0 exponent byte, then element j in the
+  low and j + 16 in the high nibble of byte j, where the file holds 2j low and 2j + 1 high), rows in the
+  matrix's order (GPT-OSS interleaves gate and up rows: gate first after the relay), for ggml's MXFP4 dot
+  product; the same 17 bytes a block the file's two parts take, so the slot size does not change.
 - A checkpoint whose MoE layers store their experts differently (a Q4_K_M GGUF file) gets `MixedStoredFormat`:
   one StoredFormat per layout on slots of the largest, each slot read as `StoredVariants`; whoever knows the
   layer takes its variant (`for_layer`).
@@ -51,17 +56,35 @@ class StoredWeight:
     k: int
     segments: tuple[StoredSegment, ...]
     # a GGUF Q4_0 / Q8_0 matrix our own kernels read (decode.OWN_KERNEL_TYPES): its type, and the slot bytes of
-    # its rows, re-laid out in place after each read as [quants of every block][their fp16 scales] (`relay`)
+    # its rows, re-laid out in place after each read as [quants of every block][their fp16 scales] (`relay`);
+    # "MXFP4": an MXFP4 safetensors matrix re-laid as GGUF MXFP4 rows (`mxfp4_relay`)
     relaid: str | None = None
     region: torch.Tensor | None = None  # uint8 [N * row bytes]
 
     def relay(self) -> None:
-        """The matrix's blocks, as read, -> [quants][fp16 scales] in the same bytes (kernels: kind | MT_SF16)."""
+        """The matrix's blocks, as read, -> [quants][fp16 scales] in the same bytes (kernels: kind | MT_SF16); an
+        MXFP4 matrix -> GGUF MXFP4 rows (`mxfp4_relay`)."""
         assert self.relaid is not None and self.region is not None
+        if self.relaid == "MXFP4":
+            self.mxfp4_relay()
+            return
         blocks = self.region.view(self.n, -1, _block_bytes(self.relaid)).clone()  # [N, nb, 2 + qb]
         q, d = self.relay_split()
         q.copy_(blocks[:, :, 2:].reshape(q.shape))
         d.copy_(blocks[:, :, :2].reshape(-1))
+
+    def mxfp4_relay(self) -> None:
+        """The file's MXFP4 blocks [R, G, 16] and exponents [R, G] (one segment) -> GGUF MXFP4 blocks [N, G, 17] at
+        the start of the same bytes, rows in the matrix's order (an interleaved gate/up tensor: even rows first)."""
+        assert self.region is not None
+        (seg,) = self.segments
+        blocks, scales = (p.clone() for p in seg.parts)  # [R, G, 16], [R, G]: the region overlaps them
+        if seg.rows[0][0] == "T_even":  # GPT-OSS's gate_up: gate rows are the even ones, up the odd
+            order = torch.cat([torch.arange(0, self.n, 2), torch.arange(1, self.n, 2)])
+            blocks, scales = blocks[order], scales[order]
+        nib = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).flatten(-2)  # [N, G, 32]: element order
+        qs = nib[..., :16] | (nib[..., 16:] << 4)  # [N, G, 16]: ggml's order
+        self.region.view(self.n, -1, MXFP4_BLOCK).copy_(torch.cat([scales.unsqueeze(-1), qs], dim=-1))
 
     def relay_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(quants uint8 [N, nb * qb], scale bytes uint8 [N * nb * 2]): views of a re-laid matrix's region."""
@@ -73,6 +96,9 @@ class StoredWeight:
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The matrix [N, K] in `dtype` (allocated per call; the codecs' float32 temporaries are transient)."""
         device = self.segments[0].parts[0].device
+        if self.relaid == "MXFP4":  # GGUF MXFP4 rows now, in the matrix's order
+            assert self.region is not None
+            return dequantize_gguf(self.region, "MXFP4", (self.n, self.k)).to(dtype)
         if self.relaid is not None:  # back to the file's blocks, then its codec
             q, d = self.relay_split()
             blocks = torch.cat([d.view(self.n, -1, 2), q.view(self.n, -1, _block_bytes(self.relaid) - 2)], dim=2)
@@ -99,6 +125,8 @@ class StoredExpertViews:
 
 _MATRIX_ROWS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of I rows)
 RELAID = {"Q4_0": 18, "Q8_0": 34}  # GGUF types a slot re-lays out for our own kernels: bytes a block of 32
+MXFP4_BLOCK = 17  # bytes of a GGUF MXFP4 block of 32 values (an MXFP4 safetensors matrix is re-laid into them)
+_MXFP4_ROWS = {"w13": (("T_even", "T_odd"), ("T",)), "w2": (("T",),)}  # the ops a matrix's one MXFP4 tensor may feed
 
 
 def _block_bytes(type_name: str) -> int:
@@ -150,9 +178,14 @@ class StoredFormat:
         self.compute_scratch_bytes = max(n * k for n, k in self.shapes.values()) * (dtype.itemsize + 16)
 
     def _relaid(self) -> dict[str, tuple[str, int, int]]:
-        """The matrices kept as one run of GGUF Q4_0 or Q8_0 rows (gate then up adjacent: one [2I, H] matrix)."""
+        """The matrices kept as one run of GGUF Q4_0 or Q8_0 rows (gate then up adjacent: one [2I, H] matrix), and
+        those fed by one MXFP4 safetensors tensor (re-laid as GGUF MXFP4 rows)."""
         out: dict[str, tuple[str, int, int]] = {}
         for m, (n, k) in self.shapes.items():
+            mx = self._mxfp4_span(m, n, k)
+            if mx is not None:
+                out[m] = ("MXFP4", *mx)
+                continue
             spans: list[tuple[int, str | None, int, int]] = []
             for t, slices, rows in zip(self.tensors, self.part_slices, self.rows, strict=True):
                 if rows is None or rows[0] != m or slices is None:
@@ -171,6 +204,20 @@ class StoredFormat:
             if name in RELAID and contiguous and spans[-1][3] - spans[0][2] == n * (k // 32) * RELAID[name]:
                 out[m] = (name, spans[0][2], spans[-1][3])
         return out
+
+    def _mxfp4_span(self, m: str, n: int, k: int) -> tuple[int, int] | None:
+        """(first, end byte) of matrix m's GGUF MXFP4 rows when one MXFP4 tensor feeds all of it, else None."""
+        feeding = [(t, sl, rows) for t, sl, rows in zip(self.tensors, self.part_slices, self.rows, strict=True)
+                   if rows is not None and rows[0] == m]  # fmt: skip
+        if len(feeding) != 1 or feeding[0][0].codec != "mxfp4" or k % 32:
+            return None
+        t, slices, (_, rows) = feeding[0]
+        if slices is None or len(slices) != 2 or tuple(op for op, _, _ in rows) not in _MXFP4_ROWS[m]:
+            return None
+        if t.part_bytes != (n * k // 2, n * k // 32):
+            return None
+        start = slices[0].offset  # the blocks, then the exponents after them: 17 bytes a block in all
+        return start, start + n * (k // 32) * MXFP4_BLOCK
 
     def views(self, row: torch.Tensor) -> StoredExpertViews:
         """row: uint8 [slot_bytes], a pool slot (64-byte aligned) -> its views (no copy)."""

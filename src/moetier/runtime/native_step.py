@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetier.kernels.step import AttnLayer, AttnSpec, Head, MoeLayer, Step
+from moetier.kernels.step import SILU, AttnLayer, AttnSpec, Head, MoeLayer, Step
 from moetier.runtime.executors.native import NativeState, RoutedMoE, is_silu
 from moetier.runtime.lean import LeanDecoder, LeanLayer, fuse_projections
 from moetier.runtime.loader import LoadedModel
@@ -126,6 +126,7 @@ class NativeStep:
                          lean.sin, router_w)  # fmt: skip
         info = self.loaded.info
         if block is not None:
+            act = self.state.act if self.state is not None else SILU  # the routed experts' activation
             shared = None
             if block.family.shared_attr:
                 parts = _swiglu(getattr(block, block.family.shared_attr))
@@ -136,9 +137,10 @@ class NativeStep:
                 else:
                     gate = gate_mod.weight if gate_mod is not None else None
                     shared = (*parts, gate)
-                    moe = MoeLayer(info.hidden_size, info.expert_intermediate, info.num_experts, info.top_k, shared)
+                    moe = MoeLayer(info.hidden_size, info.expert_intermediate, info.num_experts, info.top_k, shared,
+                                   act)  # fmt: skip
             else:
-                moe = MoeLayer(info.hidden_size, info.expert_intermediate, info.num_experts, info.top_k)
+                moe = MoeLayer(info.hidden_size, info.expert_intermediate, info.num_experts, info.top_k, act=act)
             if router_w is None:
                 moe = None  # the family's module routes: the block's own forward
             routed = None

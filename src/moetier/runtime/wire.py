@@ -43,6 +43,7 @@ from moetier.formats.gguf import read_blocks
 from moetier.formats.safetensors import read_parts
 from moetier.kernels import decode, ggml, native
 from moetier.kernels.decode import QDense
+from moetier.kernels.stored import StoredFormat
 from moetier.models.families import Family
 from moetier.policies.schedulers import make_scheduler
 from moetier.runtime.decode_hf import HFDecoder
@@ -122,7 +123,8 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
     """Whether the native kernels compute this checkpoint's experts as stored: a CPU bf16 model the native
     executor fits, and either every expert tensor a GGUF block type our kernels or ggml's compute
     (kernels/ggml.py), or every one a GPTQ / AWQ / compressed-tensors int4 tensor our int4 kernels read as stored
-    (store/source.py StoredIntSource), or every one a block-scaled FP8 tensor (StoredFp8Source); no biases."""
+    (store/source.py StoredIntSource), or every one a block-scaled FP8 tensor (StoredFp8Source); biases (GPT-OSS)
+    are decoded into the slots' bf16 bias slices when read, whatever their stored type."""
     o = sk.opened
     if sk.device.type == "cuda" or not native_fits(cfg, o.family, o.expert_fn, o.dtype, False):
         return False
@@ -137,7 +139,14 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
         return False
     if StoredIntSource.fits(o.reader) is not None or StoredFp8Source.fits(o.reader) is not None:
         return True
+    for tensors in layouts:
+        if any(t.codec == "mxfp4" for t in tensors):  # GPT-OSS: re-laid as GGUF MXFP4 rows when read, for ggml
+            relaid = StoredFormat(o.reader.layout, tensors, o.dtype, relay=True).relaid
+            if ggml.kind_of("MXFP4", lib) is None or [v[0] for v in relaid.values()] != ["MXFP4", "MXFP4"]:
+                return False
     for t in (t for tensors in layouts for t in tensors):
+        if all(piece.endswith("_bias") for piece, _ in t.pieces) or t.codec == "mxfp4":
+            continue
         codec = t.codec or ""
         if not codec.startswith("gguf:") or "+" in codec or ggml.kind_of(codec.removeprefix("gguf:"), lib) is None:
             return False

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 5
+#define ABI 6
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -72,7 +72,20 @@ typedef struct {
     const int64_t* start; /* [n + 1] pairs of expert j: start[j] .. start[j + 1] - 1 */
     const int32_t* tok;   /* [P] */
     const float* rw;      /* [P] */
+    const uint16_t* const* b13; /* [n] bf16 [2I] or NULL each; NULL: no expert has biases */
+    const uint16_t* const* b2;  /* [n] bf16 [H] or NULL each */
+    int64_t act;                /* 0 SiLU(gate) * up, 1 GPT-OSS */
+    float alpha, limit;
 } moe_call;
+
+/* GPT-OSS's GLU on one pair's fp32 gate g [n] and up u [n], into g: (clamp(u) + 1) * min(g, limit) * sigmoid */
+static void gptoss_glu(float* g, const float* u, int64_t n, float alpha, float limit) {
+    for (int64_t j = 0; j < n; j++) {
+        const float a = g[j] < limit ? g[j] : limit; /* NaN stays NaN: the comparison is false */
+        const float b = u[j] < -limit ? -limit : (u[j] > limit ? limit : u[j]);
+        g[j] = (b + 1.0f) * (a / (1.0f + expf(-alpha * a)));
+    }
+}
 
 static int64_t moe_core_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
     int64_t b = 0;
@@ -138,7 +151,13 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
         /* 2. silu(gate) * up per pair, as the down rows' activation */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
-            mt_silu_mul(hp[p], hp[p] + I, I);
+            const uint16_t* bias = c->b13 ? c->b13[pe[p]] : NULL;
+            if (bias)
+                for (int64_t r = 0; r < 2 * I; r++) hp[p][r] += bf2f(bias[r]);
+            if (c->act == 1)
+                gptoss_glu(hp[p], hp[p] + I, I, c->alpha, c->limit);
+            else
+                mt_silu_mul(hp[p], hp[p] + I, I);
             mt_act_prep_f32(&ad[mt_form_of(c->w2[pe[p]].kind)], p, hp[p]);
         }
         /* 3. down rows: each thread a slice of H, experts in the order given */
@@ -149,6 +168,10 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
                 const int64_t p0 = c->start[j], cnt = c->start[j + 1] - p0;
                 if (cnt > 0)
                     mt_mm(&c->w2[j], I, lo, hi, &ad[mt_form_of(c->w2[j].kind)], pidx + p0, cnt, yp + p0, c->rw + p0);
+                const uint16_t* bias = c->b2 ? c->b2[j] : NULL;
+                if (bias)
+                    for (int64_t p = p0; p < p0 + cnt; p++)
+                        for (int64_t r = lo; r < hi; r++) yp[p][r] += c->rw[p] * bf2f(bias[r]);
             }
         }
     }
@@ -165,11 +188,17 @@ static inline mt_w desc_w(const int64_t* d, int m) {
     return w;
 }
 
+/* a descriptor's bias of matrix m (0: b13, 1: b2), NULL for none */
+static inline const uint16_t* desc_b(const int64_t* d, int m) {
+    return d[11 + m] >= 0 ? (const uint16_t*)((const char*)(intptr_t)d[0] + d[11 + m]) : NULL;
+}
+
 /* ============================================================================ MoE half */
 
 /* bytes of the MoE half's bookkeeping (pairs grouped by expert) for T rows of k pairs over E experts */
 static int64_t book_bytes(int64_t E, int64_t T, int64_t k) {
-    const int64_t routed = 4 * al64((E + 1) * 8) + 2 * al64(T * k * 4) + 2 * al64(E * (int64_t)sizeof(mt_w));
+    const int64_t routed = 4 * al64((E + 1) * 8) + 2 * al64(T * k * 4) + 2 * al64(E * (int64_t)sizeof(mt_w)) +
+                           2 * al64(E * 8);
     const int64_t shared = al64(2 * 8) + 2 * al64(T * 4);
     return routed > shared ? routed : shared;
 }
@@ -205,6 +234,9 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
         float* rw = (float*)take(&b, T * k * 4);
         mt_w* w13 = (mt_w*)take(&b, E * (int64_t)sizeof(mt_w));
         mt_w* w2 = (mt_w*)take(&b, E * (int64_t)sizeof(mt_w));
+        const uint16_t** b13 = (const uint16_t**)take(&b, E * 8);
+        const uint16_t** b2 = (const uint16_t**)take(&b, E * 8);
+        int biased = 0;
         memset(cnt, 0, (size_t)((E + 1) * 8));
         for (int64_t i = 0; i < T * k; i++) {
             const int32_t e = S->ids[i];
@@ -220,6 +252,9 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
             acc += cnt[e];
             w13[n] = desc_w(desc[e], 0);
             w2[n] = desc_w(desc[e], 1);
+            b13[n] = desc_b(desc[e], 0);
+            b2[n] = desc_b(desc[e], 1);
+            biased |= b13[n] != NULL || b2[n] != NULL;
             n++;
         }
         st[n] = acc;
@@ -231,7 +266,9 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
                 tok[p] = (int32_t)t;
                 rw[p] = S->wts[t * k + i];
             }
-        moe_call c = {T, H, M->I, n, w13, w2, st, tok, rw};
+        if (M->act != 0 && M->act != 1) return -1;
+        moe_call c = {T, H, M->I, n, w13, w2, st, tok, rw, biased ? b13 : NULL, biased ? b2 : NULL, M->act,
+                      M->alpha, M->limit};
         const int64_t rc = moe_core(&c, S->h, ys, core, core_bytes, (int)S->nthreads);
         if (rc) return rc;
     }
@@ -252,7 +289,7 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
                 rw[t] = round_bf(1.0f / (1.0f + expf(-round_bf(g))));
             }
         }
-        moe_call c = {T, H, M->Is, 1, &M->sh13, &M->sh2, st, tok, rw};
+        moe_call c = {T, H, M->Is, 1, &M->sh13, &M->sh2, st, tok, rw, NULL, NULL, 0, 0.0f, 0.0f};
         const int64_t rc = moe_core(&c, S->h, ys, core, core_bytes, (int)S->nthreads);
         if (rc) return rc;
     }
@@ -607,12 +644,13 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
         const int64_t kind = desc[e * MT_DESC + 1];
         const int64_t k0 = mt_is_gg(kind) ? kind : kind & ~(int64_t)MT_SF16;
         if (k0 != 16 && k0 != 8 && k0 != 4 && k0 != 2 && k0 != MT_KIND_F8 && !mt_is_gg(k0)) return -1;
+        if (desc[e * MT_DESC + 11] >= 0 || desc[e * MT_DESC + 12] >= 0) return -1; /* SiLU experts, no biases */
         w[e] = desc_w(desc + e * MT_DESC, 0);
         w[n_exp + e] = desc_w(desc + e * MT_DESC, 1);
     }
     if (accumulate != 2)
         for (int64_t i = 0; i < T * H; i++) ys[i] = accumulate ? bf2f(out[i]) : 0.0f;
-    moe_call c = {T, H, I, n_exp, w, w + n_exp, start, tok, rw};
+    moe_call c = {T, H, I, n_exp, w, w + n_exp, start, tok, rw, NULL, NULL, 0, 0.0f, 0.0f};
     const int64_t rc = moe_core(&c, x, ys, cur, moe_core_bytes(T, H, I, P), nthreads);
     if (rc) return rc;
     if (accumulate != 2)

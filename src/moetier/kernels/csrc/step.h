@@ -11,8 +11,11 @@
  *   (experts in ascending id, fp32 sums, rounded once) + the shared expert (sigmoid-gated where the family
  *   gates it); desc[e] points at expert e's slot descriptor (DESC int64: slot address, kind, then per
  *   matrix w13 [2I, H] and w2 [H, I]: group, q / scale / zero byte offsets from the address, -1 for none,
- *   then w2's kind: the two matrices may differ, e.g. a GGUF file's Q4_K gate/up and Q6_K down),
- *   NULL for experts no row routed to. A dense MLP layer is the shared slot with E = 0. `mode`: 3 for one
+ *   then w2's kind: the two matrices may differ, e.g. a GGUF file's Q4_K gate/up and Q6_K down; then the byte
+ *   offsets of the biases b13 [2I] and b2 [H], bf16, -1 for none), NULL for experts no row routed to. `act`: 0
+ *   SiLU(gate) * up; 1 GPT-OSS: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate *
+ *   sigmoid(alpha * gate); biases are added to the projections' outputs before the activation and combine.
+ *   A dense MLP layer is the shared slot with E = 0. `mode`: 3 for one
  *   call; a call whose experts do not fit the compute tier's slots at once runs as groups of them in
  *   ascending id, the first with bit 1 (start the fp32 sum), the last with bit 2 (shared expert, residual),
  *   each with desc set for its own experts only (NULL: skipped), so the result has the bits of one call.
@@ -31,7 +34,7 @@
 
 #include "mm.h"
 
-#define MT_DESC 11
+#define MT_DESC 13
 
 typedef struct {
     int64_t H, nh, nkv, hd, max_pos;
@@ -66,6 +69,8 @@ typedef struct {
     int64_t Is;              /* shared expert's intermediate size, 0 for none */
     mt_w sh13, sh2;          /* [2 Is, H], [H, Is] */
     const uint16_t* sh_gate; /* bf16 [H]: sigmoid(h . g) scales the shared expert; NULL: ungated */
+    int64_t act;             /* routed experts' activation: 0 SiLU(gate) * up, 1 GPT-OSS (alpha, limit) */
+    float alpha, limit;
 } mt_moe;
 
 typedef struct {

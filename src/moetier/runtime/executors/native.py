@@ -12,10 +12,11 @@ per layer; families served through transformers' experts seam reach it from thei
 A call the kernels cannot take (a slot format they do not read) runs the per-expert torch path
 (`execute`; its matmuls still reach the native kernels for quantised slots through qformat.linear).
 
-Chosen by runtime/wire.py on a CPU bf16 model whose experts are SwiGLU with SiLU and no biases when the
-kernel library loads (RuntimeConfig.native_kernels) and sparsity is off; full-precision slots are read as
-bf16, quantised ones in the native formats of kernels/qformat.py (n8 / n4 / n2), both precisions of a
-dynamic store alike (the layout is per slot).
+Chosen by runtime/wire.py on a CPU bf16 model whose experts are SwiGLU with SiLU and no biases, or GPT-OSS's
+clamped alpha-sigmoid GLU with its biases (`activation_of`), when the kernel library loads
+(RuntimeConfig.native_kernels) and sparsity is off; full-precision slots are read as bf16, quantised ones in the
+native formats of kernels/qformat.py (n8 / n4 / n2), stored ones as the kernels read them (kernels/step.py
+desc_row), both precisions of a dynamic store alike (the layout is per slot).
 
 Invariants: outputs are summed in ascending expert id, so they do not depend on residency or budgets;
 every acquired expert is released, also on error. bf16 results round once per output (fp32 accumulation
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError, ExpertReadError
 from moetier.kernels import decode
-from moetier.kernels.experts import SwiGLU
-from moetier.kernels.step import MoeLayer, SlotTable, Step
+from moetier.kernels.experts import GptOssGLU, SwiGLU
+from moetier.kernels.step import SILU, Activation, MoeLayer, SlotTable, Step
 from moetier.models.families import Family
 from moetier.runtime.executors.base import ExpertStoreLike, Grouped, ResidentFirst, execute_per_expert, group_by_expert
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
@@ -52,8 +53,8 @@ class NativeState:
     stats_key = "native"
 
     def __init__(self, lib: ctypes.CDLL, store: Any, hidden: int, inter: int, top_k: int, experts: int,
-                 rows: int) -> None:  # fmt: skip
-        self.lib, self.store, self.rows = lib, store, rows
+                 rows: int, act: Activation = SILU) -> None:  # fmt: skip
+        self.lib, self.store, self.rows, self.act = lib, store, rows, act
         self.hidden, self.inter, self.top_k, self.experts = hidden, inter, top_k, experts
         self.isa, self.calls, self.fallback_calls = decode.isa(lib), 0, 0
         self._table: SlotTable | None = None
@@ -70,7 +71,7 @@ class NativeState:
         """The routed path's Step (one layer's routing buffers, `rows` rows) and MoE struct (routed experts only:
         the block adds its shared experts itself), made on first use (a lean model's native step has its own)."""
         if self._buffers is None:
-            moe = MoeLayer(self.hidden, self.inter, self.experts, self.top_k)
+            moe = MoeLayer(self.hidden, self.inter, self.experts, self.top_k, act=self.act)
             step = Step(self.lib, self.rows, self.hidden, 1, self.top_k, self.experts, [], [moe], None, 0,
                         max(os.cpu_count() or 1, torch.get_num_threads()))  # fmt: skip
             self._buffers = (step, moe)
@@ -193,16 +194,24 @@ def is_silu(act: Any) -> bool:
         return False
 
 
+def activation_of(expert_fn: Any, family: Family) -> Activation | None:
+    """The MoE half's activation for a family's expert function: SiLU SwiGLU without biases, or GPT-OSS's GLU
+    (biases in the slots); None for any other (the torch path computes it)."""
+    if isinstance(expert_fn, SwiGLU):
+        return SILU if is_silu(expert_fn.act) and "down_bias" not in family.sources else None
+    if isinstance(expert_fn, GptOssGLU):
+        return Activation(1, float(expert_fn.alpha), float(expert_fn.limit))
+    return None
+
+
 def native_fits(cfg: EngineConfig, family: Family, expert_fn: Any, dtype: torch.dtype, cuda: bool) -> bool:
-    """Whether a model may run the native executor: CPU, bf16, SwiGLU experts with SiLU and no biases,
+    """Whether a model may run the native executor: CPU, bf16, experts the MoE half computes (`activation_of`),
     sparsity off (the library itself is asked for by the wiring)."""
     return (
         not cuda
         and dtype == torch.bfloat16
         and not cfg.sparsity.enabled
-        and isinstance(expert_fn, SwiGLU)
-        and is_silu(expert_fn.act)
-        and "down_bias" not in family.sources
+        and activation_of(expert_fn, family) is not None
     )
 
 
@@ -215,7 +224,8 @@ def build(ctx: BuildContext) -> Built:
     info = loaded.info
     inter = int(info.expert_intermediate)
     rows = ctx.config.runtime.step_rows
-    state = NativeState(lib, loaded.store, info.hidden_size, inter, info.top_k, info.num_experts, rows)
+    act = activation_of(loaded.blocks[0].expert_fn, loaded.family) if loaded.blocks else SILU
+    state = NativeState(lib, loaded.store, info.hidden_size, inter, info.top_k, info.num_experts, rows, act or SILU)
     execs = {b.layer: NativeExecutor(b.store, b.expert_fn, b.num_experts, inter, state, b.layer)
              for b in loaded.blocks}  # fmt: skip
     return Built(

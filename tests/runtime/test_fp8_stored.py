@@ -1,6 +1,7 @@
 """Block-scaled FP8 experts computed as stored (`--precision stored`, store/source.py StoredFp8Source): the slots
 hold the checkpoint's e4m3fn bytes and its scale grid (fp32, one grid row per weight row; kernels/fp8.py), and the
-native executor and decode step read them (kernel kind 9, csrc/mm.c `mm_f8`).
+native executor and decode step read them (kernel kind 9, csrc/mm.c `mm_f8`); so do the attention projections
+(`fp8_dense`: the decode step's dense weights of kind 9).
 
 Reference: fp32 transformers on the dequantized twin. The bf16 engine with `--precision full` rounds every
 dequantized weight (fp8 x scale) to bf16; as stored the scale is applied in fp32, so per token (median over tokens
@@ -10,6 +11,7 @@ a wrong byte, row block or scale is off by the logits' scale.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -67,6 +69,10 @@ def test_fp8_checkpoints_run_as_stored_on_the_native_kernels(checkpoints, block)
     assert st["executor"] == "native" and st["native_step"]["moe"] == "native"
     assert st["native_step"]["torch_moe_calls"] == 0 and st["native_step"]["unreadable_slots"] == 0
     assert st["_kinds"] == [KIND_F8]
+    # the attention projections as stored too (kind 9 QDense; q/k/v fused): every layer's q/k/v at least (K = the
+    # hidden size, a multiple of every column block here), none with everything decoded at load
+    layers = json.loads((quant / "config.json").read_text())["num_hidden_layers"]
+    assert st["dense_stored"] >= layers and ref["dense_stored"] == 0
     held, full_held = st["precision"]["stored"], ref["precision"]["full"]
     per, full_per = held["bytes"] / held["experts"], full_held["bytes"] / full_held["experts"]
     assert 0.5 * full_per <= per < 0.6 * full_per  # a byte a weight, fp32 scales per column block, alignment
@@ -78,7 +84,9 @@ def test_fp8_checkpoints_run_as_stored_on_the_native_kernels(checkpoints, block)
         return (x - want).abs().mean(-1).median().item()
 
     assert token_err(got) <= 1.5 * token_err(full), (token_err(got), token_err(full))
-    assert (got - full).abs().max().item() < 0.05 * want.abs().max().item()
+    # per token, stored and full agree closely; a router near-tie may flip one token's experts under the attention's
+    # different rounding (fp32 scales as stored, bf16 weights when decoded), so the median token is what is bounded
+    assert (got - full).abs().amax(-1).median().item() < 0.05 * want.abs().max().item()
 
 
 def test_auto_precision_computes_fp8_as_stored(checkpoints):

@@ -317,20 +317,21 @@ def moe_acc(
 class QDense:
     """A dense matrix [N, K] quantised in blocks of 32 with one bf16 scale each (symmetric: int8 q in
     [-127, 127], stored minus nothing; int4 v in [0, 15] around 8, as llama.cpp's Q8_0 / Q4_0), or (`bits` a
-    ggml kind, >= ggml.KIND_BASE) a GGUF file's own blocks, computed as stored (`stored_dense`)."""
+    ggml kind, >= ggml.KIND_BASE) a GGUF file's own blocks, computed as stored (`stored_dense`), or (`bits`
+    KIND_F8) a block-scaled FP8 checkpoint's e4m3fn bytes with fp32 scales (kernels/fp8.py `fp8_dense`)."""
 
     bits: int  # 8, 4, or a ggml kind
     n: int
     k: int
     q: torch.Tensor  # int8 [N, K] (bits 8), uint8 [N, K/2] (bits 4, csrc/mm.h nibble order), uint8 [N, row bytes]
-    scale: torch.Tensor  # bf16 or fp16 [N, K/group]; empty for a ggml kind (its scales are inside its blocks)
+    scale: torch.Tensor  # bf16 or fp16 [N, K/group] (fp32 for fp8, kind 9); empty for a ggml kind (in its blocks)
     zero: torch.Tensor | None = None  # bf16 [N, K/group]: a GPTQ / AWQ checkpoint's integer zeros (W = (v - z) * s)
     group: int = QBLOCK
 
     @property
     def nbytes(self) -> int:
         zero = self.zero.numel() * 2 if self.zero is not None else 0
-        return self.q.numel() * self.q.element_size() + self.scale.numel() * 2 + zero
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size() + zero
 
 
 # GGUF types our own kernels compute (their quants and fp16 scales split apart, exactly: kind | MT_SF16) rather

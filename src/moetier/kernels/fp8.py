@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moetier.formats.layout import ExpertLayout
+from moetier.kernels.decode import KIND_F8, QDense
 from moetier.kernels.qformat import QExpertViews, QLinearWeight
 from moetier.kernels.slots import ALIGN, Slice, align, check_row, slice_view
 
@@ -63,6 +64,18 @@ class Fp8Format:
             for m, (n, k) in self.shapes.items()
         }  # fmt: skip
         return QExpertViews(mats["w13"], mats["w2"], None, None, row)
+
+
+def fp8_dense(weight: torch.Tensor, grid: torch.Tensor, bn: int, bk: int) -> QDense | None:
+    """A block-scaled FP8 dense matrix (an attention projection): weight e4m3fn (or its uint8 bytes) [N, K] as
+    stored, scale grid [ceil(N / bn), K / bk] -> a QDense of kind 9 the kernels compute as stored (the bytes as
+    they are, the grid fp32 with one row per weight row), or None where the blocks do not fit the kernel."""
+    n, k = weight.shape
+    if not fits_fp8(n, k, bk) or grid.shape[1] != k // bk:
+        return None
+    q = weight.contiguous().view(torch.uint8)
+    scale = grid.float().repeat_interleave(bn, dim=0)[:n].contiguous()  # [N, K / bk]
+    return QDense(KIND_F8, n, k, q, scale, None, bk)
 
 
 def fill(w: QLinearWeight, r0: int, weight: torch.Tensor, grid: torch.Tensor, bn: int) -> None:

@@ -43,6 +43,7 @@ from moetier.formats.gguf import read_blocks
 from moetier.formats.safetensors import read_parts
 from moetier.kernels import decode, ggml, native
 from moetier.kernels.decode import QDense
+from moetier.kernels.fp8 import fp8_dense
 from moetier.kernels.stored import StoredFormat
 from moetier.models.families import Family
 from moetier.policies.schedulers import make_scheduler
@@ -155,10 +156,15 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
 
 def stored_dense_reader(index: Any) -> Callable[[str], QDense | None]:
     """checkpoint tensor name -> the tensor as a QDense the kernels compute as stored (GGUF blocks; GPTQ / AWQ /
-    compressed-tensors int4 values, zeros and scales), or None (another format, or one they do not compute)."""
+    compressed-tensors int4 values, zeros and scales; block-scaled FP8 bytes and scales), or None (another format,
+    or one they do not compute)."""
 
     def read(name: str) -> QDense | None:
         loc = index.tensors.get(name)
+        if loc is not None and loc.dtype.startswith("fp8_block:") and len(loc.shape) == 2:  # DeepSeek-V3, Qwen3-FP8
+            bn, bk = (int(v) for v in loc.dtype.removeprefix("fp8_block:").split("x"))
+            weight, grid = read_parts(loc)[:2]
+            return fp8_dense(weight, grid, bn, bk)
         if loc is not None and loc.dtype in INT4_INTS and len(loc.shape) == 2:  # GPTQ / AWQ / compressed-tensors
             try:
                 v, z, s = INT4_INTS[loc.dtype](read_parts(loc))

@@ -99,6 +99,7 @@ class CheckpointIndex:
             raise CheckpointError(f"{self.folder}: not a directory (expected a Hugging Face checkpoint folder)")
         index_file = self.folder / "model.safetensors.index.json"
         self.tensors: dict[str, TensorLocation] = {}
+        self.set_aside: list[str] = []  # tensors present but not the model's (a composite's vision tower: open.py)
         if index_file.exists():
             self._load_indexed(index_file)
         else:

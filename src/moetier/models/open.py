@@ -10,6 +10,7 @@ and `moetier info` use it alone.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ from moetier.models.base import (
 from moetier.models.families import REFUSED, Family, find_row
 from moetier.models.gguf_config import open_gguf
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -67,7 +70,9 @@ class ModelInfo:
 
 def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family | None]:
     """config.json and the family's row (None: a family without a row, run through the seam, models/seam.py).
-    A GGUF model (a .gguf file or a folder of one) gets both from its metadata (models/gguf_config.py)."""
+    A GGUF model (a .gguf file or a folder of one) gets both from its metadata (models/gguf_config.py). A
+    composite (vision + text) checkpoint gives its text model's config (`text_config`): moetier runs the text
+    model, whose tensors `_index` finds under the composite's language-model prefix."""
     if is_gguf(path):
         gguf = open_gguf(path)
         return gguf.config, gguf.family
@@ -98,6 +103,16 @@ def read_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, Family 
             f"this config ({exc}); moetier runs the families of models/families.py and every transformers MoE "
             "family whose experts module has transformers' experts seam"
         ) from exc
+    try:
+        text = config.get_text_config()
+    except ValueError:  # several text configs (an encoder and a decoder): not a vision + text composite
+        text = config
+    if text is not config and getattr(config, "vision_config", None) is not None:  # Qwen3.5-MoE, Qwen3-VL-MoE ...
+        if getattr(config, "quantization_config", None) is not None:
+            text.quantization_config = config.quantization_config
+        text.architectures = list(archs)  # what `moetier info` shows: the checkpoint's own class
+        config, model_type = text, str(text.model_type)
+        family = find_row(model_type, None)
     if family is None and not seam_mod.has_seam(config):
         raise UnknownArchitectureError(
             f"{cfg_file}: unsupported architecture {archs} (model_type {model_type!r}): no family row in "
@@ -178,7 +193,43 @@ class Opened:
 def _index(path: str | os.PathLike[str], config: PretrainedConfig) -> CheckpointIndex:
     if is_gguf(path):
         return open_gguf(path).index
-    return CheckpointIndex(path, quantization=getattr(config, "quantization_config", None))
+    index = CheckpointIndex(path, quantization=getattr(config, "quantization_config", None))
+    prefixes = {p: to for p, to in LANGUAGE_MODEL.items() if any(n.startswith(p) for n in index.tensors)}
+    if prefixes:
+        text_model_view(index, prefixes)
+    return index
+
+
+# a composite checkpoint's text model, as transformers saves it (Qwen3.5-MoE: model.language_model.*; Aria,
+# MiniMax-M3-VL: language_model.model.* and language_model.lm_head) -> the causal LM's own names
+LANGUAGE_MODEL = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}  # fmt: skip
+# the other towers of a composite, which moetier does not run (it runs the text model)
+_OTHER_TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.vision_model.",
+                 "vision_model.", "model.multi_modal_projector.", "multi_modal_projector.", "model.audio_tower.",
+                 "patch_merge_mlp.")  # fmt: skip
+
+
+def text_model_view(index: CheckpointIndex, prefixes: dict[str, str]) -> None:
+    """A composite checkpoint's index as its text model's: `model.language_model.X` found as `model.X` (`prefixes`:
+    LANGUAGE_MODEL's that occur; each location keeps its stored name, which reads and messages use), the vision /
+    audio towers and projectors set aside (logged, `index.set_aside`); any other tensor stays, so the usual checks
+    refuse what nothing consumes."""
+    renamed: dict[str, Any] = {}
+    aside: list[str] = []
+    for name, loc in index.tensors.items():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            renamed[prefixes[prefix] + name[len(prefix) :]] = loc
+        elif name.startswith(_OTHER_TOWERS):
+            aside.append(name)
+        else:
+            renamed[name] = loc
+    index.tensors = renamed
+    index.set_aside = aside
+    if aside:
+        log.info("%s: a composite checkpoint; moetier runs its text model and leaves %d tensors of its other "
+                 "towers (%s...) unread", index.folder, len(aside), aside[0])  # fmt: skip
 
 
 def open_index(path: str | os.PathLike[str]) -> CheckpointIndex:

@@ -138,10 +138,11 @@ PrecisionMode = Annotated[
     str,
     typer.Option("--precision", rich_help_panel=_PREC,
                  help="Expert precision: auto (stored where the native kernels compute the checkpoint's experts "
-                      "as stored: GGUF blocks, GPTQ/AWQ/compressed-tensors int4; else full), full, int8, int4, int2 "
-                      "(static; quantized tiers from `moetier quantize`), stored (a quantized checkpoint's experts "
-                      "kept in slots as stored: GGUF and int4 computed natively; FP8, MXFP4 decoded per call), or "
-                      "dynamic (hot experts at --hi, cold at --lo, under the expert budget)."),
+                      "as stored: GGUF blocks, GPTQ/AWQ/compressed-tensors int4, FP8, MXFP4; else full), full, "
+                      "int8, int4, int2 (static; quantized tiers from `moetier quantize`), stored (a quantized "
+                      "checkpoint's experts kept in slots as stored, computed natively where the kernels read "
+                      "them, else decoded per call), or dynamic (hot experts at --hi, cold at --lo, under the "
+                      "expert budget)."),
 ]  # fmt: skip
 HiPrecision = Annotated[
     str,

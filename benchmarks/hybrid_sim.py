@@ -17,22 +17,29 @@ System configurations (what each name runs):
   (HybriMoE Table I: kTransformers computes on the CPU at decode only);
 - llamacpp, fiddler: static placements (whole layers / frequency), no prefetch;
 - gpu-lru: GPU-only on-demand loading with an LRU cache, no prefetch (mixtral-offloading style);
-- adapmoe: gpu-lru + AdapMoE's adaptive gating (25% of decode routings dropped) + distance-1 prefetch + its
-  per-layer cache sizes from the DP on the warm-up (SimConfig.cache_alloc "dp", the scheduler's default;
-  "global" is the single LRU cache it had before); adapmoe-nogate: the same with gating off (as HybriMoE
-  VI-A describes it: "adaptive prefetching and caching").
+- adapmoe (the default comparison): AdapMoE as HybriMoE VI-A3 describes it, "minimizing on-demand loading
+  overhead through adaptive prefetching and caching" (Table I: LRU cache, no CPU computation): gpu-lru's
+  on-demand loading + distance-1 prefetch + its per-layer LRU cache sizes from the DP on the warm-up
+  (SimConfig.cache_alloc "dp", the scheduler's default); no gating, every routed expert computes;
+- adapmoe-gated (a labelled variant, reported beside it): the same plus AdapMoE's own adaptive gating (25% of
+  decode routings dropped, which changes the model's output: not HybriMoE's description of its baseline).
 Ablation (paper Table III) on qwen2-57b-a14b at 25%: baseline = ktransformers; +scheduling =
 hybrid schedule with an LRU cache; +prefetching = ktransformers plus prefetches admitted into an
 LRU cache; +caching = ktransformers plus an MRS cache filled in the background with decode misses
 (`fill`); all = hybrimoe as above. Prefill is reported at 512 tokens.
-Speedups: hybrimoe over ktransformers, TBT (decode) and TTFT (prefill), each the mean over models,
-ratios (and prompt lengths) of the per-case ratio. Issue 17 targets: within 25% of the paper's 1.70x decode
-and 1.33x prefill. `--systems a,b` runs a subset (it must hold hybrimoe and ktransformers).
+Speedups: hybrimoe over ktransformers (and over every other baseline run), TBT (decode) and TTFT (prefill),
+each the mean over models, ratios (and prompt lengths) of the per-case ratio, with the min-max over cases.
+Issue 17 targets: within 25% of the paper's 1.70x decode and 1.33x prefill. `--systems a,b` runs a subset (it
+must hold hybrimoe and ktransformers).
+CPU-rate sensitivity (--cpu-sensitivity): the same hybrimoe-over-ktransformers means with the profile's CPU
+rate (cpu.mem_bw) replaced by each of --cpu-rates (default: the calibrated 6.42 GB/s, then 12, 25 and 70 GB/s):
+the decode lead rests on the fitted rate (issue 30, item 8), so it is reported beside the headline.
 
     python benchmarks/hybrid_sim.py [--steps 128] [--models a,b] [--ratios 0.25,0.5] [--stats trimoe]
     python benchmarks/hybrid_sim.py --fit-stats    # the HYBRIMOE_SKEW fit and hit rates vs the paper
     python benchmarks/hybrid_sim.py --calibrate    # cpu.mem_bw and pcie.bandwidth from Table III's 0.21 s and 1.47 s
     python benchmarks/hybrid_sim.py --staging      # prefill moves: staging buffer vs admission
+    python benchmarks/hybrid_sim.py --cpu-sensitivity [--cpu-rates 6.42e9,12e9,25e9,70e9] [--steps 64]
 
 Prints tables, then one JSON line.
 """
@@ -66,12 +73,12 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "llamacpp": {"scheduler": "llamacpp"},
     "gpu-lru": {"scheduler": "gpu-lru"},
     "adapmoe": {"scheduler": "adapmoe", "prefetch": True, "prefetch_depth": 1},
-    "adapmoe-nogate": {"scheduler": "adapmoe", "prefetch": True, "prefetch_depth": 1, "gate_drop": 0.0},
+    "adapmoe-gated": {"scheduler": "adapmoe-gated", "prefetch": True, "prefetch_depth": 1},
     "fiddler": {"scheduler": "fiddler"},
 }
 ABLATION: dict[str, dict[str, Any]] = {
     "baseline (ktransformers)": SYSTEMS["ktransformers"],
-    "+scheduling": {"scheduler": "hybrimoe", "cache_policy": "lru"},
+    "+scheduling": {"scheduler": "hybrimoe", "cache_policy": "lru", "prefetch": False},
     "+prefetching": {"scheduler": "ktransformers", "cache_policy": "lru", "prefetch": True},
     "+caching (MRS)": {"scheduler": "ktransformers", "cache_policy": "mrs", "fill": True},
     "all": SYSTEMS["hybrimoe"],
@@ -84,14 +91,15 @@ class Study:
     """One model's traces (decode after a 32-token prompt; one prefill per prompt length), each behind
     a WARMUP-step warm-up, and the runs over them."""
 
-    def __init__(self, name: str, profile: HardwareProfile, steps: int, stats: str, prompts: tuple[int, ...]) -> None:
-        self.spec, self.profile, self.steps = load_spec(name), profile, steps
+    def __init__(self, name: str, profile: HardwareProfile, steps: int, stats: str, prompts: tuple[int, ...],
+                 warmup: int = WARMUP) -> None:  # fmt: skip
+        self.spec, self.profile, self.steps, self.warmup = load_spec(name), profile, steps, warmup
         p = preset(self.spec, stats=stats)
-        self.prefill = {n: iter_calls(generate(p, WARMUP + 1, prompt_len=n)) for n in prompts}
-        self.decode = iter_calls(generate(p, WARMUP + steps, prompt_len=32))
+        self.prefill = {n: iter_calls(generate(p, warmup + 1, prompt_len=n)) for n in prompts}
+        self.decode = iter_calls(generate(p, warmup + steps, prompt_len=32))
 
     def run(self, calls: list[Any], ratio: float, system: dict[str, Any], steps: int, **kw: Any) -> Any:
-        cfg = SimConfig(cache_ratio=ratio, precision=PRECISION, warmup_steps=WARMUP, steps=steps, **system, **kw)
+        cfg = SimConfig(cache_ratio=ratio, precision=PRECISION, warmup_steps=self.warmup, steps=steps, **system, **kw)
         return simulate(self.spec, self.profile, calls, cfg)
 
     def ttft(self, n: int, ratio: float, system: dict[str, Any], **kw: Any) -> float:
@@ -148,6 +156,11 @@ def study(args: argparse.Namespace, profile: HardwareProfile) -> None:
         print(f"  {m:<18} decode {s['decode']:.2f}x  prefill {s['prefill']:.2f}x")
     print(f"  {'all':<18} decode {statistics.mean(dec):.2f}x  prefill {statistics.mean(pre):.2f}x"
           "  (targets 1.4x / 1.2x; paper 1.70x / 1.33x)")  # fmt: skip
+    over = over_baselines(tbt, ttft, [b for b in systems if b != "hybrimoe"])
+    print("\nhybrimoe over each baseline (mean of per-case ratios, min-max over cases):")
+    for base, o in over.items():
+        print(f"  {base:<14} decode {o['decode']:.2f}x ({o['decode_min']:.2f}-{o['decode_max']:.2f})  "
+              f"prefill {o['prefill']:.2f}x ({o['prefill_min']:.2f}-{o['prefill_max']:.2f})")  # fmt: skip
     abl: dict[str, dict[str, float]] = {}
     if not args.no_ablation:
         st = Study("qwen2-57b-a14b", profile, args.steps, args.stats, (512,))
@@ -164,9 +177,65 @@ def study(args: argparse.Namespace, profile: HardwareProfile) -> None:
         "ratios": ratios, "stats": args.stats, "precision": PRECISION, "warmup_steps": WARMUP,
         "speedup_decode": round(statistics.mean(dec), 3), "speedup_prefill": round(statistics.mean(pre), 3),
         "per_model": {m: {k: round(v, 3) for k, v in s.items()} for m, s in per_model.items()},
+        "over_baselines": {b: {k: round(v, 3) for k, v in o.items()} for b, o in over.items()},
         "ttft_s": ttft, "tbt_s": tbt, "decode_hit_rate": hits, "ablation": abl,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }))  # fmt: skip
+
+
+def _summary(decode: list[float], prefill: list[float]) -> dict[str, float]:
+    return {"decode": statistics.mean(decode), "decode_min": min(decode), "decode_max": max(decode),
+            "prefill": statistics.mean(prefill), "prefill_min": min(prefill), "prefill_max": max(prefill)}  # fmt: skip
+
+
+def over_baselines(tbt: dict[str, dict[str, dict[str, float]]], ttft: dict[str, dict[str, dict[str, dict[int, float]]]],
+                   baselines: list[str]) -> dict[str, dict[str, float]]:  # fmt: skip
+    """hybrimoe over each baseline: baseline time / hybrimoe time per case (model x ratio for TBT, x prompt for
+    TTFT), its mean and min-max."""
+    out = {}
+    for b in baselines:
+        dec = [tbt[m][r][b] / tbt[m][r]["hybrimoe"] for m in tbt for r in tbt[m]]
+        pre = [ttft[m][r][b][n] / ttft[m][r]["hybrimoe"][n] for m in ttft for r in ttft[m] for n in ttft[m][r][b]]
+        out[b] = _summary(dec, pre)
+    return out
+
+
+def cpu_sensitivity(profile: HardwareProfile, rates: list[float], models: list[str], ratios: list[float], steps: int,
+                    stats: str, prompts: tuple[int, ...] = PROMPTS,
+                    warmup: int = WARMUP) -> list[dict[str, float]]:  # fmt: skip
+    """HybriMoE over kTransformers (decode: TBT; prefill: TTFT per prompt) with the profile's CPU rate replaced by
+    each of `rates` (bytes/s), everything else as the study: one row per rate, {"cpu_mem_bw", "decode",
+    "decode_min", "decode_max", "prefill", ...}, the mean and min-max of the per-case ratios over models x ratios
+    (x prompts). The traces are generated once per model; only the profile changes between rates."""
+    dec: dict[float, list[float]] = {bw: [] for bw in rates}
+    pre: dict[float, list[float]] = {bw: [] for bw in rates}
+    kt, hy = SYSTEMS["ktransformers"], SYSTEMS["hybrimoe"]
+    for name in models:
+        st = Study(name, profile, steps, stats, prompts, warmup)
+        for bw in rates:
+            st.profile = with_cpu_bw(profile, bw)
+            for r in ratios:
+                dec[bw].append(st.tbt(r, kt).tbt_s / st.tbt(r, hy).tbt_s)
+                pre[bw] += [st.ttft(n, r, kt) / st.ttft(n, r, hy) for n in prompts]
+    return [{"cpu_mem_bw": bw, **_summary(dec[bw], pre[bw])} for bw in rates]
+
+
+def sensitivity(args: argparse.Namespace, profile: HardwareProfile) -> None:
+    rates = [float(x) for x in args.cpu_rates.split(",")]
+    t0 = time.perf_counter()
+    rows = cpu_sensitivity(profile, rates, args.models.split(","), [float(r) for r in args.ratios.split(",")],
+                           args.steps, args.stats)  # fmt: skip
+    print(f"hybrimoe over ktransformers by CPU rate ({args.steps} decode steps; mean of per-case ratios, min-max;"
+          f" the profile's calibrated rate is {profile.cpu.mem_bw / 1e9:.2f} GB/s)")  # fmt: skip
+    print(f"{'cpu.mem_bw':>12} {'decode':>8} {'(min-max)':>12} {'prefill':>8} {'(min-max)':>12}")
+    for r in rows:
+        print(f"{r['cpu_mem_bw'] / 1e9:>9.2f} GB/s {r['decode']:>7.2f}x "
+              f"{r['decode_min']:>5.2f}-{r['decode_max']:<5.2f} {r['prefill']:>7.2f}x "
+              f"{r['prefill_min']:>5.2f}-{r['prefill_max']:<5.2f}")  # fmt: skip
+    print(json.dumps({"benchmark": "hybrid_sim_cpu_sensitivity", "profile": profile.name, "steps": args.steps,
+                      "models": args.models, "ratios": args.ratios, "stats": args.stats,
+                      "rows": [{k: round(v, 4) if k != "cpu_mem_bw" else v for k, v in r.items()} for r in rows],
+                      "wall_s": round(time.perf_counter() - t0, 1)}))  # fmt: skip
 
 
 # 2. The preset fit, and hit rates against the paper's Fig. 9 ----------------------------------------------------------
@@ -282,6 +351,8 @@ def main() -> None:
     mode.add_argument("--fit-stats", action="store_true")
     mode.add_argument("--calibrate", action="store_true")
     mode.add_argument("--staging", action="store_true")
+    mode.add_argument("--cpu-sensitivity", action="store_true")
+    ap.add_argument("--cpu-rates", default="6.42e9,12e9,25e9,70e9", help="--cpu-sensitivity: CPU rates (bytes/s)")
     args = ap.parse_args()
     profile = load_profile("a6000-5220r")
     if args.cpu_mem_bw:
@@ -294,6 +365,8 @@ def main() -> None:
         calibrate(args, profile)
     elif args.staging:
         staging(args, profile)
+    elif args.cpu_sensitivity:
+        sensitivity(args, profile)
     else:
         study(args, profile)
 

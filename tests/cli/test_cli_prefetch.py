@@ -66,7 +66,8 @@ def test_eval_takes_the_flags(tiny4: Path, text_file: Path) -> None:
 @pytest.mark.parametrize(("flags", "needle"), [
     (("--cache-policy", "belady"), "future"),
     (("--scheduler", "nope"), "unknown scheduler 'nope'"),
-    (("--scheduler", "adapmoe"), "runs in the simulator only"),
+    (("--scheduler", "adapmoe-gated"), "runs in the simulator only"),
+    (("--scheduler", "adapmoe"), "one cache per MoE layer"),  # AdapMoE's per-layer DP caches: the simulator's only
     (("--profile", "no-such-machine"), "unknown hardware profile"),
     (("--prefetch-depth", "4"), "--prefetch-depth"),
     (("--prefetch-max", "0"), "--prefetch-max"),

@@ -66,10 +66,12 @@ def test_prefetch_predictor_flags() -> None:
     assert "prediction accuracy (history)" in res.stdout and "d=1:" in res.stdout
     res = runner.invoke(app, [*BASE, "--prefetch", "--prefetch-oracle-accuracy", "x"])
     assert res.exit_code == 2 and "--prefetch-oracle-accuracy" in res.output
-    # adapmoe's adaptive gating is reported
-    res = runner.invoke(app, [*BASE, "--scheduler", "adapmoe", "--gate-drop", "0.25", "--json"])
+    # adapmoe-gated's adaptive gating is reported; the default adapmoe does not gate
+    res = runner.invoke(app, [*BASE, "--scheduler", "adapmoe-gated", "--gate-drop", "0.25", "--json"])
     d = json.loads(res.stdout.strip().splitlines()[-1])
     assert d["gating"]["routed"] > 0 and 0.0 <= d["gating"]["dropped_frac"] < 0.5
+    res = runner.invoke(app, [*BASE, "--scheduler", "adapmoe", "--json"])
+    assert json.loads(res.stdout.strip().splitlines()[-1])["gating"] == {}
 
 
 def test_table_output() -> None:
@@ -108,9 +110,10 @@ def _json(args: list[str]) -> dict[str, object]:
 
 
 def test_study_flags_reach_the_simulation() -> None:
-    """--precision int4 moves fewer bytes per expert; --warmup-steps and --stats hybrimoe change the run."""
+    """--precision full moves more bytes per expert than the default int4; --warmup-steps and --stats change the
+    run."""
     base = [*BASE, "--scheduler", "gpu-lru", "--cache-ratio", "0.25"]
-    full, int4 = _json(base), _json([*base, "--precision", "int4"])
+    full, int4 = _json([*base, "--precision", "full"]), _json(base)
     assert int4["precision"] == "int4" and full["precision"] == "full"
     moves_full, moves_int4 = full["moves"], int4["moves"]
     assert isinstance(moves_full, dict) and isinstance(moves_int4, dict)
@@ -118,8 +121,24 @@ def test_study_flags_reach_the_simulation() -> None:
     assert isinstance(bytes_full, dict) and isinstance(bytes_int4, dict)
     per_move = bytes_full["pcie"] / moves_full["demand"], bytes_int4["pcie"] / moves_int4["demand"]
     assert per_move[1] < per_move[0] / 3  # 4-bit experts (with scales) are over 3x smaller than bf16
-    warm = _json([*base, "--warmup-steps", "4", "--stats", "hybrimoe", "--prefill-stage"])
-    assert warm["warmup_steps"] == 4 and warm["steps"] == 3
+    warm = _json([*base, "--warmup-steps", "4", "--stats", "trimoe", "--prefill-stage"])
+    assert warm["warmup_steps"] == 4 and warm["steps"] == 3 and "trimoe statistics" in str(warm["source"])
+
+
+def test_no_flags_run_hybrimoes_setting() -> None:
+    """Without scheduler or study flags `moetier simulate` runs HybriMoE as its paper does: the hybrid schedule, the
+    MRS cache, impact-driven prefetch 3 layers ahead, 4-bit experts, Fig. 9's trace statistics behind a 128-step
+    warm-up; a named baseline gets its own paper's prefetch (AdapMoE: distance 1; kTransformers: none)."""
+    d = _json(BASE)
+    assert (d["scheduler"], d["cache_policy"], d["precision"], d["warmup_steps"]) == ("hybrimoe", "mrs", "int4", 128)
+    assert d["prefetch"]["enabled"] is True and d["prefetch_depth"] == 3 and d["prefetch"]["predicted"] > 0
+    assert "hybrimoe statistics" in str(d["source"]) and d["gating"] == {}
+    a = _json([*BASE, "--scheduler", "adapmoe"])
+    assert a["prefetch"]["enabled"] is True and a["prefetch_depth"] == 1 and a["gating"] == {}
+    k = _json([*BASE, "--scheduler", "ktransformers"])
+    assert k["prefetch"]["enabled"] is False and k["cache_policy"] == "lfu"
+    off = _json([*BASE, "--no-prefetch"])
+    assert off["prefetch"]["enabled"] is False and off["scheduler"] == "hybrimoe"
 
 
 def test_stats_needs_a_synthetic_trace(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def test_json_line_for_each_system(system: str) -> None:
 def test_table_and_tri_flags() -> None:
     res = runner.invoke(app, [*BASE, "--scheduler", "trimoe"])
     assert res.exit_code == 0, res.output
-    assert "MoE time per step" in res.stdout and "predictor accuracy" in res.stdout
+    assert "MoE time per step" in res.stdout and "predictor class accuracy" in res.stdout
     d = _json([*BASE, "--scheduler", "gpu-ndp", "--ndp-count", "8", "--cpu-tflops-scale", "2", "--hbm-ratio", "0.2",
                "--no-refinement", "--no-relayout"])  # fmt: skip
     assert (d["ndp_count"], d["cpu_tflops_scale"], d["hbm_ratio"]) == (8, 2.0, 0.2)
@@ -138,11 +138,11 @@ def test_warmup_steps_flag() -> None:
 
 def test_drift_and_contention_flags() -> None:
     base = _json([*BASE, "--scheduler", "trimoe"])
-    moved = _json([*BASE, "--scheduler", "trimoe", "--drift", "20", "--contention", "channel"])
-    assert base["drift"] is None and base["contention"] == "array"
-    assert moved["drift"] == 20.0 and moved["contention"] == "channel" and moved["moe_s"] != base["moe_s"]
+    moved = _json([*BASE, "--scheduler", "trimoe", "--drift", "20", "--contention", "array"])
+    assert base["drift"] == 2.5 and base["contention"] == "channel"  # the paper regime's drift, eq. 6 per channel
+    assert moved["drift"] == 20.0 and moved["contention"] == "array" and moved["moe_s"] != base["moe_s"]
     bad = runner.invoke(app, [*BASE, "--scheduler", "trimoe", "--contention", "bus"])
-    assert bad.exit_code == 2 and "contention must be one of array, channel" in bad.output
+    assert bad.exit_code == 2 and "contention must be one of channel, array" in bad.output
     res = runner.invoke(app, ["simulate-tri", "--scheduler", "trimoe", "--drift", "1", "--trace", "t.parquet"])
     assert res.exit_code == 2 and "--drift applies to --synthetic traces only" in res.output
 
@@ -166,6 +166,16 @@ def test_prefill_output_len_and_dimm_link_flags() -> None:
     assert isinstance(util, dict) and set(util) == {"busy_gpu", "compute_gpu", "busy_cpu", "compute_cpu",
                                                      "compute_ndp"}  # fmt: skip
     off = _json(BASE)
-    assert off["prefill_s"] == 0.0 and off["dimm_link"] == "per-link"
+    assert off["prefill_s"] == 0.0 and off["dimm_link"] == "calibrated"
     res = runner.invoke(app, [*BASE, "--dimm-link", "one"])
-    assert res.exit_code == 2 and "dimm_link must be one of per-link, all-links" in res.output
+    assert res.exit_code == 2 and "dimm_link must be one of calibrated, per-link, all-links" in res.output
+
+
+def test_defaults_are_the_paper_setting_and_variants_are_named() -> None:
+    d = _json(BASE)
+    assert d["regime"] == "paper" and d["kv_home"] == "host" and d["dimm_link"] == "calibrated"
+    assert d["kv"]["bytes"] > 0 and "decision_accuracy" in d["predictor"]  # type: ignore[index,operator]
+    calm = _json([*BASE, "--regime", "calm", "--kv-home", "hbm"])
+    assert calm["drift"] is None and calm["kv"]["bytes"] == 0  # type: ignore[index]
+    bad = runner.invoke(app, [*BASE, "--regime", "windy"])
+    assert bad.exit_code == 2 and "regime must be one of paper, calm, drifting, stationary" in bad.output

@@ -8,6 +8,7 @@ import pytest
 
 from moetier.errors import ConfigError
 from moetier.policies.schedule_adapmoe import AdapMoEScheduler, fit_gate_threshold, gated_counts
+from moetier.policies.schedule_adapmoe_gated import AdapMoEGatedScheduler
 from moetier.policies.schedule_base import ExpertWork
 from moetier.types import ExpertKey
 
@@ -45,4 +46,8 @@ def test_adapmoe_schedule_is_gpu_only_on_demand() -> None:
     assert plan.moved == (ExpertKey(0, 1),) and plan.makespan == pytest.approx(4.0)
     assert not any(op.lane == "cpu" for op in plan.ops)
     s = AdapMoEScheduler()
-    assert s.gates and s.admits and s.cache_policy == "lru"
+    # HybriMoE's AdapMoE: "adaptive prefetching and caching", LRU (Table I); no gating by default
+    assert not s.gates and s.admits and s.cache_policy == "lru" and s.cache_alloc == "dp"
+    g = AdapMoEGatedScheduler()  # the labelled variant: the same schedule and cache, plus gating
+    assert g.gates and g.name == "adapmoe-gated" and (g.admits, g.cache_policy, g.cache_alloc) == (True, "lru", "dp")
+    assert g.schedule(work) == plan

@@ -25,7 +25,8 @@ def _te(e: int, resident: bool, calc: float, pcie: float, dram: float, dimm: int
 
 # Registry and capabilities ------------------------------------------------------------------------------------------
 def test_registry_names_and_capabilities() -> None:
-    assert list(TRI_SCHEDULERS) == ["klotski", "ktransformers-plus", "monde", "gpu-ndp", "trimoe"]
+    assert list(TRI_SCHEDULERS) == ["klotski", "ktransformers-plus", "ktransformers-plus-split", "monde", "gpu-ndp",
+                                    "trimoe"]  # fmt: skip
     assert not set(TRI_SCHEDULERS) & set(SCHEDULERS)  # one name, one machine
     caps = {}
     for name in TRI_SCHEDULERS:
@@ -35,6 +36,7 @@ def test_registry_names_and_capabilities() -> None:
     assert caps == {
         "klotski": ({A}, True, False, False, False),
         "ktransformers-plus": ({A, H}, True, False, False, False),
+        "ktransformers-plus-split": ({A, H}, True, False, False, False),
         "monde": ({A, N}, True, False, False, False),
         "gpu-ndp": ({A, N}, True, True, True, True),
         "trimoe": ({A, H, N}, True, True, True, True),
@@ -60,10 +62,14 @@ def _tk(e: int, tokens: int, resident: bool, gpu: float, cpu: float, pcie: float
     return TriExpert(ExpertKey(0, e), tokens, resident, lay, dimm, gpu, cpu, ndp, pcie, 0.5, 0.1)
 
 
-def test_ktransformers_loads_hot_experts_on_demand_until_the_gpu_would_lead() -> None:
+def test_ktransformers_split_loads_hot_experts_on_demand_until_the_gpu_would_lead() -> None:
+    # the labelled upper bound (issue 17's reading): the balancing prefix of the hottest misses
     # e0 resident (GPU 1); e1 the hottest miss (CPU 4, PCIe 2); e2 a cold miss (CPU 1, PCIe 1.5)
     ex = [_tk(0, 5, True, 1.0, 9.0, 1.0), _tk(1, 9, False, 0.2, 4.0, 2.0), _tk(2, 1, False, 0.1, 1.0, 1.5)]
-    out = make_tri_scheduler("ktransformers-plus").schedule(ex, 2, frozenset(), 0)
+    plus = make_tri_scheduler("ktransformers-plus").schedule(ex, 2, frozenset(), 0)
+    assert [plus.plan.domains[e.key] for e in ex] == [A, H, H]  # the paper's reading: nothing hot, all on the CPU
+    assert make_tri_scheduler("ktransformers-plus").schedule(ex, 2, frozenset({1}), 0).plan.moved == (ex[1].key,)
+    out = make_tri_scheduler("ktransformers-plus-split").schedule(ex, 2, frozenset(), 0)
     # k = 0: GPU 1, CPU 5 -> 5; k = 1 (e1 on demand): GPU 1 + 2, CPU 1 -> 3; k = 2: GPU 4.5, CPU 0 -> 4.5
     assert [out.plan.domains[e.key] for e in ex] == [A, A, H]
     assert out.totals.gpu_s == pytest.approx(3.0) and out.totals.cpu_s == pytest.approx(1.0)
@@ -71,10 +77,10 @@ def test_ktransformers_loads_hot_experts_on_demand_until_the_gpu_would_lead() ->
     assert out.totals == domain_totals(ex, [A, A, H], 2) and out.moves == 0
     # hottest first, whatever the predictor says: the cold miss never goes before the hot one
     slow_pcie = [ex[0], _tk(1, 9, False, 0.2, 4.0, 9.0), ex[2]]
-    assert make_tri_scheduler("ktransformers-plus").schedule(slow_pcie, 2, frozenset({2}), 0).plan.moved == ()
+    assert make_tri_scheduler("ktransformers-plus-split").schedule(slow_pcie, 2, frozenset({2}), 0).plan.moved == ()
     # a CPU that is never worse than loading: all misses stay on the CPU (k = 0 wins ties)
     cheap = [ex[0], _tk(1, 9, False, 0.2, 0.5, 2.0), _tk(2, 1, False, 0.1, 0.5, 1.5)]
-    assert make_tri_scheduler("ktransformers-plus").schedule(cheap, 2, frozenset(), 0).plan.moved == ()
+    assert make_tri_scheduler("ktransformers-plus-split").schedule(cheap, 2, frozenset(), 0).plan.moved == ()
 
 
 def test_monde_moves_hot_weights_to_the_gpu_and_cold_activations_to_ndp() -> None:
@@ -146,10 +152,13 @@ def test_every_scheduler_keeps_the_protocol(call: tuple[list[TriExpert], int, fr
             assert out.moves == 0 and out.totals == out.greedy
         assert out.moves <= iters and out.makespan <= out.greedy.makespan * (1 + 1e-9) + 1e-12
         assert s.schedule(experts, n_dimms, hot, iters) == out  # a pure function
-        if name in ("ktransformers-plus", "monde"):  # the balancing split: never above its k = 0 end
-            other = H if name == "ktransformers-plus" else N
+        if name in ("ktransformers-plus-split", "monde"):  # the balancing split: never above its k = 0 end
+            other = H if name == "ktransformers-plus-split" else N
             k0 = [A if (e.resident or (other == N and e.layout == S)) else other for e in experts]
             assert out.makespan <= domain_totals(experts, k0, n_dimms).makespan * (1 + 1e-9) + 1e-12
+        if name == "ktransformers-plus":  # the paper's reading: shared, resident and hot on the GPU, the rest CPU
+            want = [A if (e.resident or e.key.expert < 0 or e.key.expert in hot) else H for e in experts]
+            assert assign == want
 
 
 @settings(max_examples=100, deadline=None)

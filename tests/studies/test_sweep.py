@@ -202,7 +202,7 @@ TRI = {"model": "deepseek-v2-lite", "batch_size": 16, "steps": 1}
         ({"refinements": [1]}, "expected a bool"),
         ({"drifts": ["fast"]}, "drift must be a number >= 0"),
         ({"drifts": [-1.0]}, "drift must be a number >= 0"),
-        ({"contentions": ["bus"]}, "contention must be one of array, channel"),
+        ({"contentions": ["bus"]}, "contention must be one of channel, array"),
         ({"profiles": ["nope"]}, "unknown hardware profile 'nope'"),
         ({"models": ["no-such-model"]}, "no-such-model"),
     ],

@@ -59,57 +59,37 @@ def test_bad_block_grids(data: dict[str, Any], match: str) -> None:
 
 
 def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
-    """The study's blocks at batch 32/64, one model, one step: every figure and the tables are written."""
+    """The study's blocks at small batches, one model, one step: every figure and the tables are written."""
     text = (Path(__file__).parents[2] / "sweeps" / "trimoe.toml").read_text()
     full = load_grid(Path(__file__).parents[2] / "sweeps" / "trimoe.toml")
-    names = ["systems", "systems-links", "systems-calm", "ablation-base", "ablation", "ablation-links",
-             "ablation-base-calm", "ablation-calm", "ndp", "cpu", "drift", "drift-base", "contention-base",
-             "contention"]  # fmt: skip
+    names = ["systems", "robustness", "systems-split", "ablation-base", "ablation", "variant-per-link",
+             "variant-array", "variant-kv-hbm", "regimes", "regimes-norelayout"]  # fmt: skip
     assert [b.name for b in full.blocks] == names and full.figures == "trimoe"
     small = (
         text.replace('["deepseek-v2", "qwen3-235b-a22b", "glm-4.5-air"]', '["glm-4.5-air"]')
-        .replace("[32, 64, 128, 256, 512, 768]", "[32, 64]")
+        .replace('["qwen3-235b-a22b"]', '["glm-4.5-air"]')
         .replace("[256, 512, 768]", "[64]")
-        .replace('batch_sizes = [512]\nprefill', 'batch_sizes = [64]\nprefill')
-        .replace("prefill_tokens = [512]", "prefill_tokens = [8]")
+        .replace("[32, 64, 128]", "[32]")
         .replace("batch_sizes = [512]", "batch_sizes = [64]")
+        .replace("prefill_tokens = [512]", "prefill_tokens = [8]")
+        .replace("output_lens = [512]", "output_lens = [8]")
         .replace("steps = 8", "steps = 1")
-        .replace("[4, 8, 16, 32]", "[8, 16]")
-        .replace("[0.125, 0.25, 0.5, 1.0, 2.0]", "[0.5, 1.0]")
-        .replace("[0.0, 1.0, 4.0, 8.0, 16.0, 24.0]", "[0.0, 8.0]")
+        .replace("warmup_steps = 16", "warmup_steps = 2")
     )
     path = tmp_path / "small.toml"
     path.write_text(small)
     rep = run_sweep(load_grid(path), tmp_path / "out", jobs=1)
     assert rep.errors == 0
     names = {p.name for p in rep.plots}
-    for fig in (
-        "fig6_moe_speedup.png",
-        "fig7_e2e_speedup.png",
-        "robustness_batch.png",
-        "fig8_ablation.png",
-        "fig8_ablation-calm.png",
-        "fig9a_ndp_count.png",
-        "fig9b_cpu_tflops.png",
-        "drift_relayout.png",
-        "tables.md",
-    ):
+    for fig in ("fig6_moe_speedup.png", "fig7_e2e_speedup.png", "robustness_batch.png", "fig8_ablation.png",
+                "tables.md"):  # fmt: skip
         assert fig in names, fig
         assert (tmp_path / "out" / fig).stat().st_size > 500
     assert (tmp_path / "out" / "fig6_moe_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "out" / "tables.md").read_text()
-    for title in (
-        "over klotski",
-        "ablation at batch 512",
-        "NDP DIMMs",
-        "popularity drift",
-        "contention readings",
-        "Table 3",
-        "trimoe / best baseline: paper's regime",
-        "by DIMM-Link pricing",
-    ):
+    for title in ("over klotski", "ablation at batch 512", "Table 3"):
         assert title in md, title
-    assert "| glm-4.5-air | 64 | 1.00 |" in md  # klotski over itself
+
 
 
 # The simulator points' parameters are their config dataclasses' fields; the configs check the values -------------

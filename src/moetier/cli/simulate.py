@@ -7,6 +7,14 @@ Registered on the main app by cli/app.py (`register(app)`). Thin: flags -> SimCo
 trace -> calls (sim_inputs.py), simulate -> a rich table or, with --json, one JSON line; `--run-dir DIR` also
 writes DIR/result.json and DIR/timeline.jsonl for `moetier report` (report/record.py).
 
+Defaults are HybriMoE's setting (the paper's regime, docs/hybrid.md): with no scheduler flag the scheduler is
+hybrimoe with its MRS cache and its impact-driven prefetch 3 MoE layers ahead (policies.schedulers.
+SYSTEM_PREFETCH_DEPTH: each named system gets its own paper's prefetch unless --prefetch / --no-prefetch says
+otherwise), 4-bit experts (the paper's Marlin kernels), and for --synthetic traces the statistics fitted to
+HybriMoE Fig. 9 (`--stats hybrimoe`, for the three models the paper evaluates; TriMoE 3.1's for other models)
+behind a 128-step warm-up that builds the placements and caches. The
+machine is named with --profile (a6000-5220r is the paper's).
+
 Invariants (as cli/app.py): bad input (unknown spec, profile, scheduler or policy; both or neither of
 --trace and --synthetic; a trace of another model; a ratio outside [0, 1]; more steps than the
 trace holds) is one line `error: ...` on stderr and exit 2; with --json stdout holds one JSON line.
@@ -27,12 +35,12 @@ from moetier.cli.sim_inputs import PANEL, SeedOpt, SpecOpt, SyntheticOpt, TraceO
 from moetier.cli.tables import metric_table
 from moetier.errors import ConfigError
 from moetier.policies.costmodel import load_profile
-from moetier.policies.schedulers import SCHEDULERS
+from moetier.policies.schedulers import SCHEDULERS, SYSTEM_PREFETCH_DEPTH
 from moetier.report.record import SimRunDirOpt, write_simulation
 from moetier.sim import SimConfig, simulate
 from moetier.sim.timeline import draw_timeline
 from moetier.specs import ModelSpec
-from moetier.studies.synthetic import generate, preset
+from moetier.studies.synthetic import HYBRIMOE_SKEW, generate, preset
 
 _SIM = PANEL
 ProfileOpt = Annotated[str | None, typer.Option("--profile", rich_help_panel=_SIM,
@@ -50,16 +58,20 @@ PolicyOpt = Annotated[str | None, typer.Option("--cache-policy", rich_help_panel
                       help="lru, lfu, mrs (default: the scheduler's).")]  # fmt: skip
 RatioOpt = Annotated[float, typer.Option("--cache-ratio", rich_help_panel=_SIM,
                      help="Fraction in [0, 1] of all routed experts the fast tier holds.")]  # fmt: skip
-PrefetchOpt = Annotated[bool, typer.Option("--prefetch/--no-prefetch", rich_help_panel=_SIM,
-                        help="Impact-driven prefetching of the next MoE layers' experts.")]  # fmt: skip
-DepthOpt = Annotated[int, typer.Option("--prefetch-depth", min=1, max=3, rich_help_panel=_SIM,
-                     help="MoE layers ahead to predict (1-3).")]  # fmt: skip
+PrefetchOpt = Annotated[bool | None, typer.Option("--prefetch/--no-prefetch", show_default=False,
+                        rich_help_panel=_SIM,
+                        help="Impact-driven prefetching of the next MoE layers' experts (default: the "
+                             "scheduler's own, as its paper runs it: on for hybrimoe and adapmoe, off for the "
+                             "others).")]  # fmt: skip
+DepthOpt = Annotated[int | None, typer.Option("--prefetch-depth", min=1, max=3, rich_help_panel=_SIM,
+                     help="MoE layers ahead to predict (1-3; default: the scheduler's own, hybrimoe 3, "
+                          "adapmoe 1; else 3).")]  # fmt: skip
 AccOpt = Annotated[str | None, typer.Option("--prefetch-oracle-accuracy", rich_help_panel=_SIM,
                    help="Predict from the trace's true future degraded to this accuracy per distance, "
                         "comma-separated (e.g. 0.85,0.75,0.65); default: a predictor learning from the "
                         "replayed routing (policies/route_history.py).")]  # fmt: skip
 GateOpt = Annotated[float, typer.Option("--gate-drop", rich_help_panel=_SIM,
-                    help="adapmoe: fraction of routed experts its adaptive gating drops at decode "
+                    help="adapmoe-gated: fraction of routed experts its adaptive gating drops at decode "
                          "(threshold fitted on the warm-up; AdapMoE reports 25%).")]  # fmt: skip
 AllocOpt = Annotated[str | None, typer.Option("--cache-alloc", metavar="dp|global", rich_help_panel=_SIM,
                      help="How the cache's slots are split: dp (one cache per MoE layer, sized by AdapMoE's DP "
@@ -68,17 +80,23 @@ AllocOpt = Annotated[str | None, typer.Option("--cache-alloc", metavar="dp|globa
 TimelineOpt = Annotated[Path | None, typer.Option("--timeline", rich_help_panel=_SIM,
                         help="Write a Gantt chart (PNG) of the window to this file.")]  # fmt: skip
 PrecOpt = Annotated[str, typer.Option("--precision", rich_help_panel=_SIM,
-                    help="Routed experts' precision: full, int8, int4, int2 (HybriMoE ran 4-bit).")]  # fmt: skip
-StatsOpt = Annotated[str, typer.Option("--stats", rich_help_panel=_SIM,
-                     help="Synthetic trace statistics: trimoe (TriMoE 3.1, default) or hybrimoe (fitted to "
-                          "HybriMoE Fig. 9's hit rates); docs/traces.md.")]  # fmt: skip
-WarmOpt = Annotated[int, typer.Option("--warmup-steps", min=0, rich_help_panel=_SIM,
+                    help="Routed experts' precision: full, int8, int4, int2 (default int4: HybriMoE ran "
+                         "4-bit).")]  # fmt: skip
+StatsOpt = Annotated[str | None, typer.Option("--stats", rich_help_panel=_SIM, show_default=False,
+                     help="Synthetic trace statistics: hybrimoe (fitted to HybriMoE Fig. 9's hit rates; the "
+                          "default for the three models it evaluates) or trimoe (TriMoE 3.1; the default for "
+                          "other models); docs/traces.md.")]  # fmt: skip
+WarmOpt = Annotated[int | None, typer.Option("--warmup-steps", min=0, rich_help_panel=_SIM, show_default=False,
                     help="Decode steps before the replayed ones that only build the static placements and the "
-                         "initial cache (0: the replayed steps themselves, an oracle).")]  # fmt: skip
+                         "initial cache (0: the replayed steps themselves, an oracle; default: 128 for "
+                         "--synthetic, 0 for --trace).")]  # fmt: skip
 AdmitOpt = Annotated[bool, typer.Option("--prefill-admit/--prefill-stage", rich_help_panel=_SIM,
                      help="Admit experts moved during the prefill into the cache (default: a staging buffer, "
                           "used for their call and dropped).")]  # fmt: skip
 WinOpt = Annotated[str, typer.Option(rich_help_panel=_SIM, help="Timeline window as FIRST:LAST (end excluded).")]
+StepWinOpt = Annotated[str | None, typer.Option(rich_help_panel=_SIM, show_default=False,
+                       help="Trace steps drawn in the timeline, FIRST:LAST (end excluded; default: the first "
+                            "replayed decode step, warm-up + 1).")]  # fmt: skip
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
@@ -102,11 +120,13 @@ def _accuracy(text: str | None) -> tuple[float, ...] | None:
 
 
 def _calls(spec_name: str | None, trace: Path | None, synthetic: bool, steps: int | None, seed: int,
-           batch: int | None, prompt: int | None, stats: str,
+           batch: int | None, prompt: int | None, stats: str | None,
            warmup: int) -> tuple[ModelSpec, list[traces.Call], str]:  # fmt: skip
-    """(spec, calls, source) from the flags: a synthetic trace of (steps or 64) + warmup decode steps, or --trace."""
+    """(spec, calls, source) from the flags: a synthetic trace of (steps or 64) + warmup decode steps, or --trace.
+    Statistics by default: HybriMoE's Fig. 9 fit where the model has one, else TriMoE 3.1's."""
     spec = source_spec(spec_name, trace, synthetic)
     if spec is not None:
+        stats = stats or ("hybrimoe" if str(spec.name) in HYBRIMOE_SKEW else "trimoe")
         params = preset(spec, batch_size=batch or 1, seed=seed, stats=stats)
         t = generate(params, (steps or 64) + warmup, prompt_len=32 if prompt is None else prompt)
         return spec, traces.iter_calls(t), f"synthetic {spec.name} preset ({stats} statistics), seed {seed}"
@@ -158,17 +178,17 @@ def simulate_cmd(
     scheduler: SchedOpt = "hybrimoe",
     cache_policy: PolicyOpt = None,
     cache_ratio: RatioOpt = 0.25,
-    prefetch: PrefetchOpt = False,
-    prefetch_depth: DepthOpt = 3,
+    prefetch: PrefetchOpt = None,
+    prefetch_depth: DepthOpt = None,
     prefetch_accuracy: AccOpt = None,
     gate_drop: GateOpt = 0.25,
     cache_alloc: AllocOpt = None,
-    precision: PrecOpt = "full",
-    stats: StatsOpt = "trimoe",
-    warmup_steps: WarmOpt = 0,
+    precision: PrecOpt = "int4",
+    stats: StatsOpt = None,
+    warmup_steps: WarmOpt = None,
     prefill_admit: AdmitOpt = False,
     timeline: TimelineOpt = None,
-    timeline_steps: WinOpt = "1:2",
+    timeline_steps: StepWinOpt = None,
     timeline_layers: WinOpt = "0:4",
     run_dir: SimRunDirOpt = None,
     json_out: JsonOut = False,
@@ -178,6 +198,12 @@ def simulate_cmd(
     with user_errors():
         # 1. flags -> config (checked before any trace work)
         acc = _accuracy(prefetch_accuracy)
+        own = SYSTEM_PREFETCH_DEPTH.get(scheduler, 0)  # the named system's own prefetch (its paper's)
+        prefetch = own > 0 if prefetch is None else prefetch
+        prefetch_depth = prefetch_depth or own or 3
+        if stats is not None and not synthetic:
+            raise ConfigError("--stats applies to --synthetic traces only")
+        warmup_steps = (128 if synthetic else 0) if warmup_steps is None else warmup_steps
         cfg = SimConfig(
             prefetch_accuracy=acc if acc is not None else SimConfig.prefetch_accuracy,
             predictor="oracle" if acc is not None else "history", gate_drop=gate_drop, cache_alloc=cache_alloc,
@@ -185,15 +211,13 @@ def simulate_cmd(
             prefetch_depth=prefetch_depth, batch_size=batch_size, prompt_len=prompt_len,
             steps=steps if trace is not None else None, seed=seed, precision=precision,
             warmup_steps=warmup_steps, prefill_admit=prefill_admit,
-            timeline_steps=_range(timeline_steps, "--timeline-steps"),
+            timeline_steps=_range(timeline_steps or f"{warmup_steps + 1}:{warmup_steps + 2}", "--timeline-steps"),
             timeline_layers=_range(timeline_layers, "--timeline-layers"),
         )  # fmt: skip
         if profile is None:
             raise ConfigError(f"--profile is required with the two-domain scheduler {scheduler!r}")
         hw = load_profile(profile)
         # 2. the trace, 3. the run
-        if stats != "trimoe" and not synthetic:
-            raise ConfigError("--stats applies to --synthetic traces only")
         model, calls, source = _calls(spec, trace, synthetic, steps, seed, batch_size, prompt_len, stats, warmup_steps)
         result = simulate(model, hw, calls, cfg)
         payload = result.as_dict()

@@ -30,7 +30,7 @@ from moetier.errors import ConfigError
 from moetier.policies.schedulers import TRI_SCHEDULERS
 from moetier.report.record import SimRunDirOpt, write_simulation
 from moetier.sim.ndp import load_ndp
-from moetier.sim.tri import TriSimConfig, machine_profile, simulate_tri
+from moetier.sim.tri import DIMM_LINK, KV_HOMES, REGIMES, TriSimConfig, machine_profile, simulate_tri
 from moetier.specs import ModelSpec
 from moetier.studies.sweep_tri import WARMUP_STEPS, synthetic_calls
 
@@ -60,16 +60,25 @@ NoRefineOpt = Annotated[bool, typer.Option("--no-refinement", rich_help_panel=_T
                         help="Skip the bottleneck-aware refinement (greedy start only; trimoe, gpu-ndp).")]  # fmt: skip
 NoRelayoutOpt = Annotated[bool, typer.Option("--no-relayout", rich_help_panel=_TRI,
                           help="No relayout / cold rebalancing over the DIMM-Link (trimoe, gpu-ndp).")]  # fmt: skip
+RegimeOpt = Annotated[str, typer.Option("--regime", rich_help_panel=_TRI,
+                      help=f"Synthetic trace regime: {', '.join(REGIMES)} (paper: calibrated on TriMoE's 78% "
+                           "migration decision accuracy; docs/trimoe.md).")]  # fmt: skip
 DriftOpt = Annotated[float | None, typer.Option("--drift", min=0.0, rich_help_panel=_TRI,
-                     help="Synthetic trace: popularity rank swaps per layer per step (preset: 0.02).")]  # fmt: skip
-StepNoiseOpt = Annotated[float, typer.Option("--step-noise", min=0.0, rich_help_panel=_TRI,
+                     help="Synthetic trace: popularity rank swaps per layer per step (default: the "
+                          "regime's).")]  # fmt: skip
+StepNoiseOpt = Annotated[float | None, typer.Option("--step-noise", min=0.0, rich_help_panel=_TRI,
                          help="Synthetic trace: sd of a batch-shared router-logit offset per step, layer and "
-                              "expert (stationary popularity, the preset's shares kept; 0: none).")]  # fmt: skip
+                              "expert (stationary popularity, the preset's shares kept; default: the "
+                              "regime's).")]  # fmt: skip
 ContentionOpt = Annotated[str | None, typer.Option("--contention", rich_help_panel=_TRI,
-                          help="Eq. 6 contention reading: array (default) or channel (docs/trimoe.md).")]  # fmt: skip
+                          help="Eq. 6 contention reading: channel (default) or array (docs/trimoe.md).")]  # fmt: skip
 DimmLinkOpt = Annotated[str, typer.Option("--dimm-link", rich_help_panel=_TRI,
-                        help="DIMM-Link move pricing: per-link (one expert over one 25 GB/s link) or all-links "
-                             "(spread over every DIMM's link).")]  # fmt: skip
+                        help=f"DIMM-Link move pricing: {', '.join(DIMM_LINK)} (calibrated: TriMoE 5.5's four "
+                             "experts in 0.63 ms; per-link: Table 1's 25 GB/s per link; all-links: spread over "
+                             "every DIMM's link).")]  # fmt: skip
+KvHomeOpt = Annotated[str, typer.Option("--kv-home", rich_help_panel=_TRI,
+                      help=f"Where the KV cache lives: {', '.join(KV_HOMES)} (host: TriMoE 4.1, streamed over "
+                           "PCIe for attention).")]  # fmt: skip
 PrefillOpt = Annotated[int, typer.Option("--prefill-tokens", min=0, rich_help_panel=_TRI,
                        help="Prompt tokens per sequence for a GPU prefill phase (0: none).")]  # fmt: skip
 OutputLenOpt = Annotated[int, typer.Option("--output-len", min=0, rich_help_panel=_TRI,
@@ -126,9 +135,16 @@ def tri_table(d: dict[str, Any], source: str) -> Table:
     rows += [(f"per step: {k}", f"{100 * v:.1f}%") for k, v in d["step_util"].items()]
     rows += [(f"FLOP utilisation {k}", f"{100 * v:.2f}%") for k, v in d["flop_util"].items()]
     rows += [(f"experts on {k}", f"{v} ({d['localised'][k]} from a localised layout)") for k, v in d["experts"].items()]
-    rows.append(("predictor accuracy", f"{100 * pred['accuracy']:.1f}% (hot recall {100 * pred['hot_recall']:.1f}%)"))
+    rows.append(("migration decisions right", f"{100 * pred['decision_accuracy']:.1f}% of {pred['decisions']:g}"))
+    rows.append(("predictor class accuracy", f"{100 * pred['accuracy']:.1f}% (hot recall "
+                 f"{100 * pred['hot_recall']:.1f}%)"))  # fmt: skip
     rows.append(("prefetch / relayout / migrate", f"{mig['prefetch']} / {mig['relayout']} / {mig['migrate']}"))
+    rows.append(("DIMM-Link moves per layer call", f"max {mig['moves_max']:g}, mean {mig['moves_mean']:.2f} "
+                 f"({d['dimm_link']}: {mig['move_s'] * 1e3:.3f} ms per expert)"))  # fmt: skip
     rows.append(("link time / total time", f"{100 * mig['link_frac']:.2f}%"))
+    kv = d["kv"]
+    rows.append(("KV cache", f"{d['kv_home']}: {kv['bytes'] / 1e9:.1f} GB over PCIe, {kv['pcie_s'] * 1e3:.1f} ms "
+                 f"({kv['exposed_s'] * 1e3:.1f} ms beyond the GPU's work)"))  # fmt: skip
     return metric_table(title, rows, source)
 
 
@@ -147,10 +163,12 @@ def simulate_tri_cmd(
     hbm_ratio: HbmOpt = _BASE.hbm_ratio,
     no_refinement: NoRefineOpt = False,
     no_relayout: NoRelayoutOpt = False,
+    regime: RegimeOpt = _BASE.regime,
     drift: DriftOpt = None,
-    step_noise: StepNoiseOpt = _BASE.step_noise,
+    step_noise: StepNoiseOpt = None,
     contention: ContentionOpt = None,
     dimm_link: DimmLinkOpt = _BASE.dimm_link,
+    kv_home: KvHomeOpt = _BASE.kv_home,
     prefill_tokens: PrefillOpt = _BASE.prefill_tokens,
     output_len: OutputLenOpt = _BASE.output_len,
     warmup_steps: WarmupOpt = WARMUP_STEPS,
@@ -165,8 +183,9 @@ def simulate_tri_cmd(
         cfg = TriSimConfig(
             scheduler=scheduler, ndp_count=ndp_count, cpu_tflops_scale=cpu_tflops_scale, hbm_ratio=hbm_ratio,
             batch_size=batch_size or _BASE.batch_size, steps=steps or _BASE.steps, seed=seed,
-            refinement=not no_refinement, relayout=not no_relayout, profile=profile, drift=drift,
-            step_noise=step_noise, contention=contention, dimm_link=dimm_link, prefill_tokens=prefill_tokens,
+            refinement=not no_refinement, relayout=not no_relayout, profile=profile, regime=regime, drift=drift,
+            step_noise=step_noise, contention=contention, dimm_link=dimm_link, kv_home=kv_home,
+            prefill_tokens=prefill_tokens,
             output_len=output_len, warmup_steps=warmup_steps, cpu_profile=cpu_profile,
         )  # fmt: skip
         if drift is not None and not synthetic:
@@ -181,8 +200,9 @@ def simulate_tri_cmd(
         payload = asdict(result)
         payload.update(moe_step_s=result.moe_s / result.steps, profile=cfg.profile, ndp_count=cfg.ndp_count,
                        cpu_tflops_scale=cfg.cpu_tflops_scale, hbm_ratio=cfg.hbm_ratio, refinement=cfg.refinement,
-                       relayout=cfg.relayout, seed=cfg.seed, source=source, drift=cfg.drift, step_noise=cfg.step_noise,
-                       contention=cfg.contention or "array", dimm_link=cfg.dimm_link,
+                       relayout=cfg.relayout, seed=cfg.seed, source=source, regime=cfg.regime,
+                       drift=cfg.trace_regime()[0], step_noise=cfg.trace_regime()[1],
+                       contention=cfg.contention or "channel", dimm_link=cfg.dimm_link, kv_home=cfg.kv_home,
                        warmup_steps=cfg.warmup_steps, cpu_profile=cfg.cpu_profile)  # fmt: skip
         report.print(tri_table(payload, source))
         write_simulation(run_dir, payload, source, trace)

@@ -1,5 +1,12 @@
 """AdapMoE (Zhong et al., ICCAD 2024; HybriMoE's "SOTA for GPU-centric MoE scheduling" baseline, VI-A3).
 
+HybriMoE's baseline is AdapMoE as HybriMoE describes it: "minimizing on-demand loading overhead through adaptive
+prefetching and caching" (VI-A3), with an LRU cache (Table I) and no CPU computation. That is this file's
+`adapmoe` (the default comparison): on-demand loading, distance-1 prefetch, per-layer LRU caches sized by the DP;
+**no adaptive gating**, so every routed expert is computed and the model's output is the reference's. AdapMoE's
+own adaptive gating, which drops routed experts and so changes the model's output, is the labelled variant
+`adapmoe-gated` (policies/schedule_adapmoe_gated.py), reported beside it; the gating helpers live here.
+
 What the paper says it does (arXiv 2408.10284, abstract and README of PKU-SEC-Lab/AdapMoE):
 - "a sensitivity-based strategy to adjust the number of activated experts dynamically": a token whose
   router is confident uses fewer experts. Its code (src/custom_layers.py) does this at decode with one
@@ -14,27 +21,28 @@ What the paper says it does (arXiv 2408.10284, abstract and README of PKU-SEC-La
 What this file models:
 - the schedule: GPU only; cached experts first, misses moved on demand, heaviest first, then computed on
   the GPU (gpu-lru's `moved_timeline`); moved experts are admitted into an LRU cache;
-- adaptive gating (`gates`, applied by the caller to decode calls: sim/run.py): `gated_counts` keeps, per
-  token, the top-1 expert and every other routed expert whose renormalised weight is at least the
-  threshold; `fit_gate_threshold` sets one threshold so that a fraction `drop` (SimConfig.gate_drop,
-  default the paper's 25%) of the routed experts of a calibration window (the warm-up) is dropped;
+- adaptive gating, in the `adapmoe-gated` variant only (it declares `gates`; the caller applies it to decode
+  calls: sim/run.py): `gated_counts` keeps, per token, the top-1 expert and every other routed expert whose
+  renormalised weight is at least the threshold; `fit_gate_threshold` sets one threshold so that a fraction
+  `drop` (SimConfig.gate_drop, default AdapMoE's 25%) of the routed experts of a calibration window (the
+  warm-up) is dropped;
 - prefetch: the caller's prefetcher at distance 1 (benchmarks/hybrid_sim.py runs it with prefetch_depth 1);
 - dynamic cache allocation (`cache_alloc = "dp"`, applied by the caller: sim/run.py): one LRU cache per MoE
   layer instead of one global cache, sized by policies/cache_alloc.py: each layer's misses as a function of
-  its cache size are measured on the calibration window (the warm-up, gated like the decode calls, from the
-  warm cache), and an exact DP (a knapsack over layers, as AdapMoE's src/dp.py) splits the slot budget to
-  minimise their sum. SimConfig.cache_alloc "global" restores the single global LRU cache.
+  its cache size are measured on the calibration window (the warm-up, from the warm cache; gated like the
+  decode calls in the gated variant), and an exact DP (a knapsack over layers, as AdapMoE's src/dp.py)
+  splits the slot budget to minimise their sum. SimConfig.cache_alloc "global" restores the single global LRU cache.
 
-Simplifications (each named): one threshold for all layers instead of per-layer sensitivity thresholds
-(the paper's Hessian study needs the model); for top-k > 2 (Qwen2, DeepSeek) the top-2 rule is generalised
-to "drop any non-top-1 expert under the threshold" (AdapMoE was built for Mixtral's top-2); the DP's cost
-per layer is the LRU misses measured on the warm-up window, where AdapMoE's code uses an analytic expected
-load per token (uniform routing over Mixtral's 8 experts, weighted by a profiled per-layer prefetch accuracy
-and top-1 share): the measured curve keeps the routing's skew and works for any E and top-k, but a miss the
-prefetch would cover still counts (the sizes are solved once, before the replay, as AdapMoE's run.py solves
-them once at start); the simulator predicts with its own predictor (sim/predict.py), not the next gate on the
-hidden state; gating never changes the model's output here (the paper measures its accuracy cost; a trace
-replay cannot).
+Simplifications (each named; the first two and the last concern the gated variant only): one threshold for all
+layers instead of per-layer sensitivity thresholds (the paper's Hessian study needs the model); for top-k > 2
+(Qwen2, DeepSeek) the top-2 rule is generalised to "drop any non-top-1 expert under the threshold" (AdapMoE
+was built for Mixtral's top-2); the DP's cost per layer is the LRU misses measured on the warm-up window,
+where AdapMoE's code uses an analytic expected load per token (uniform routing over Mixtral's 8 experts,
+weighted by a profiled per-layer prefetch accuracy and top-1 share): the measured curve keeps the routing's
+skew and works for any E and top-k, but a miss the prefetch would cover still counts (the sizes are solved
+once, before the replay, as AdapMoE's run.py solves them once at start); the simulator predicts with its own
+predictor (sim/predict.py), not the next gate on the hidden state; gating never changes the model's output
+here (the paper measures its accuracy cost; a trace replay cannot).
 
 Invariants: those of schedule_base.Scheduler (tests/policies/test_schedulers.py); nothing runs on `cpu`;
 `gated_counts` keeps at least one expert per token and never adds one; a token whose weights are all at
@@ -103,8 +111,8 @@ class AdapMoEScheduler(LayerScheduler):
     name = "adapmoe"
     admits = True
     placement = "frequency"
-    cache_policy = "lru"
-    gates = True  # the caller applies gated_counts to decode calls
+    cache_policy = "lru"  # HybriMoE Table I
+    gates = False  # HybriMoE VI-A3: "adaptive prefetching and caching"; gating is adapmoe-gated's
     cache_alloc = "dp"  # the caller sizes one cache per MoE layer with policies/cache_alloc.py (sim/run.py)
 
     plan = staticmethod(moved_timeline)

@@ -1,8 +1,12 @@
 """llama.cpp-style static layer mapping (the paper's llama.cpp baseline, VI-A3).
 
-The fast tier holds whole layers (placement "layers": the first MoE layers that fit, see
-policies/placement.py); an expert computes on the fast lane iff it is cached, otherwise on the
-slow lane; nothing crosses the link and the placement never changes (`admits` False).
+HybriMoE VI-A3: llama.cpp "statically maps model layers to CPU or GPU"; VI-B1: it "allocates entire
+layers of experts to the CPU". The fast tier holds whole layers (placement "layers",
+policies/placement.by_layers): the LAST MoE layers that fit, as llama.cpp's `-ngl N` / `n_gpu_layers`
+does (src/llama-model.cpp: `i_gpu_start = max(n_layer + 1 - n_gpu_layers, 0)`, layers il >= i_gpu_start
+on the GPU; the +1 is the output layer, which the simulator prices as dense work). An expert computes
+on the fast lane iff it is cached, otherwise on the slow lane; nothing crosses the link and the
+placement never changes (`admits` False).
 
 Shared experts (negative ids, always `cached`) belong to their layer: they compute on the fast
 lane only when every routed expert of the call is cached (a GPU layer), else on the slow lane

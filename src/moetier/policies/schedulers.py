@@ -5,13 +5,16 @@ Two-domain (GPU + CPU, schedule_base.Scheduler; the engine and moetier.sim), `SC
 - ktransformers: static mapping, cached (incl. shared) on the GPU, misses on the CPU;
 - llamacpp: static layer mapping, whole layers on the GPU (placement "layers");
 - gpu-lru: GPU only, every miss moved on demand, LRU cache (mixtral-offloading style);
-- adapmoe: gpu-lru plus AdapMoE's adaptive gating at decode (declared `gates`) and, with prefetch, its prefetch;
+- adapmoe: AdapMoE as HybriMoE describes it ("adaptive prefetching and caching"): gpu-lru's schedule, its per-layer
+  DP cache sizes and, with prefetch, its distance-1 prefetch; no gating (every routed expert computes);
+- adapmoe-gated: the labelled variant: adapmoe plus AdapMoE's adaptive gating at decode (declared `gates`);
 - fiddler: a miss computes on the CPU when that beats moving it, static placement.
 
 Three-domain (GPU + AMX CPU + DIMM-NDP, schedule_tri_base.TriScheduler; moetier.sim.tri), `TRI_SCHEDULERS`:
 - klotski: GPU only, misses streamed over PCIe under compute;
 - ktransformers-plus: GPU + CPU, hot misses loaded on demand, the rest on the CPU;
-- monde: GPU + NDP, the greedy start of TriMoE's schedule;
+- ktransformers-plus-split: the same with the best GPU/CPU split per call (a labelled upper bound);
+- monde: GPU + NDP, every expert localised, hot ones to the GPU, the rest computed on NDP;
 - gpu-ndp: TriMoE's pipeline restricted to GPU + NDP (the ablation's first point);
 - trimoe: all three domains, refinement, relayout and rebalancing.
 
@@ -25,6 +28,7 @@ from collections.abc import Callable
 
 from moetier.errors import ConfigError
 from moetier.policies.schedule_adapmoe import AdapMoEScheduler
+from moetier.policies.schedule_adapmoe_gated import AdapMoEGatedScheduler
 from moetier.policies.schedule_base import Scheduler
 from moetier.policies.schedule_fiddler import FiddlerScheduler
 from moetier.policies.schedule_gpu_lru import GpuLruScheduler
@@ -33,6 +37,7 @@ from moetier.policies.schedule_hybrimoe import HybriMoEScheduler
 from moetier.policies.schedule_klotski import KlotskiScheduler
 from moetier.policies.schedule_ktransformers import KTransformersScheduler
 from moetier.policies.schedule_ktransformers_plus import KTransformersPlusScheduler
+from moetier.policies.schedule_ktransformers_split import KTransformersSplitScheduler
 from moetier.policies.schedule_llamacpp import LlamaCppScheduler
 from moetier.policies.schedule_monde import MondeScheduler
 from moetier.policies.schedule_tri_base import TriScheduler
@@ -45,10 +50,17 @@ SCHEDULERS: dict[str, Callable[[], Scheduler]] = {
     "gpu-lru": GpuLruScheduler,
     "fiddler": FiddlerScheduler,
     "adapmoe": AdapMoEScheduler,
+    "adapmoe-gated": AdapMoEGatedScheduler,
 }
+# The prefetch each two-domain system runs as its paper describes it, in MoE layers ahead (absent: none): HybriMoE
+# IV-C predicts "expert activations for the next three layers"; AdapMoE prefetches the next layer's experts
+# ("adaptive prefetching and caching", HybriMoE VI-A3). `moetier simulate` turns it on when neither --prefetch nor
+# --no-prefetch is given, so that naming a system (or none: hybrimoe) runs it as its paper does.
+SYSTEM_PREFETCH_DEPTH: dict[str, int] = {"hybrimoe": 3, "adapmoe": 1, "adapmoe-gated": 1}
 TRI_SCHEDULERS: dict[str, Callable[[], TriScheduler]] = {
     "klotski": KlotskiScheduler,
     "ktransformers-plus": KTransformersPlusScheduler,
+    "ktransformers-plus-split": KTransformersSplitScheduler,
     "monde": MondeScheduler,
     "gpu-ndp": GpuNdpScheduler,
     "trimoe": TriMoEScheduler,
@@ -86,5 +98,6 @@ def make_tri_scheduler(name: str) -> TriScheduler:
 
 
 __all__ = [
-    "SCHEDULERS", "TRI_SCHEDULERS", "check_scheduler", "check_tri_scheduler", "make_scheduler", "make_tri_scheduler",
+    "SCHEDULERS", "SYSTEM_PREFETCH_DEPTH", "TRI_SCHEDULERS",
+    "check_scheduler", "check_tri_scheduler", "make_scheduler", "make_tri_scheduler",
 ]

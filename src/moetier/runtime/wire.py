@@ -220,6 +220,10 @@ def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], 
         raise ConfigError(f"scheduler {name!r} drops routed experts (adaptive gating), which changes the model's "
                           "output; it runs in the simulator only (`moetier simulate --scheduler "
                           f"{name}`)")  # fmt: skip
+    if name is not None and make_scheduler(name).cache_alloc != "global":
+        raise ConfigError(f"scheduler {name!r} sizes one cache per MoE layer ({make_scheduler(name).cache_alloc!r} "
+                          "allocation), where the engine's store keeps one cache for all layers; it runs in the "
+                          f"simulator only (`moetier simulate --scheduler {name}`)")  # fmt: skip
     if cuda and cfg.scheduler.name is not None:
         hybrid = EXECUTORS["hybrid"]
         refuse_missing(hybrid.needs, capabilities)

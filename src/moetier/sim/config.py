@@ -33,7 +33,7 @@ class SimConfig:
     cache_alloc: str | None = None  # how the fast tier's slots are split (policies/cache_alloc.py): "dp" (one cache
     # per MoE layer, sized by AdapMoE's DP on the calibration window: the warm-up) or "global" (one cache for all
     # layers); None: the scheduler's own (`cache_alloc`: "dp" for adapmoe, "global" for the others)
-    gate_drop: float = 0.25  # schedulers that gate (adapmoe): fraction of routed experts adaptive gating drops at
+    gate_drop: float = 0.25  # schedulers that gate (adapmoe-gated): fraction of routed experts adaptive gating drops at
     # decode, by a weight threshold fitted on the warm-up window (AdapMoE reports 25% fewer activated experts)
     prefetch_max: int | None = None  # experts chosen per decision; None: top_k per predicted layer
     fill: bool = False  # decode misses not moved by the schedule are fetched in the background (link, prefetch

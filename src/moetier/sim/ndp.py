@@ -2,8 +2,11 @@
 
 `NdpParams` (frozen): the near-data tier that no shipped profile measures. Defaults are TriMoE Table 1:
 16 DIMM-NDPs, each a GEMV unit of 256 GFLOPS bf16 reading its own DIMM at 153.6 GB/s internal bandwidth;
-DIMM-Link 25 GB/s per link (one link port per DIMM; a move is priced per link, policies/predictor.link_ports);
-host DRAM of 8 channels at 307.2 GB/s (`channels`: a localised expert is read at its DIMM's channel rate,
+DIMM-Link 25 GB/s per link (Table 1; the "per-link" reading, one link port per DIMM, policies/predictor.link_ports)
+and `link_fabric_bw`, the DIMM-Link's aggregate rate calibrated on 5.5 ("the ~0.63 ms cost of migrating up to four
+experts", on the Qwen3-235B-A22B experts of that paragraph: 4 x 37,748,736 B / 0.63 ms = 239.7 GB/s, about 9.6 links
+of 25 GB/s moving at once: the "calibrated" reading, sim/tri.py's default); host DRAM of 8 channels at
+307.2 GB/s (`channels`: a localised expert is read at its DIMM's channel rate,
 307.2 / 8 = 38.4 GB/s, the "single-DIMM bandwidth" of eq. 2-3).
 `load_ndp` reads the optional "ndp" section of a profile JSON (moetier/data/profiles/*.json), defaults otherwise; the
 profile loader in policies/hwprofile.py ignores that section, so old profiles stay valid.
@@ -15,18 +18,22 @@ the profile's efficiency curve (flat beyond its ends: about 30% at 256 tokens pe
 for an NDP unit f_calc = 6*H*I*n / ndp_flops (a GEMV unit, no batching gain) plus the activations moved
 to and from the DIMM (2 * n * H * dtype bytes at one DIMM's share of host bandwidth, MoNDE's
 "activation migration"). Weight reads: T_PCIe = latency + W / pcie_bw, T_DRAM = schedule_tri_base.dram_read_s,
-T_Internal = W / ndp_bw; DIMM-Link moves of one expert (relayout or migration): W / link_bw.
+T_Internal = W / ndp_bw; DIMM-Link moves of one expert (relayout or migration): W / link_bw over one link, or
+W / link_fabric_bw on the calibrated fabric (`link_s`).
 
 Eq. 6 contention, `busy_s` (how long a host read of an expert keeps each DIMM it touches busy), has two
 readings, picked by NdpParams.contention:
-- "array" (default): the DIMM's DRAM arrays are the shared resource. They deliver ndp_bw (4 ranks in
-  parallel); a host read of b bytes from the DIMM takes b / ndp_bw of that capacity, the rest of the
-  transfer is the channel's time, already in T_DRAM (eq. 2-3). Striped: W / D / ndp_bw on every DIMM;
-  localised: W / ndp_bw on its home.
-- "channel": the DIMM serves nothing else for the whole channel transfer: busy_s = T_DRAM (W / B on
-  every DIMM for a striped expert, W * channels / B on its home for a localised one). Under it a
-  host read always keeps a DIMM busier than the NDP would (W * 8 / B > W / ndp_bw), so no move off NDP can
-  lower a DIMM's time; docs/trimoe.md measures both.
+- "channel" (default, issue 30): eq. 6 defines T_contention^d as "the accumulated DRAM access latency caused by
+  striped or localized weight reads from the host processors targeting DIMM d": the DIMM serves a host read for
+  the whole channel transfer, busy_s = T_DRAM (W / B on every DIMM for a striped expert, W * channels / B on its
+  home for a localised one). Every DIMM's T_DIMM then holds at least (striped host bytes) / B, so through eq. 7
+  the GPU's and CPU's host reads together never exceed the channels' 307.2 GB/s. Under it a host read always
+  keeps a DIMM busier than the NDP would (W * 8 / B > W / ndp_bw). Simplification: a localised read charges
+  its home DIMM only, not the other DIMM of its channel.
+- "array" (labelled variant, the default before issue 30): the DIMM's DRAM arrays are the shared resource. They
+  deliver ndp_bw (4 ranks in parallel); a host read of b bytes from the DIMM takes b / ndp_bw of that capacity,
+  the rest of the transfer is the channel's time, already in T_DRAM (eq. 2-3). Striped: W / D / ndp_bw on every
+  DIMM; localised: W / ndp_bw on its home. Host reads are then not capped at B across the GPU and CPU.
 
 `price_call` turns one layer call (expert -> tokens), the HBM residency, layouts and home DIMMs into
 schedule_tri_base.TriExpert costs (eq. 1-4); shared experts (ids -1, -2, ...) are resident and GPU-only
@@ -58,7 +65,9 @@ from moetier.policies.schedule_tri_base import TriExpert, dram_read_s
 from moetier.specs import ModelSpec
 from moetier.types import ExpertKey, Layout
 
-CONTENTION = ("array", "channel")
+CONTENTION = ("channel", "array")
+QWEN3_EXPERT_BYTES = 37_748_736  # one Qwen3-235B-A22B routed expert, bf16 (3 x 4096 x 1536 x 2 B): 5.5's model
+MIGRATE4_S = 0.63e-3  # 5.5: "the ~0.63 ms cost of migrating up to four experts"
 GPU_ONLY = 1e30  # a finite "never" for paths a shared expert may not take
 DEFAULT_PROFILE = "h100-8470"
 
@@ -70,10 +79,11 @@ class NdpParams:
     n_dimms: int = 16
     ndp_flops: float = 256e9  # per DIMM, bf16
     ndp_bw: float = 153.6e9  # per DIMM internal bandwidth, bytes/s
-    link_bw: float = 25e9  # DIMM-Link, bytes/s per link
+    link_bw: float = 25e9  # DIMM-Link, bytes/s per link (Table 1)
+    link_fabric_bw: float = 4 * QWEN3_EXPERT_BYTES / MIGRATE4_S  # DIMM-Link, aggregate bytes/s calibrated on 5.5
     host_bw: float = 307.2e9  # 8 channels DDR5-4800
     channels: int = 8  # memory channels (Table 1: "8 Channels x 2 DIMM"); single-DIMM reads run at host_bw / channels
-    contention: str = "array"  # eq. 6 reading: "array" or "channel" (module docstring)
+    contention: str = "channel"  # eq. 6 reading: "channel" or "array" (module docstring)
 
     def __post_init__(self) -> None:
         if self.contention not in CONTENTION:
@@ -82,7 +92,7 @@ class NdpParams:
             raise ConfigError(f"NdpParams: n_dimms must be an int >= 1, got {self.n_dimms!r}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
             raise ConfigError(f"NdpParams: channels must be an int >= 1, got {self.channels!r}")
-        for name in ("ndp_flops", "ndp_bw", "link_bw", "host_bw"):
+        for name in ("ndp_flops", "ndp_bw", "link_bw", "link_fabric_bw", "host_bw"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"NdpParams: {name} must be a finite number > 0, got {v!r}")
@@ -170,9 +180,19 @@ class NdpMachine:
     def internal_s(self) -> float:
         return self.nbytes / self.ndp.ndp_bw
 
-    def link_s(self) -> float:
-        """One expert over one DIMM-Link (a relayout or a migration)."""
-        return self.nbytes / self.ndp.link_bw
+    def link_s(self, fabric: bool = False) -> float:
+        """One expert (a relayout or a migration) over one DIMM-Link, or over the calibrated fabric (5.5)."""
+        return self.nbytes / (self.ndp.link_fabric_bw if fabric else self.ndp.link_bw)
+
+    def kv_s(self, batch: int, context: int) -> tuple[float, int]:
+        """(seconds, bytes) of one layer's KV cache for `batch` sequences of `context` tokens, read from the host
+        DIMMs over PCIe to the GPU (TriMoE 4.1: "the large KV Cache and all routed experts are offloaded to host
+        DIMMs"): max(PCIe, host DRAM) for the bytes, striped over the channels."""
+        assert self.profile.pcie is not None
+        n = int(batch * context * self.spec.kv_bytes_per_token())
+        if n <= 0:
+            return 0.0, 0
+        return max(self.profile.pcie.latency_s + n / self.profile.pcie.bandwidth, n / self.ndp.host_bw), n
 
     def path_times(self, tokens: np.ndarray) -> list[PathTimes]:
         """Eq. 1-4 of routed experts at (predicted) loads `tokens` [n] (each at least 1), for the background
@@ -233,5 +253,14 @@ def price_call(
 
 
 __all__ = [
-    "CONTENTION", "DEFAULT_PROFILE", "GPU_ONLY", "NdpMachine", "NdpParams", "load_ndp", "ndp_from_dict", "price_call",
+    "CONTENTION",
+    "DEFAULT_PROFILE",
+    "GPU_ONLY",
+    "MIGRATE4_S",
+    "QWEN3_EXPERT_BYTES",
+    "NdpMachine",
+    "NdpParams",
+    "load_ndp",
+    "ndp_from_dict",
+    "price_call",
 ]  # fmt: skip

@@ -12,8 +12,9 @@ is a prompt; then one decode step per trace step) and per decoder layer:
    cache when the scheduler admits (victims never among the call's own experts).
 Prefetched experts are admitted on arrival.
 The fast tier is one global cache, or with config.cache_alloc "dp" (the default of a scheduler declaring
-`cache_alloc = "dp"`: adapmoe) one cache per MoE layer (sim/residency.LayerCaches), sized by AdapMoE's DP
-(policies/cache_alloc.py) on each layer's LRU misses over the warm-up window (gated, for a gating scheduler).
+`cache_alloc = "dp"`: adapmoe, adapmoe-gated) one cache per MoE layer (sim/residency.LayerCaches), sized by AdapMoE's DP
+(policies/cache_alloc.py) on each layer's LRU misses over the warm-up window (gated, for a gating scheduler:
+adapmoe-gated; the default adapmoe computes every routed expert).
 Warm-up (config.warmup_steps = W > 0): the trace's first W decode steps are not replayed; their
 per-expert token counts build the scheduler's initial placement (static mappings) and every
 initial cache, so no placement sees the calls it is timed on. W = 0 builds them from the replayed

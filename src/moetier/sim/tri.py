@@ -10,7 +10,9 @@ one file each in policies/). The simulator reads what a scheduler may do from it
 - `relayouts` / `rebalances`: relayouts / cold migrations over the DIMM-Link, when config.relayout is on.
 Schedulers with NDP start from an offline layout ("we set an optimized initial layout via offline trace analysis
 (e.g., localizing cold experts onto single DIMMs)", 4.3): the experts cold in each layer's profile loads are
-localised, spread over DIMMs by longest-processing-time first; the others are striped. Schedulers without NDP keep
+localised, spread over DIMMs by longest-processing-time first; the others are striped. A scheduler declaring
+`localises_all` (MoNDE, whose experts live in the memory device that computes them) has every routed expert
+localised the same way. Schedulers without NDP keep
 every expert striped. All start with the same HBM set: per layer the floor(hbm_ratio * E) most loaded experts of
 its profile loads. The profile loads (the offline trace analysis stand-in) come from a profiling window:
 config.warmup_steps = W > 0 takes the first W distinct decode steps of `calls` (sorted by step) as the window, never
@@ -19,16 +21,27 @@ from them (eq. 8's first value, not scored). W = 0 (the behaviour before the win
 its first replayed call's, and the predictor starts empty. Every system gets the same window (baselines' HBM too).
 
 Per call: (1) price it (sim/ndp.py, eq. 1-4, shared experts on the GPU); (2) the scheduler assigns domains
-(its Plan), makespan (eq. 5-7) = the call's MoE time; (3) score and update the EMA predictor (eq. 8); (4) plan
-background actions (policies/predictor.plan_actions) hidden by the layer's attention/dense time (the window),
-the DIMM-Link priced per link (one expert over one 25 GB/s link; moves on disjoint DIMM ports run in parallel,
-predictor.link_ports; config.dimm_link "all-links" instead spreads each move over every DIMM's link, cost / D,
-the reading the paper's "~0.63 ms cost of migrating up to four experts" (5.5) implies); (5) apply them: the
+(its Plan), makespan (eq. 5-7) = the call's MoE time; (3) score the actions planned after the layer's previous
+call (predictor.decision_right: the "migration decision accuracy" of 4.3) and update the EMA predictor (eq. 8);
+(4) plan background actions (policies/predictor.plan_actions) hidden by the layer's GPU attention/dense time (the
+window; 5.5: "masked by the ~0.68 ms concurrent GPU computation"), PCIe prefetches in the part of it the KV stream
+leaves free. config.dimm_link prices the DIMM-Link: "calibrated" (the default, issue 30) on 5.5's "~0.63 ms cost
+of migrating up to four experts": one shared fabric at NdpParams.link_fabric_bw (239.7 GB/s: four Qwen3-235B
+experts in 0.63 ms), moves one after another within the window; "per-link" (Table 1's "25GB/s per Link", a
+labelled variant): one expert over one 25 GB/s link, moves on disjoint DIMM ports in parallel
+(predictor.link_ports: four Qwen3 experts in about 1.5-1.8 ms, 6.0 ms if serial); "all-links": each move
+spread over every DIMM's link, cost / D; (5) apply them: the
 actions the scheduler declares (prefetches, relayouts, rebalancing migrations): prefetches enter HBM
 (evicting the least-predicted non-hot resident when the layer's HBM share is full), relayouts change layout
 and home DIMM, migrations change the home DIMM. A decode step = sum of its calls' MoE time + every decoder
 layer's attention/dense time (batched: non-expert weights read once, KV cache of `context` tokens per
-sequence read from HBM, an ESTIMATE) + the LM head; throughput = batch / step time. Klotski's multi-batch
+sequence, an ESTIMATE, read by the GPU) + the LM head; throughput = batch / step time. The KV cache lives where
+config.kv_home says: "host" (the default, 4.1: "the large KV Cache and all routed experts are offloaded to host
+DIMMs"): each decoder layer's KV crosses PCIe from the host DIMMs to the GPU for its attention
+(NdpMachine.kv_s), so the layer takes max(GPU work, KV stream) and PCIe prefetches get only the window the
+stream leaves; the prefill writes the prompt's KV back the same way. "hbm": the KV stays in HBM (the labelled
+variant, the model before issue 30). The result's `kv` counts the bytes, the PCIe time and the time it adds.
+Klotski's multi-batch
 pipeline (a scheduler declaring `pipelines = True` gets `schedule(..., window_s=...)`) gets the PCIe time of the
 call's window that the previous call's prefetches left free.
 
@@ -70,14 +83,26 @@ import numpy as np
 from moetier.errors import ConfigError
 from moetier.policies.costmodel import CostModel
 from moetier.policies.hwprofile import HardwareProfile, load_profile
-from moetier.policies.predictor import ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
+from moetier.policies.predictor import Action, ActionKind, ExpertState, FractionRule, Heat, LoadPredictor, plan_actions
 from moetier.policies.schedule_trimoe import MAX_ITERS
 from moetier.policies.schedulers import check_tri_scheduler, make_tri_scheduler
 from moetier.sim.ndp import CONTENTION, DEFAULT_PROFILE, NdpMachine, load_ndp, price_call
 from moetier.specs import ModelSpec
 from moetier.types import Domain, ExpertKey, Layout
 
-DIMM_LINK = ("per-link", "all-links")
+PAPER_DRIFT = 2.5  # the "paper" regime's drift (REGIMES): 78.1% of migration decisions right, Qwen3-235B, batch 512
+DIMM_LINK = ("calibrated", "per-link", "all-links")
+KV_HOMES = ("host", "hbm")
+# Synthetic trace regimes (issue 30): name -> (drift: popularity rank swaps per layer per step, None: the preset's;
+# step_noise). "paper" (the default) is calibrated on 4.3's "78% migration decision accuracy" (decision_accuracy)
+# at batch 512 with every other default (docs/trimoe.md, "The regime"); the others are named options: "calm" (the
+# presets), "drifting" (issue 17's drift 24, class accuracy ~75%), "stationary" (issue 17's second column).
+REGIMES: dict[str, tuple[float | None, float]] = {
+    "paper": (PAPER_DRIFT, 0.0),
+    "calm": (None, 0.0),
+    "drifting": (24.0, 0.0),
+    "stationary": (0.0, 0.9),
+}
 NEVER = 1e30  # a finite action cost that never fits a window (actions a scheduler does not have)
 _G, _C, _N = Domain.ACCEL, Domain.HOST, Domain.NDP
 
@@ -99,10 +124,13 @@ class TriSimConfig:
     context: int = 1024  # KV length per sequence for the attention time
     profile: str = DEFAULT_PROFILE
     max_iters: int = MAX_ITERS
-    drift: float | None = None  # synthetic calls: popularity rank swaps per layer per step (None: the preset's)
-    step_noise: float = 0.0  # synthetic calls: sd of the batch-shared logit offset per step (synthetic.SynthParams)
-    contention: str | None = None  # eq. 6 reading, "array" or "channel" (None: the profile's NDP section)
-    dimm_link: str = "per-link"  # DIMM-Link move pricing: "per-link" or "all-links" (module docstring)
+    regime: str = "paper"  # synthetic calls: a name in REGIMES (its drift and step noise, unless given below)
+    drift: float | None = None  # synthetic calls: popularity rank swaps per layer per step (None: the regime's)
+    step_noise: float | None = None  # synthetic calls: sd of the batch-shared logit offset per step
+    # (synthetic.SynthParams; None: the regime's)
+    contention: str | None = None  # eq. 6 reading, "channel" or "array" (None: the profile's NDP section)
+    dimm_link: str = "calibrated"  # DIMM-Link move pricing: "calibrated", "per-link" or "all-links" (docstring)
+    kv_home: str = "host"  # where the KV cache lives: "host" DIMMs (4.1, streamed over PCIe) or "hbm" (variant)
     prefill_tokens: int = 0  # prompt tokens per sequence for the prefill phase (0: no prefill)
     output_len: int = 0  # decode tokens per sequence for the end-to-end throughput (0: steps)
     warmup_steps: int = 0  # profiling window: decode steps before the replayed ones, never timed (0: first call)
@@ -113,7 +141,13 @@ class TriSimConfig:
         check_tri_scheduler(self.scheduler)
         if self.drift is not None and not (_number(self.drift) and math.isfinite(self.drift) and self.drift >= 0):
             raise ConfigError(f"TriSimConfig: drift must be a number >= 0, got {self.drift!r}")
-        if not (_number(self.step_noise) and math.isfinite(self.step_noise) and self.step_noise >= 0):
+        if self.regime not in REGIMES:
+            raise ConfigError(f"TriSimConfig: regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        if self.kv_home not in KV_HOMES:
+            raise ConfigError(f"TriSimConfig: kv_home must be one of {', '.join(KV_HOMES)}, got {self.kv_home!r}")
+        if self.step_noise is not None and not (
+            _number(self.step_noise) and math.isfinite(self.step_noise) and self.step_noise >= 0
+        ):
             raise ConfigError(f"TriSimConfig: step_noise must be a number >= 0, got {self.step_noise!r}")
         if self.dimm_link not in DIMM_LINK:
             raise ConfigError(f"TriSimConfig: dimm_link must be one of {', '.join(DIMM_LINK)}, got {self.dimm_link!r}")
@@ -141,6 +175,12 @@ class TriSimConfig:
             raise ConfigError(f"TriSimConfig: profile must be a profile name or path, got {self.profile!r}")
         if self.cpu_profile is not None and not (isinstance(self.cpu_profile, str) and self.cpu_profile):
             raise ConfigError(f"TriSimConfig: cpu_profile must be a profile name or path, got {self.cpu_profile!r}")
+
+    def trace_regime(self) -> tuple[float | None, float]:
+        """(drift, step_noise) of the synthetic calls: the fields when given, else the regime's (REGIMES)."""
+        drift, noise = REGIMES[self.regime]
+        return (drift if self.drift is None else float(self.drift),
+                noise if self.step_noise is None else float(self.step_noise))  # fmt: skip
 
 
 def _int(v: object) -> bool:
@@ -178,6 +218,8 @@ class TriSimResult:
     # localised layout (GPU: not resident), e.g. warm experts a stale layout left on one DIMM
     localised_read_s: Mapping[str, float] = field(default_factory=dict)  # their weight-read times, summed (eq. 2-4:
     # one channel's bandwidth for GPU and CPU, the DIMM's internal bandwidth for NDP)
+    kv: Mapping[str, float] = field(default_factory=dict)  # the KV cache's traffic (module docstring): bytes and
+    # pcie_s streamed over PCIe in decode (0 with kv_home "hbm"), exposed_s: step time it added beyond the GPU's work
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -191,10 +233,11 @@ def _dense_s(cm: CostModel, spec: ModelSpec, batch: int, context: int, moe: bool
 
 def _initial(
     m: NdpMachine, loads: np.ndarray, cap: int, ndp_layout: bool, layer: int,
-    layouts: dict[ExpertKey, Layout], homes: dict[ExpertKey, int],
+    layouts: dict[ExpertKey, Layout], homes: dict[ExpertKey, int], all_local: bool = False,
 ) -> set[int]:  # fmt: skip
     """Offline placement of one layer from its profile loads [E] (the window's mean or the first call's); returns
-    its HBM set (expert ids)."""
+    its HBM set (expert ids). `all_local` (MoNDE's `localises_all`): every routed expert localised, not only the
+    cold non-resident ones."""
     order = np.lexsort((np.arange(loads.shape[0]), -loads))  # by load desc, ties to the lower id
     resident = {int(e) for e in order[:cap]}
     if ndp_layout:
@@ -202,26 +245,34 @@ def _initial(
         ndp = np.maximum(m.ndp_calc(loads), m.internal_s())  # [E]
         acc = np.zeros(m.ndp.n_dimms)
         for e in order:  # longest processing time first onto the least loaded DIMM
-            if cls[e] == Heat.COLD and int(e) not in resident:
+            if all_local or (cls[e] == Heat.COLD and int(e) not in resident):
                 d = int(np.argmin(acc))
                 acc[d] += ndp[e]
                 layouts[ExpertKey(layer, int(e))], homes[ExpertKey(layer, int(e))] = Layout.LOCALISED, d
     return resident
 
 
+def _states_link_s(m: NdpMachine, dimm_link: str) -> float:
+    """One expert's DIMM-Link move (cost_s of a relayout or migration) under a DIMM_LINK reading."""
+    if dimm_link == "calibrated":
+        return m.link_s(fabric=True)
+    return m.link_s() / (m.ndp.n_dimms if dimm_link == "all-links" else 1)
+
+
 def _states(
     m: NdpMachine, layer: int, pred: np.ndarray, cls: np.ndarray, resident: set[int],
     layouts: Mapping[ExpertKey, Layout], homes: Mapping[ExpertKey, int], actions: tuple[bool, bool, bool],
-    spread: bool = False,
+    dimm_link: str = "calibrated",
 ) -> list[ExpertState]:  # fmt: skip
     """Planner inputs for the non-resident experts of one layer (resident ones take no action); `actions`:
-    (prefetch, relayout, rebalance) allowed. Without DIMM-Link actions only hot experts (prefetch candidates)."""
+    (prefetch, relayout, rebalance) allowed. Without DIMM-Link actions only hot experts (prefetch candidates).
+    `dimm_link`: one expert over the calibrated fabric, over one link, or over all of them (module docstring)."""
     prefetch, relayout, rebalance = actions
-    link = m.link_s() / (m.ndp.n_dimms if spread else 1)  # one expert over one link, or over all of them
+    link = _states_link_s(m, dimm_link)
     pcie = m.pcie_s() if prefetch else NEVER
     relayout_s, migrate_s = (link if relayout else NEVER), (link if rebalance else NEVER)
-    dimm_link = relayout or rebalance
-    ids = [e for e in range(pred.shape[0]) if not (e in resident or (not dimm_link and cls[e] != Heat.HOT))]
+    moves = relayout or rebalance
+    ids = [e for e in range(pred.shape[0]) if not (e in resident or (not moves and cls[e] != Heat.HOT))]
     out = []
     for e, times in zip(ids, m.path_times(pred[ids]), strict=True):
         key = ExpertKey(layer, e)
@@ -240,8 +291,9 @@ def _prefill_s(
         return 0.0
     tokens = batch * cfg.prefill_tokens
     total = cm.head_s("gpu", batch)
+    kv_write = m.kv_s(batch, cfg.prefill_tokens)[0] if cfg.kv_home == "host" else 0.0  # the prompt's KV to the DIMMs
     for i in range(spec.num_layers):
-        total += cm.dense_s("gpu", tokens, 0, i in spec.moe_layers)
+        total += max(cm.dense_s("gpu", tokens, 0, i in spec.moe_layers), kv_write)
     for layer, loads in mean_loads.items():
         n = np.ceil(loads * cfg.prefill_tokens)  # [E] tokens per expert over the prompts
         routed = n > 0
@@ -293,12 +345,13 @@ class OfflineLayout:
 
 
 def _place(
-    m: NdpMachine, prof: Mapping[int, np.ndarray], cap: int, ndp_layout: bool
+    m: NdpMachine, prof: Mapping[int, np.ndarray], cap: int, ndp_layout: bool, all_local: bool = False
 ) -> tuple[dict[int, set[int]], dict[ExpertKey, Layout], dict[ExpertKey, int]]:
     """`_initial` over every layer with profile loads: (HBM set per layer, layouts, homes)."""
     layouts: dict[ExpertKey, Layout] = {}
     homes: dict[ExpertKey, int] = {}
-    resident = {layer: _initial(m, v, cap, ndp_layout, layer, layouts, homes) for layer, v in sorted(prof.items())}
+    resident = {layer: _initial(m, v, cap, ndp_layout, layer, layouts, homes, all_local)
+                for layer, v in sorted(prof.items())}  # fmt: skip
     return resident, layouts, homes
 
 
@@ -331,10 +384,11 @@ def offline_layout(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) 
     """The offline placement simulate_tri starts config.scheduler from (module docstring): per layer the HBM set
     and, for a scheduler with NDP, the localised cold experts and their DIMMs, from `profile_loads`."""
     m, _ = _machine(spec, config)
-    ndp_layout = Domain.NDP in make_tri_scheduler(config.scheduler).domains
+    sched = make_tri_scheduler(config.scheduler)
+    ndp_layout = Domain.NDP in sched.domains
     cap = int(config.hbm_ratio * spec.num_experts)
     prof, _ = profile_loads(calls, config.warmup_steps, spec.num_experts)
-    resident, _, homes = _place(m, prof, cap, ndp_layout)
+    resident, _, homes = _place(m, prof, cap, ndp_layout, bool(getattr(sched, "localises_all", False)))
     return OfflineLayout(prof, {layer: frozenset(r) for layer, r in resident.items()}, homes)
 
 
@@ -356,12 +410,14 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     refine = cfg.max_iters if (sched.refines and cfg.refinement) else 0
     actions = (sched.prefetches, sched.relayouts and cfg.relayout, sched.rebalances and cfg.relayout)
     ndp_layout = Domain.NDP in sched.domains
+    all_local = bool(getattr(sched, "localises_all", False))  # declared by a scheduler that localises every expert
     cap = int(cfg.hbm_ratio * E)
     pred = LoadPredictor(sorted(layers), E)
+    kv_host = cfg.kv_home == "host"
     # 2. State: HBM set per layer, layouts and homes (offline placement from the profiling window's mean loads,
     # or, without a window, at a layer's first call); the predictor starts from the window's mean loads
     prof, calls = profile_loads(calls, cfg.warmup_steps, E)
-    resident, layouts, homes = _place(m, prof, cap, ndp_layout)
+    resident, layouts, homes = _place(m, prof, cap, ndp_layout, all_local)
     initial_hbm = {layer: set(r) for layer, r in resident.items()}
     if cfg.warmup_steps:
         for layer, v in sorted(prof.items()):
@@ -377,13 +433,16 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     routed = moves = 0
     last_pcie = 0.0  # PCIe time the previous call's prefetches took from the next window
     layer_loads: dict[int, np.ndarray] = {}
+    pending: dict[int, tuple[Action, ...]] = {}  # layer -> the actions planned after its last call (scored next)
+    moved_per_call: list[int] = []  # DIMM-Link moves per layer call (relayouts + migrations)
+    kv = {"bytes": 0.0, "pcie_s": 0.0}
     name = {_G: "gpu", _C: "cpu", _N: "ndp"}
     for c in calls:
         ids = np.asarray(c.ids)
         T, layer = int(ids.shape[0]), int(c.layer)
         loads = np.bincount(ids.ravel(), minlength=E).astype(np.float64)  # [E]
         if layer not in resident:
-            resident[layer] = _initial(m, loads, cap, ndp_layout, layer, layouts, homes)
+            resident[layer] = _initial(m, loads, cap, ndp_layout, layer, layouts, homes, all_local)
             initial_hbm[layer] = set(resident[layer])
         layer_loads[layer] = layer_loads.get(layer, 0.0) + loads
         res = resident[layer]
@@ -391,9 +450,13 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         counts = {int(e): int(loads[e]) for e in np.flatnonzero(loads)}
         experts = price_call(m, layer, counts, {ExpertKey(layer, e) for e in res}, layouts, homes, shared_tokens=T)
         hot = frozenset(int(e) for e in np.flatnonzero(pred.classes(layer) == Heat.HOT))  # none before a call or window
-        window = _dense_s(cm, spec, T, cfg.context, True)
+        window = _dense_s(cm, spec, T, cfg.context, True)  # the GPU's attention/dense work: the DIMM-Link's window
+        kv_s, kv_b = m.kv_s(T, cfg.context) if kv_host else (0.0, 0)  # this layer's KV over PCIe (4.1)
+        kv["bytes"] += kv_b
+        kv["pcie_s"] += kv_s
+        pcie_window = max(0.0, window - kv_s)  # PCIe left free in the window by the KV stream
         if getattr(sched, "pipelines", False):  # declared by a scheduler that streams under the window (klotski)
-            out = sched.schedule(experts, cfg.ndp_count, hot, refine, window_s=max(0.0, window - last_pcie))  # type: ignore[call-arg]
+            out = sched.schedule(experts, cfg.ndp_count, hot, refine, window_s=max(0.0, pcie_window - last_pcie))  # type: ignore[call-arg]
         else:
             out = sched.schedule(experts, cfg.ndp_count, hot, refine)
         doms, tot, gtot, mv = out.plan.domains, out.totals, out.greedy, out.moves
@@ -411,14 +474,19 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
             if e.layout is Layout.LOCALISED and not (d == "gpu" and e.resident):  # read from its one DIMM
                 loc_n[d] += 1
                 loc_read[d] += e.dram_s if d != "ndp" else e.internal_s
-        # 4. Predictor, then background actions hidden by this layer's attention/dense window
+        # 4. Score the last call's decisions, the predictor, then background actions hidden by this layer's window
+        if layer in pending:
+            pred.stats.record_decisions(pending[layer], pred.rule.classify(loads))
         pred.update(layer, loads)
         win_total += window
         p, cls = pred.predict(layer), pred.classes(layer)
-        states = _states(m, layer, p, cls, res, layouts, homes, actions, cfg.dimm_link == "all-links")
+        states = _states(m, layer, p, cls, res, layouts, homes, actions, cfg.dimm_link)
         evictable = sorted((e for e in res if cls[e] != Heat.HOT), key=lambda e: (p[e], e))
         plan = plan_actions(states, cfg.ndp_count, window, dimm_base_s=tot.contention_s or None,
-                            hbm_free_slots=max(0, cap - len(res)) + len(evictable))  # fmt: skip
+                            hbm_free_slots=max(0, cap - len(res)) + len(evictable), pcie_window_s=pcie_window,
+                            fabric=cfg.dimm_link == "calibrated")  # fmt: skip
+        pending[layer] = plan.actions
+        moved_per_call.append(sum(a.kind is not ActionKind.PREFETCH for a in plan.actions))
         # 5. Apply them
         for a in plan.actions:
             mig[a.kind.value] += 1
@@ -439,8 +507,12 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
     steps = len({c.step for c in calls})
     batch = sum(int(np.asarray(c.ids).shape[0]) for c in calls) / len(calls)
     b = max(1, round(batch))
-    dense_layer = [_dense_s(cm, spec, b, cfg.context, i in layers) for i in range(spec.num_layers)]
+    kv_layer = m.kv_s(b, cfg.context)[0] if kv_host else 0.0  # each decoder layer's KV stream (all layers attend)
+    gpu_layer = [_dense_s(cm, spec, b, cfg.context, i in layers) for i in range(spec.num_layers)]
+    dense_layer = [max(g, kv_layer) for g in gpu_layer]  # the GPU's work, or the KV stream feeding it
     dense = steps * (sum(dense_layer) + cm.head_s("gpu", b))
+    kv_out = {"bytes": kv["bytes"], "pcie_s": kv["pcie_s"], "host": float(kv_host),
+              "exposed_s": steps * (sum(dense_layer) - sum(gpu_layer))}  # fmt: skip
     step_s = (moe + dense) / steps
     run = moe + dense
     step_util = {
@@ -457,7 +529,10 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
             "ndp": m.ndp.ndp_flops * cfg.ndp_count}  # fmt: skip
     link_s = mig["pcie_s"] + mig["dimm_link_s"]
     mig.update(pcie_bytes=mig["prefetch"] * m.nbytes, dimm_link_bytes=(mig["relayout"] + mig["migrate"]) * m.nbytes,
-               window_s=win_total, link_frac=link_s / max(moe + dense, 1e-30))  # fmt: skip
+               window_s=win_total, link_frac=link_s / max(moe + dense, 1e-30),
+               moves_max=float(max(moved_per_call, default=0)),
+               moves_mean=float(np.mean(moved_per_call)) if moved_per_call else 0.0,
+               move_s=_states_link_s(m, cfg.dimm_link))  # fmt: skip
     return TriSimResult(
         scheduler=cfg.scheduler, model=spec.name, steps=steps, calls=len(calls), batch=batch, moe_s=moe,
         greedy_moe_s=greedy_moe, dense_s=dense, step_s=step_s, throughput_tok_s=b / step_s,
@@ -465,9 +540,9 @@ def simulate_tri(spec: ModelSpec, calls: Sequence[Any], config: TriSimConfig) ->
         compute={k: v / moe for k, v in calc.items()},
         experts=n_exp, routed=routed, predictor=pred.stats.as_dict(), migration=mig, moves=moves,
         step_util=step_util, prefill_s=prefill, e2e_tok_s=e2e, localised=loc_n, localised_read_s=loc_read,
-        extra={"cpu_source": cpu_source(cfg)},
+        kv=kv_out, extra={"cpu_source": cpu_source(cfg)},
     )  # fmt: skip
 
 
-__all__ = ["DIMM_LINK", "OfflineLayout", "TriSimConfig", "TriSimResult", "cpu_source", "machine_profile",
-           "offline_layout", "profile_loads", "simulate_tri"]  # fmt: skip
+__all__ = ["DIMM_LINK", "KV_HOMES", "PAPER_DRIFT", "REGIMES", "OfflineLayout", "TriSimConfig", "TriSimResult",
+           "cpu_source", "machine_profile", "offline_layout", "profile_loads", "simulate_tri"]  # fmt: skip

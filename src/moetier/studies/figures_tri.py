@@ -1,12 +1,14 @@
 """The TriMoE study's figures and tables (docs/trimoe.md), drawn from the rows of `sweeps/trimoe.toml`
 (`figures = "trimoe"`): paper Fig. 6 (MoE-layer decode speedup over klotski), Fig. 7 (end-to-end
 throughput over klotski), Table 3 (utilisation per domain), Fig. 8 (ablation), Fig. 9 (NDP count and
-CPU TFLOPS sensitivity), 5.5 (robustness at small batches), and two of our own: relayout's gain against
+CPU TFLOPS sensitivity), 5.5 (robustness at small batches; block "robustness" when present, else "systems"), and
+two of our own: relayout's gain against
 the trace's popularity drift, and the eq. 6 contention reading. `tables.md` holds every number drawn.
 
-The headline blocks are the paper's regime (drift 24, predictor ~78%; or, from sweeps/trimoe_stationary.toml,
-drift 0 and step noise 0.9, the titles naming the regime of the rows): systems, ablation, ablation-base; the
-calm presets (predictor ~96%) are the second column: systems-calm, ablation-calm, ablation-base-calm. Blocks read
+The headline blocks are the paper's setting (issue 30: regime "paper", DIMM-Link calibrated to 5.5; or, from
+sweeps/trimoe_stationary.toml, the stationary regime; the titles name the regime and pricing of the rows): systems,
+robustness, ablation, ablation-base; older study files' calm columns (systems-calm, ablation-calm,
+ablation-base-calm) are drawn where present. Blocks read
 (by name): those, ablation-links (+relayout with each DIMM-Link move over every link), ndp, cpu, drift,
 drift-base, contention, contention-base. Fig. 7 is end-to-end throughput with the prefill phase
 (`e2e_tok_s`). Table 3 is given per step time (`step_*`: the dense work counted as GPU compute) and per MoE
@@ -48,8 +50,16 @@ def _regime(rows: Rows, block: str = "systems") -> str:
     got = _pick(rows, block) or _pick(rows, "ablation")
     noise = max((float(r.get("step_noise") or 0.0) for r in got), default=0.0)
     drifts = sorted({float(r["drift"]) for r in got if r.get("drift") is not None})
-    drift = "drift " + "/".join(f"{d:g}" for d in drifts) if drifts else "preset drift"
+    named = sorted({str(r["regime"]) for r in got if r.get("regime")})  # sim.tri REGIMES (issue 30)
+    drift = ("drift " + "/".join(f"{d:g}" for d in drifts) if drifts
+             else "regime " + "/".join(named) if named else "preset drift")  # fmt: skip
     return f"step noise {noise:g}, {drift}" if noise > 0 else drift
+
+
+def _link(rows: Rows, block: str = "systems") -> str:
+    """The headline blocks' DIMM-Link pricing (sim.tri DIMM_LINK), from their rows."""
+    links = sorted({str(r["dimm_link"]) for r in _pick(rows, block) if r.get("dimm_link")})
+    return "/".join(links) if links else "per link"
 
 
 def _speedups(rows: Rows, model: str, batch: int, col: str, higher: bool, block: str = "systems") -> dict[str, float]:
@@ -104,10 +114,11 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
     # robustness: trimoe over the best baseline against batch
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
     body = []
+    small = sorted({int(r["batch_size"]) for r in _pick(rows, "robustness")})  # 5.5's small batches (issue 30)
     for m in models:
         pts = []
-        for b in batches:
-            ms = _speedups(rows, m, b, "moe_step_s", False)
+        for b in sorted({*batches, *small}):
+            ms = _speedups(rows, m, b, "moe_step_s", False) or _speedups(rows, m, b, "moe_step_s", False, "robustness")
             if "trimoe" in ms and any(s in ms for s in BASELINES):
                 best = max(ms[s] for s in BASELINES if s in ms)
                 pts.append((b, ms["trimoe"] / best))
@@ -145,8 +156,8 @@ def _systems(rows: Rows, plt: Any, out: Path, md: list[str]) -> list[Path]:
                         cells.append("-")
             both.append([m, str(b), *cells])
     rg = _regime(rows)
-    md.append(_table(f"trimoe / best baseline: paper's regime ({rg}; DIMM-Link per link, or every link per "
-                     "move) and calm presets",
+    md.append(_table(f"trimoe / best baseline: the headline regime ({rg}; DIMM-Link {_link(rows)}, or every link per "
+                     "move where a systems-links block ran) and calm presets where a systems-calm block ran",
                      ["model", "batch", f"MoE, {rg}", f"end to end, {rg}", f"MoE, {rg}, every link",
                       f"end to end, {rg}, every link", "MoE, calm", "end to end, calm"],
                      both))  # fmt: skip

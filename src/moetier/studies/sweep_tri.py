@@ -4,9 +4,9 @@ columns; and `synthetic_calls`, the decode calls both of them replay.
 
 Parameters (grid keys may be plural): model (required), then every field of sim.tri.TriSimConfig under its own
 name and default (scheduler, ndp_count, cpu_tflops_scale, hbm_ratio, batch_size, steps, seed, refinement,
-relayout, context, profile, max_iters, drift, step_noise, contention, dimm_link, prefill_tokens, output_len,
-warmup_steps, cpu_profile; their meaning is documented there). warmup_steps = W generates W more decode steps
-before the `steps` replayed ones: the untimed profiling window the offline layout, every system's HBM set and
+relayout, context, profile, max_iters, regime, drift, step_noise, contention, dimm_link, kv_home, prefill_tokens,
+output_len, warmup_steps, cpu_profile; their meaning is documented there). warmup_steps = W generates W more decode
+steps before the `steps` replayed ones: the untimed profiling window the offline layout, every system's HBM set and
 the predictor start from (the study's sweep files use W = WARMUP_STEPS; the default 0 is the first-call
 placement). The two-domain machine's parameters (sim.config.SimConfig's other fields, stats, cpu_tflops) are
 refused with the reason.
@@ -39,17 +39,20 @@ REFUSED = {
     "cpu_tflops": "the three-domain machine scales the profile's AMX CPU: use cpu_tflops_scale (1.0 = the profile's)",
 }  # fmt: skip
 DOMAINS = ("gpu", "cpu", "ndp")
-PREDICTOR = ("accuracy", "hot_precision", "hot_recall", "change_accuracy", "rel_error")
+PREDICTOR = ("accuracy", "hot_precision", "hot_recall", "change_accuracy", "rel_error", "decisions",
+             "decision_accuracy")  # fmt: skip
 STEP_UTIL = ("busy_gpu", "compute_gpu", "busy_cpu", "compute_cpu", "compute_ndp")
 MIGRATION_COUNTS = ("prefetch", "relayout", "migrate")
-MIGRATION_TIMES = ("pcie_s", "dimm_link_s", "pcie_bytes", "dimm_link_bytes", "window_s", "link_frac")
+MIGRATION_TIMES = ("pcie_s", "dimm_link_s", "pcie_bytes", "dimm_link_bytes", "window_s", "link_frac", "moves_max",
+                   "moves_mean", "move_s")  # fmt: skip
+KV = ("bytes", "pcie_s", "exposed_s")
 COLUMNS = (
     "moe_step_s", "step_s", "throughput_tok_s", "moe_s", "greedy_moe_s", "dense_s", "batch", "calls", "routed",
     "moves", "prefill_s", "e2e_tok_s", *(f"step_{k}" for k in STEP_UTIL),
     *(f"busy_{d}" for d in (*DOMAINS, "dimm")), *(f"flop_util_{d}" for d in DOMAINS),
     *(f"compute_{d}" for d in DOMAINS),
     *(f"experts_{d}" for d in DOMAINS), *(f"predictor_{k}" for k in PREDICTOR),
-    *(f"migration_{k}" for k in (*MIGRATION_COUNTS, *MIGRATION_TIMES)),
+    *(f"migration_{k}" for k in (*MIGRATION_COUNTS, *MIGRATION_TIMES)), *(f"kv_{k}" for k in KV),
 )  # fmt: skip
 
 
@@ -58,14 +61,15 @@ WARMUP_STEPS = 16  # the profiling window the study and `moetier simulate-tri` u
 
 def synthetic_calls(spec: ModelSpec, config: TriSimConfig) -> list[Call]:
     """Decode calls of a TriMoE-3.1 synthetic trace (synthetic.preset) at config.batch_size for
-    config.warmup_steps + config.steps steps (the first warmup_steps are simulate_tri's profiling window),
-    with config.drift rank swaps per layer per step when given and config.step_noise as the generator's
-    step_noise (stationary popularity, batch-shared noise per step; the preset's shares kept)."""
+    config.warmup_steps + config.steps steps (the first warmup_steps are simulate_tri's profiling window), in
+    the trace regime config.trace_regime() gives (sim.tri.REGIMES: its drift rank swaps per layer per step, the
+    preset's when None, and its step_noise, stationary batch-shared noise per step; the preset's shares kept)."""
     p = synthetic.preset(spec, batch_size=config.batch_size, seed=config.seed)
-    if config.drift is not None:
-        p = replace(p, drift=float(config.drift))
-    if config.step_noise:
-        p = replace(p, step_noise=float(config.step_noise))
+    drift, noise = config.trace_regime()
+    if drift is not None:
+        p = replace(p, drift=float(drift))
+    if noise:
+        p = replace(p, step_noise=float(noise))
     return iter_calls(synthetic.generate(p, config.warmup_steps + config.steps, with_scores=False))
 
 
@@ -95,6 +99,7 @@ def tri_point(p: dict[str, Any]) -> dict[str, Any]:
     out.update({f"predictor_{k}": float(r.predictor[k]) for k in PREDICTOR})
     out.update({f"migration_{k}": int(r.migration[k]) for k in MIGRATION_COUNTS})
     out.update({f"migration_{k}": float(r.migration[k]) for k in MIGRATION_TIMES})
+    out.update({f"kv_{k}": float(r.kv[k]) for k in KV})
     return out
 
 

@@ -58,7 +58,9 @@ class Layer:
     """Random weights of one layer and its float64 reference."""
 
     def __init__(self, h: int, nh: int, nkv: int, hd: int, e: int, k: int, qk: int, clip: float, bias: bool,
-                 norm_topk: bool, round_w: bool, seed: int) -> None:  # fmt: skip
+                 norm_topk: bool, round_w: bool, gptoss: bool = False, *, seed: int) -> None:  # fmt: skip
+        """`gptoss`: GPT-OSS's attention sinks (one logit a head), a sliding window of 4 positions and a router
+        bias."""
         g = torch.Generator().manual_seed(seed)
 
         def rnd(*shape: int, s: float = 0.1) -> torch.Tensor:
@@ -76,10 +78,14 @@ class Layer:
         self.q_norm = (1 + rnd(qn)) if qk else None
         self.k_norm = (1 + rnd(kn)) if qk else None
         self.router = rnd(e, h, s=0.5)
+        self.router_b = rnd(e, s=0.5) if gptoss else None
+        self.sinks = rnd(nh, s=1.0) if gptoss else None
+        self.window = 4 if gptoss else 0
         self.cos, self.sin = rope_table(64, hd)
         spec = AttnSpec(h, nh, nkv, hd, self.eps, clip, qk, e, k, norm_topk, round_w)
         self.native = AttnLayer(spec, 0, self.in_norm, self.post_norm, self.wqkv, self.bqkv, self.wo, self.bo,
-                                self.q_norm, self.k_norm, self.cos, self.sin, self.router)  # fmt: skip
+                                self.q_norm, self.k_norm, self.cos, self.sin, self.router, self.sinks, self.window,
+                                self.router_b)  # fmt: skip
 
     def ref(self, x: torch.Tensor, pos: list[int], kc: list[torch.Tensor], vc: list[torch.Tensor]) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -106,14 +112,19 @@ class Layer:
             vc[t][:, pos[t]] = v[t]
         att = torch.empty(T, nh, hd, dtype=torch.float64)
         for t in range(T):
+            lo = max(0, pos[t] + 1 - self.window) if self.window else 0  # the sliding window's first position
             for head in range(nh):
                 g = head // (nh // nkv)
-                s = kc[t][g, : pos[t] + 1] @ q[t, head] / math.sqrt(hd)
-                att[t, head] = torch.softmax(s, -1) @ vc[t][g, : pos[t] + 1]
+                s = kc[t][g, lo : pos[t] + 1] @ q[t, head] / math.sqrt(hd)
+                if self.sinks is not None:  # the head's sink joins the softmax, then is dropped
+                    s = torch.cat([s, self.sinks[head].double().reshape(1)])
+                    att[t, head] = torch.softmax(s, -1)[:-1] @ vc[t][g, lo : pos[t] + 1]
+                else:
+                    att[t, head] = torch.softmax(s, -1) @ vc[t][g, lo : pos[t] + 1]
         o = r(r(att.reshape(T, nh * hd)) @ self.wo.double().T + (self.bo.double() if self.bo is not None else 0))
         xo = r(xd + o)
         h = r(rms(xo, self.post_norm, self.eps))
-        logits = r(h @ self.router.double().T)
+        logits = r(h @ self.router.double().T + (self.router_b.double() if self.router_b is not None else 0))
         probs = torch.softmax(logits, -1)
         w, ids = probs.topk(self.k, -1)
         if self.norm_topk:
@@ -126,12 +137,13 @@ CASES = {  # h, nh, nkv, hd, e, k, qk norm, clip, bias, norm_topk, round_w
     "qwen2": (96, 4, 4, 24, 6, 2, 0, 0.0, True, False, True),
     "olmoe": (64, 4, 4, 16, 6, 2, 2, 0.35, False, False, True),
     "mixtral": (64, 8, 2, 8, 4, 2, 0, 0.0, False, True, False),
+    "gpt_oss": (64, 4, 2, 16, 8, 2, 0, 0.0, True, True, True, True),  # sinks, window 4, router bias
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_attention_half_matches_float64(lib: ctypes.CDLL, case: str) -> None:
-    L = Layer(*CASES[case], seed=len(case))  # type: ignore[arg-type]
+    L = Layer(*CASES[case], seed=len(case))  # type: ignore[arg-type, misc]
     h, nkv, hd, k = L.h, L.nkv, L.hd, L.k
     step = Step(lib, 8, h, 1, k, L.e, [L.native], [], None, 64, 2)
     step.layer(0)

@@ -5,7 +5,7 @@ Checkpoints are built once per module with an expert inner size of 64 (the conft
 - qwen3_moe bf16, hidden 128: the CPU kernels (int8, int4 and int2 for w13; int2's w2 has
   one group of 64 and stays generic); lean decoder;
 - mixtral fp32: the generic format (dequantise, then F.linear) for every precision;
-- gpt_oss bf16: expert biases, int8 only; the transformers decoder.
+- gpt_oss bf16: expert biases, int8 only; the lean decoder (sinks, sliding windows).
 
 Dynamic engines run on qwen3_moe (2 MoE layers x 6 experts). Their pools are sized from the
 slot sizes read off a probe engine; `all_lo` / `all_hi` are the budgets holding every expert
@@ -154,7 +154,7 @@ def test_static_precisions_track_full_precision_in_order(model, full_logits, nam
 def test_static_int8_with_expert_biases(model, full_logits) -> None:
     path, ref = model("gpt_oss_bf16"), full_logits("gpt_oss_bf16")
     with load(path, PrecisionConfig(mode="int8")) as engine:
-        assert engine.stats()["decoder"] == "HFDecoder"
+        assert engine.stats()["decoder"] == "LeanDecoder"
         fmt = engine.store.source.fmt
         assert (fmt.kinds["w13"], fmt.kinds["w2"]) == KINDS["gpt_oss_bf16"]["int8"] and "b13" in fmt.slices["bias"]
         logits = engine.logits(PROBE)

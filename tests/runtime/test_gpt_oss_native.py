@@ -1,6 +1,7 @@
-"""GPT-OSS's experts in the native MoE call (csrc/step.h act 1: biases, clamps, alpha-sigmoid GLU), on bf16 slots
-and computed as stored: an MXFP4 safetensors checkpoint (its blocks re-laid in each slot as GGUF MXFP4 rows when
-read, kernels/stored.py `mxfp4_relay`, then ggml's MXFP4 dot product) and a GGUF file of MXFP4 experts.
+"""GPT-OSS in the native decode step (its attention sinks, sliding windows and biased router in the attention half,
+runtime/lean.py and csrc/step.h) and its experts in the native MoE call (act 1: biases, clamps, alpha-sigmoid GLU),
+on bf16 slots and computed as stored: an MXFP4 safetensors checkpoint (its blocks re-laid in each slot as GGUF MXFP4
+rows when read, kernels/stored.py `mxfp4_relay`, then ggml's MXFP4 dot product) and a GGUF file of MXFP4 experts.
 
 References: the fp32 engine (exact to transformers: tests/runtime/test_exactness.py) for the bf16 slots, where the
 native path must be at least as close as torch's own bf16 path (KL); transformers in fp32 on the dequantised twin
@@ -64,6 +65,9 @@ def test_bf16_slots_run_in_the_native_call(src: Path) -> None:
     got, st = _run(src, "full")
     slow, st_slow = _run(src, "full", native_on=False)
     assert st["executor"] == "native" and st["native"]["native_calls"] > 0 and st["native"]["dense_calls"] == 0
+    # the lean decoder's native step: attention (sinks, sliding windows) and the biased router in its first call
+    assert st["decoder"] == "LeanDecoder" and st["native_step"]["native_router"]
+    assert st["native_step"]["torch_moe_calls"] == 0
     assert st_slow["executor"] == "dense"
     lr = ref.log_softmax(-1)
 

@@ -43,7 +43,7 @@ class MtAttn(ctypes.Structure):
                              "round_w", "layer")),
         *((n, F32) for n in ("eps", "clip", "scale", "pad")),
         *((n, P) for n in ("in_norm", "post_norm", "q_norm", "k_norm", "bqkv", "bo", "cos", "sin", "router_w")),
-        ("wqkv", MtW), ("wo", MtW),
+        ("wqkv", MtW), ("wo", MtW), ("sinks", P), ("window", I64), ("router_b", P),
     ]  # fmt: skip
 
 
@@ -121,8 +121,11 @@ class AttnLayer:
         self, spec: AttnSpec, layer: int, in_norm: torch.Tensor, post_norm: torch.Tensor,
         wqkv: torch.Tensor | QDense, bqkv: torch.Tensor | None, wo: torch.Tensor | QDense, bo: torch.Tensor | None,
         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        router_w: torch.Tensor | None,
+        router_w: torch.Tensor | None, sinks: torch.Tensor | None = None, window: int = 0,
+        router_b: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
+        """`sinks` [nh]: each head's sink logit (GPT-OSS), None for none; `window` > 0: a sliding window of that
+        many positions (0: the whole cache); `router_b` [E]: the router's bias (GPT-OSS)."""
         keep: list[torch.Tensor] = []
 
         def bf(t: torch.Tensor | None) -> int | None:
@@ -141,7 +144,8 @@ class AttnLayer:
             topk=spec.top_k, norm_topk=int(spec.norm_topk), round_w=int(spec.round_weights), layer=layer,
             eps=spec.eps, clip=spec.clip, scale=spec.head_dim**-0.5, pad=0.0,
             in_norm=bf(in_norm), post_norm=bf(post_norm), q_norm=bf(q_norm), k_norm=bf(k_norm), bqkv=bf(bqkv),
-            bo=bf(bo), cos=bf(cos), sin=bf(sin), router_w=bf(router_w), wqkv=mq, wo=mo,
+            bo=bf(bo), cos=bf(cos), sin=bf(sin), router_w=bf(router_w), wqkv=mq, wo=mo, sinks=bf(sinks),
+            window=int(window), router_b=bf(router_b) if router_w is not None else None,
         )  # fmt: skip
         self.keep = keep
         self.ref = ctypes.byref(self.s)

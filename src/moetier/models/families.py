@@ -58,7 +58,8 @@ class Family:
     lean_attention: str | None = None  # attention kind the engine's own decoder implements, or None
     # the router the native decode step computes (kernels/csrc/step.c), or None (the family's module routes):
     # "softmax_topk": softmax, top-k, renormalised when config.norm_topk_prob, weights in the model dtype (Qwen,
-    # OLMoE); "softmax_topk_renorm": always renormalised, fp32 weights (Mixtral)
+    # OLMoE); "softmax_topk_renorm": always renormalised, fp32 weights (Mixtral); "topk_softmax": the router's bias
+    # added, softmax over the top-k logits (= softmax, top-k, renormalised), weights in the model dtype (GPT-OSS)
     native_router: str | None = None
     extra_renames: tuple[tuple[str, str], ...] = field(default=())  # checkpoint -> model name fragments
     seam: bool = False  # run transformers' own MoE blocks with moetier's experts module (models/seam.py)
@@ -126,7 +127,8 @@ FAMILIES: tuple[Family, ...] = (
             "down_bias": ExpertSource("experts.down_proj_bias"),
         },
         intermediate_attr="intermediate_size", expert_kind="gptoss", scoring="topk_softmax",
-        router_attr="router", returns_router_scores=True,
+        router_attr="router", returns_router_scores=True, lean_attention="llama",  # with sinks and sliding windows
+        native_router="topk_softmax",
     ),
     Family(
         name="llama4", model_types=("llama4_text",), architectures=("Llama4ForCausalLM",),

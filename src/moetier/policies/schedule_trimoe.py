@@ -10,7 +10,8 @@ the one with the largest total (GPU, CPU or one DIMM; ties: GPU, CPU, then the l
 expert (by its cost on that device; ties: first in input order) is the candidate; each move to one of the
 other two domains (allowed and feasible) is priced by the exact new makespan (eq. 5-7, contention
 included); the lowest wins, ties (within a relative 1e-12) go to the smallest increase of the receiving
-device's total (the home DIMM's T_DIMM for NDP), then ACCEL, HOST, NDP. The move is made only if it lowers
+device's total (the home DIMM's T_DIMM for NDP; increases within the same relative 1e-12 are equal), then ACCEL,
+HOST, NDP. The move is made only if it lowers
 the makespan (by more than a relative 1e-12); otherwise, when the bottleneck device has no expert (a DIMM
 busy with contention only), or after `max_iters` moves, refinement stops. The paper names no further
 candidate when the costliest expert cannot move, so neither do we.
@@ -128,7 +129,10 @@ def schedule_trimoe(
                 dm2 = max(t2 if h == d1 else t1, loc[h] + dl) + s2
             ms2 = max(g2, c2, dm2)
             inc = g2 - G if dst == 0 else c2 - C if dst == 1 else dl
-            if best is None or ms2 < best[0] - REL * ms or (abs(ms2 - best[0]) <= REL * ms and inc < best[1]):
+            # ties within REL: the smaller receiver increase, then the lower code (ACCEL, HOST, NDP); the increases
+            # are compared within REL too, so equal ones that round apart do not decide (a GPU and a CPU cost equal)
+            tol = REL * ms
+            if best is None or ms2 < best[0] - tol or (abs(ms2 - best[0]) <= tol and inc < best[1] - tol):
                 best = (ms2, inc, dst)
         if best is None or not best[0] < ms - REL * ms:
             break

@@ -241,7 +241,10 @@ class SlotDecoder:
             for b, (kc, vc) in enumerate(caches):
                 kc[i, :, pos[b]] = k[b]  # [nkv, hd] into [nkv, cap, hd] at the row's position
                 vc[i, :, pos[b]] = v[b]
-            if mask is None:
+            if L.sinks is not None or L.window:  # GPT-OSS: sinks, sliding windows; each row on its own cache
+                att = torch.cat([lean.attend(L, q[b : b + 1], kc[i], vc[i], pos[b]) for b, (kc, vc) in
+                                 enumerate(caches)])  # fmt: skip
+            elif mask is None:
                 outs = [
                     F.scaled_dot_product_attention(
                         q[b, :, None][None],  # [1, nh, 1, hd]

@@ -9,8 +9,12 @@ dense MLP layers call the model's own module.
 
 Supported variants: q/k/v and output biases (Qwen2-MoE, attention_bias), per-head q/k
 RMSNorm (Qwen3-MoE), whole-projection q/k RMSNorm then qkv clipping (OLMoE), every rope
-type whose table depends only on the position. Sliding-window attention and longrope are
-refused by `lean_supported`, and the engine falls back to the transformers modules.
+type whose table depends only on the position (a family's half-width table, GPT-OSS's, is
+widened to rotate-half form), GPT-OSS's per-head attention sinks and per-layer sliding windows
+(`layer_types` "sliding_attention", the attention module's `sliding_window`: a row attends to
+its last `sliding_window` positions). A family-wide sliding window without per-layer types
+(Mixtral's, Qwen2's `use_sliding_window`) and longrope are refused by `lean_supported`, and the
+engine falls back to the transformers modules.
 
 Invariants: logits equal the transformers modules' (fp32 exact up to rounding; `norm` is the same math
 as transformers' RMSNorm); `run` never writes past a cache's max_len (ConfigError first).
@@ -43,6 +47,8 @@ class LeanLayer:
     q_norm: torch.Tensor | None  # [hd] (per head) or [nh * hd] (whole projection)
     k_norm: torch.Tensor | None
     mlp: nn.Module  # TieredMoE or the family's dense MLP
+    sinks: torch.Tensor | None = None  # [nh]: each head's sink logit, in its softmax's denominator (GPT-OSS)
+    window: int = 0  # > 0: the layer attends to the last `window` positions (a sliding-window layer)
 
 
 class FusedStep(Protocol):
@@ -67,8 +73,11 @@ def lean_supported(loaded: LoadedModel) -> bool:
     if loaded.family.lean_attention != "llama":
         return False
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if types != {"full_attention"}:
+    if not types <= {"full_attention", "sliding_attention"}:
         return False
+    layers: Any = loaded.model.get_submodule("model.layers")
+    if "sliding_attention" in types and not all(hasattr(layer.self_attn, "sliding_window") for layer in layers):
+        return False  # the window per layer is read from each attention module
     if getattr(cfg, "use_sliding_window", False) or (
         getattr(cfg, "sliding_window", None) and loaded.family.name == "mixtral"
     ):
@@ -142,6 +151,8 @@ class LeanDecoder:
         pos = torch.arange(self.max_len, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         cos, sin = inner.rotary_emb(probe, pos)
+        if cos.shape[-1] * 2 == self.hd:  # a half-width table (GPT-OSS): the same rotation in rotate-half form
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         self.cos, self.sin = cos[0], sin[0]
         # 2. KV cache, allocated once: [L][nkv, max_len, hd]
         shape = (len(self.layers), self.nkv, self.max_len, self.hd)
@@ -191,6 +202,8 @@ class LeanDecoder:
             q_norm=qn.weight if qn is not None else None,
             k_norm=kn.weight if kn is not None else None,
             mlp=layer.mlp,
+            sinks=getattr(a, "sinks", None),
+            window=int(getattr(a, "sliding_window", None) or 0),
         )  # fmt: skip
 
     def reset(self) -> None:
@@ -235,6 +248,9 @@ class LeanDecoder:
             kc, vc = k_cache[i], v_cache[i]  # [nkv, max_len, hd]
             kc[:, p0 : p0 + T] = k.transpose(0, 1)
             vc[:, p0 : p0 + T] = v.transpose(0, 1)
+            if L.sinks is not None or L.window:
+                x = self.finish_layer(L, x, self.attend(L, q, kc, vc, p0))
+                continue
             att = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],  # [1, nh, T, hd]
                 kc[None, :, : p0 + T],  # [1, nkv, p0+T, hd]
@@ -247,6 +263,31 @@ class LeanDecoder:
         if hidden:
             return x  # [T, H]
         return self.head(x if all_logits else x[-1:])
+
+    def attend(self, L: LeanLayer, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p0: int) -> torch.Tensor:
+        """Attention of q [T, nh, hd] (rows at positions p0 .. p0 + T - 1) over one layer's cache kc / vc
+        [nkv, cap, hd] holding positions 0 .. p0 + T - 1, with the layer's sliding window and sinks, as
+        transformers' eager attention computes it (scores, the sink column, softmax, the sink dropped) ->
+        [T, nh * hd]."""
+        T, nh, hd = q.shape
+        end = p0 + T
+        lo = max(0, p0 - L.window + 1) if L.window else 0  # the first key any row of this call may see
+        k = kc[:, lo:end].repeat_interleave(nh // self.nkv, dim=0)  # [nh, n, hd]
+        v = vc[:, lo:end].repeat_interleave(nh // self.nkv, dim=0)
+        s = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * hd**-0.5  # [nh, T, n]
+        qpos = torch.arange(p0, end, device=q.device)[:, None]  # [T, 1]
+        kpos = torch.arange(lo, end, device=q.device)[None]  # [1, n]
+        keep = kpos <= qpos
+        if L.window:
+            keep &= kpos > qpos - L.window
+        s = s.masked_fill(~keep, float("-inf"))
+        if L.sinks is not None:
+            s = torch.cat([s, L.sinks.to(s.dtype).reshape(nh, 1, 1).expand(nh, T, 1)], dim=-1)  # [nh, T, n + 1]
+        s = s - s.amax(dim=-1, keepdim=True)
+        p = F.softmax(s, dim=-1, dtype=s.dtype)
+        if L.sinks is not None:
+            p = p[..., :-1]
+        return torch.matmul(p.to(v.dtype), v).transpose(0, 1).reshape(T, nh * hd)  # [T, nh * hd]
 
     def qkv(
         self, L: LeanLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

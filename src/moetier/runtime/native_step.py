@@ -93,12 +93,13 @@ class NativeStep:
         info = loaded.info
         blocks = {b.layer: b for b in loaded.blocks if isinstance(b, TieredMoE)}
         router = fam.native_router
-        norm_topk = router == "softmax_topk_renorm" or bool(getattr(cfg, "norm_topk_prob", False))
+        norm_topk = router in ("softmax_topk_renorm", "topk_softmax") or bool(getattr(cfg, "norm_topk_prob", False))
         spec = AttnSpec(
             hidden=info.hidden_size, heads=lean.nh, kv_heads=lean.nkv, head_dim=lean.hd, eps=lean.eps,
             clip=float(lean.clip) if lean.clip is not None else 0.0,
             qk_norm=0 if lean.layers[0].q_norm is None else (1 if lean.per_head_norm else 2),
-            experts=info.num_experts, top_k=info.top_k, norm_topk=norm_topk, round_weights=router == "softmax_topk",
+            experts=info.num_experts, top_k=info.top_k, norm_topk=norm_topk,
+            round_weights=router in ("softmax_topk", "topk_softmax"),
         )  # fmt: skip
         self.sites: list[_Site] = []
         self.torch_mlp_layers = 0
@@ -117,13 +118,15 @@ class NativeStep:
 
     def _site(self, i: int, L: LeanLayer, block: TieredMoE | None, spec: AttnSpec, router: bool) -> _Site:
         lean = self.lean
-        router_w = None
+        router_w = router_b = None
         if block is not None and router:
-            w = getattr(getattr(block, block.router_name), "weight", None)
+            module = getattr(block, block.router_name)
+            w, b = getattr(module, "weight", None), getattr(module, "bias", None)
             if isinstance(w, torch.Tensor) and tuple(w.shape) == (self.loaded.info.num_experts, spec.hidden):
                 router_w = w
+                router_b = b if isinstance(b, torch.Tensor) and b.numel() == spec.experts else None
         attn = AttnLayer(spec, i, L.in_norm, L.post_norm, L.wqkv, L.bqkv, L.wo, L.bo, L.q_norm, L.k_norm, lean.cos,
-                         lean.sin, router_w)  # fmt: skip
+                         lean.sin, router_w, L.sinks, L.window, router_b)  # fmt: skip
         info = self.loaded.info
         if block is not None:
             act = self.state.act if self.state is not None else SILU  # the routed experts' activation

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 6
+#define ABI 7
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -464,9 +464,11 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
         /* 4. attention: each (row, kv head) over the row's positions 0..pos */
 #pragma omp for schedule(static)
         for (int64_t tg = 0; tg < T * nkv; tg++) {
-            const int64_t t = tg / nkv, g = tg % nkv, n = S->pos[t] + 1;
-            const uint16_t* kc = S->kc[t] + (L->layer * nkv + g) * S->cap[t] * hd;
-            const uint16_t* vc = S->vc[t] + (L->layer * nkv + g) * S->cap[t] * hd;
+            const int64_t t = tg / nkv, g = tg % nkv;
+            const int64_t lo = L->window > 0 && S->pos[t] + 1 > L->window ? S->pos[t] + 1 - L->window : 0;
+            const int64_t n = S->pos[t] + 1 - lo; /* positions lo .. pos */
+            const uint16_t* kc = S->kc[t] + ((L->layer * nkv + g) * S->cap[t] + lo) * hd;
+            const uint16_t* vc = S->vc[t] + ((L->layer * nkv + g) * S->cap[t] + lo) * hd;
             for (int64_t i = 0; i < G; i++) {
                 const uint16_t* qh = qb + t * D + (g * G + i) * hd;
                 float* s = sc + i * max_len;
@@ -475,9 +477,11 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                     s[p] = dot_bf16_row(qh, kc + p * hd, hd) * L->scale;
                     m = s[p] > m ? s[p] : m;
                 }
+                const float sink = L->sinks ? bf2f(L->sinks[g * G + i]) : -INFINITY;
+                m = sink > m ? sink : m;
                 if (m != m || m == -INFINITY) m = 0.0f; /* NaN scores stay NaN through the exp below */
                 mt_exp_inplace(s, n, m);
-                float z = 0.0f;
+                float z = L->sinks ? expf(sink - m) : 0.0f; /* the sink's share of the softmax, then dropped */
                 for (int64_t p = 0; p < n; p++) z += s[p];
                 float* o = att + t * D + (g * G + i) * hd;
                 for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
@@ -511,6 +515,7 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                 float* l = lg + t * E;
                 float m = -INFINITY;
                 for (int64_t e = 0; e < E; e++) {
+                    if (L->router_b) l[e] += bf2f(L->router_b[e]); /* one rounding of the biased linear, as torch's */
                     S->logits[t * E + e] = f2bf(l[e]);
                     l[e] = round_bf(l[e]);
                     m = l[e] > m ? l[e] : m;

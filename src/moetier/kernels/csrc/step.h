@@ -4,7 +4,8 @@
  *   input RMSNorm -> QKV projection (+ bias) -> q/k norms (whole projection, then clip, or per head) ->
  *   RoPE (rotate-half, table rows at each row's position) -> K/V written into each row's cache at its
  *   position -> GQA attention of each row over its cache positions 0..pos (so prefill rows of one sequence
- *   are causal) -> output projection (+ bias) -> x += it -> h = post-attention RMSNorm(x) -> with a native
+ *   are causal; with `window` > 0 only the last `window` of them, and with `sinks` each head's sink logit joins the
+ *   softmax's denominator) -> output projection (+ bias) -> x += it -> h = post-attention RMSNorm(x) -> with a native
  *   router, the router logits (bf16, as the reference rounds them), softmax in fp32, top-k (ties: lower id
  *   first), optional renormalisation, weights optionally rounded to bf16 -> S->ids, S->wts, S->logits.
  * moetier_moe_half(M, S, desc): x += sum over each row's (expert, weight) pairs of weight * SwiGLU_e(h)
@@ -47,6 +48,9 @@ typedef struct {
     const uint16_t *cos, *sin;                                         /* bf16 [max_pos, hd] */
     const uint16_t* router_w;                                          /* bf16 [E, H] */
     mt_w wqkv, wo;
+    const uint16_t* sinks; /* bf16 [nh]: each head's learned sink logit in its softmax (GPT-OSS); NULL: none */
+    int64_t window;        /* > 0: a row attends to its last `window` positions only (sliding window); 0: all */
+    const uint16_t* router_b; /* bf16 [E]: the router's bias, added to its logits (GPT-OSS); NULL: none */
 } mt_attn;
 
 typedef struct {

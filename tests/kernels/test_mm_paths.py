@@ -186,3 +186,21 @@ def test_fp8_nan_reaches_the_output(lib):
     assert torch.isnan(got[:, 1]).all() and torch.isnan(got[:, 3]).all()
     ones = torch.full((2,), 64.0)
     assert torch.equal(got[:, 0].float(), ones) and torch.equal(got[:, 2].float(), ones)
+
+
+@pytest.mark.parametrize("k", [1024, 160, 96, 512])  # 4-block steps, tails; 512: the short-row path at 1-2 rows
+def test_mxfp4_rows_match_float64(lib: ctypes.CDLL, k: int) -> None:
+    """kind 4 | MT_FP4 (an MXFP4 matrix re-laid for our kernels, kernels/stored.py): each nibble one of the 16 e2m1
+    values (doubled) times a bf16 scale 2^(e - 128) per block of 32 (every exponent a block may have in a real
+    checkpoint's range), 1, 2, 4 and 6 activation rows (the decode, short-row, block and tail paths)."""
+    g = torch.Generator().manual_seed(k)
+    for m, n in ((1, 9), (2, 8), (4, 12), (6, 13)):
+        v = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        e = torch.randint(110, 136, (n, k // 32), generator=g)  # e8m0 exponents
+        scale = torch.exp2(e.double() - 128).to(BF16)  # exact: powers of two
+        assert torch.equal(scale.double(), torch.exp2(e.double() - 128))
+        lut = torch.tensor(decode.FP4_VALUES, dtype=torch.float64)
+        w = lut[v.long()] * scale.double().repeat_interleave(32, 1)  # [N, K]
+        x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 3, k)).to(BF16)
+        y = gemv(lib, x, decode.pack_nibbles(v).contiguous(), scale, None, 4 | decode.FP4, 32, n)
+        check(y, quantise_act(x).double() @ w.T, x.double().abs() @ w.abs().T)

@@ -1,13 +1,14 @@
 """GPT-OSS in the native decode step (its attention sinks, sliding windows and biased router in the attention half,
 runtime/lean.py and csrc/step.h) and its experts in the native MoE call (act 1: biases, clamps, alpha-sigmoid GLU),
-on bf16 slots and computed as stored: an MXFP4 safetensors checkpoint (its blocks re-laid in each slot as GGUF MXFP4
-rows when read, kernels/stored.py `mxfp4_relay`, then ggml's MXFP4 dot product) and a GGUF file of MXFP4 experts.
+on bf16 slots and computed as stored: an MXFP4 safetensors checkpoint (its blocks re-laid in each slot when read,
+kernels/stored.py `mxfp4_relay`, for our kernel 4 | MT_FP4) and a GGUF file of MXFP4 experts (its rows re-laid the
+same way).
 
 References: the fp32 engine (exact to transformers: tests/runtime/test_exactness.py) for the bf16 slots, where the
 native path must be at least as close as torch's own bf16 path (KL); transformers in fp32 on the dequantised twin
 for the stored files, per token (median over tokens of the mean |logit error|) within 3x the bf16 engine's error
-with everything decoded at load (`--precision full`): ggml quantises each activation to 8-bit blocks for its MXFP4
-product. A wrong nibble order, row order or exponent puts every token off by the logits' scale.
+with everything decoded at load (`--precision full`): the kernel quantises each activation to 8-bit blocks. A wrong
+nibble order, row order or exponent puts every token off by the logits' scale.
 """
 
 from __future__ import annotations
@@ -89,16 +90,16 @@ def test_mxfp4_safetensors_run_as_stored(src: Path, tmp_path: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     held = st["precision"]["stored"]
-    # the file's own bytes: 17 a block of 32 (blocks and exponents, each part 64-byte aligned), bf16 biases
-    assert held["bytes"] / held["experts"] <= 3 * h * i // 32 * 17 + 3 * 64 + (2 * i + h) * 2 + 64
+    # the file's 17 bytes a block of 32 plus one (the exponent widened to a bf16 scale), parts 64-byte aligned, biases
+    assert held["bytes"] / held["experts"] <= 3 * h * i // 32 * 18 + 3 * 64 + (2 * i + h) * 2 + 64
     want = _twin_logits(twin)
     assert want.abs().max().item() > 1.0
     assert _token_err(got, want) <= 3.0 * _token_err(full, want), (_token_err(got, want), _token_err(full, want))
 
 
 def test_mxfp4_relay_decodes_to_the_files_values(src: Path, tmp_path: Path) -> None:
-    """Each slot, re-laid as GGUF MXFP4 rows, decodes to exactly the file's values in the matrix's row order
-    (gate rows first: GPT-OSS interleaves them with up's)."""
+    """Each slot, re-laid for our kernels (quants, then bf16 scales 2^(e - 128)), decodes to exactly the file's values
+    in the matrix's row order (gate rows first: GPT-OSS interleaves them with up's)."""
     quant, twin = tmp_path / "mxfp4", tmp_path / "twin"
     convert(src, quant, twin, "mxfp4")
     with moetier.load(quant, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="bf16"),
@@ -111,6 +112,10 @@ def test_mxfp4_relay_decodes_to_the_files_values(src: Path, tmp_path: Path) -> N
             w13, w2 = views.w13.decode(torch.float32), views.w2.decode(torch.float32)
         finally:
             engine.store.release(key)
+        state = engine.executor_state
+        assert state is not None  # the native executor: every slot read by our kernel 4 | FP4, both matrices
+        table = state.table.table
+        assert set(table[:, 1].tolist()) == set(table[:, 10].tolist()) == {4 | decode.FP4}
     sd = load_file(twin / "model.safetensors")
     pre = f"model.layers.{key.layer}.mlp.experts."
     gate_up, down = sd[pre + "gate_up_proj"][key.expert], sd[pre + "down_proj"][key.expert]  # [H, 2I], [I, H]
@@ -124,6 +129,10 @@ def test_gguf_mxfp4_experts_run_as_stored(src: Path, tmp_path: Path) -> None:
     types = {f"blk.{n}.ffn_{p}_exps.weight": "MXFP4" for n in range(layers) for p in ("gate", "up", "down")}
     path = write_gguf(src, tmp_path / "m.gguf", "gpt_oss", "Q8_0", types=types)
     got, st = _run(path, "auto")
+    with moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="bf16"))) as engine:
+        assert engine.executor_state is not None  # the file's MXFP4 rows re-laid for our kernel 4 | FP4 when read
+        table = engine.executor_state.table.table
+        assert set(table[:, 1].tolist()) == set(table[:, 10].tolist()) == {4 | decode.FP4}
     full, _ = _run(path, "full")
     assert set(st["precision"]) == {"stored"}
     assert st["executor"] == "native" and st["native"]["native_calls"] > 0 and st["native"]["dense_calls"] == 0

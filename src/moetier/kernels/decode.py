@@ -45,6 +45,8 @@ from moetier.kernels import ggml, matmul, native
 KIND_BF16 = 16
 KIND_F8 = 9  # csrc/mm.h MT_KIND_F8: fp8 e4m3fn rows, fp32 scales per group (a block-scaled FP8 checkpoint)
 SF16 = 256  # csrc/mm.h MT_SF16: a kind whose scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out)
+FP4 = 512  # csrc/mm.h MT_FP4: kind 4 whose nibbles are MXFP4 values (bf16 scales 2^(e - 128), symmetric)
+FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # a nibble's MXFP4 value, doubled
 QBLOCK = 32  # activation (and dense weight) quantisation block
 DESC = 13  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, w2's kind, 2 bias offsets
 LAYOUT = 9  # ints per expert of the op's `layout`: kind, then (group, q, scale, zero) per matrix
@@ -143,6 +145,10 @@ def _check_gemv(x: torch.Tensor, q: torch.Tensor, kind: int, group: int) -> tupl
 def _gemv_impl(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, kind: int, group: int
 ) -> torch.Tensor:
+    fp4 = FP4 if kind < ggml.KIND_BASE and kind & FP4 else 0
+    kind &= ~fp4
+    if fp4 and (kind != 4 or zero is not None):
+        raise ValueError("gemv: MXFP4 values (FP4) are kind 4 without zeros")
     m, k, n = _check_gemv(x, q, kind, group)
     scaled = kind < ggml.KIND_BASE and kind != KIND_BF16
     sdt = (_BF16, torch.float16) if kind in (8, 4) else (_BF16,)  # fp16: a GGUF file's Q8_0 / Q4_0 scales
@@ -157,7 +163,7 @@ def _gemv_impl(
     scratch = _scratch.get(lib.moetier_gemv_scratch_bytes(m, k, kind))
     flag = SF16 if scaled and scale is not None and scale.dtype == torch.float16 else 0
     rc = lib.moetier_gemv(
-        x.data_ptr(), m, k, n, kind | flag, q.data_ptr(), scale.data_ptr() if scale is not None else None,
+        x.data_ptr(), m, k, n, kind | flag | fp4, q.data_ptr(), scale.data_ptr() if scale is not None else None,
         zero.data_ptr() if zero is not None else None, group, y.data_ptr(), scratch, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

@@ -43,7 +43,8 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
 HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
 ABI = 5  # csrc/sparse_swiglu.c
-DECODE_ABI = 7  # csrc/step.c (5: kind 9, fp8 e4m3fn rows; 6: expert biases, the GPT-OSS activation; 7: sinks, window)
+# csrc/step.c (5: kind 9, fp8 e4m3fn rows; 6: expert biases, the GPT-OSS activation; 7: sinks, window; 8: MT_FP4)
+DECODE_ABI = 8
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS: dict[str, tuple[str, ...]] = {  # csrc/mm.h: the path each build compiles

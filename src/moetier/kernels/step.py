@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moetier.kernels import ggml
-from moetier.kernels.decode import KIND_BF16, KIND_F8, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
+from moetier.kernels.decode import FP4, KIND_BF16, KIND_F8, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
 from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
 from moetier.kernels.stored import StoredExpertViews, StoredVariants, StoredWeight
 from moetier.store.pool import SlotViews
@@ -34,7 +34,7 @@ _BF16 = torch.bfloat16
 
 
 class MtW(ctypes.Structure):
-    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64)]
+    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64), ("fp4", I64)]
 
 
 class MtAttn(ctypes.Structure):
@@ -337,11 +337,11 @@ def _matrices_row(views: Any, lib: ctypes.CDLL | None) -> list[int] | None:
 def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int, int, int] | None:
     """(kernel kind, group, address of its first row, address of its scales or -1) of a stored matrix: a re-laid
     GGUF Q4_0 / Q8_0 matrix (our kernels, fp16 scales: kind | SF16, group 32), an MXFP4 safetensors matrix re-laid
-    as GGUF MXFP4 rows (ggml's), or rows of one GGUF block type ggml computes laid out as one [N, K] run (gate then
-    up adjacent); None otherwise."""
-    if w.relaid == "MXFP4" and w.region is not None:
-        kind = ggml.kind_of("MXFP4", lib)
-        return None if kind is None else (kind, 0, w.region.data_ptr(), -1)
+    for our kernels (kind 4 | FP4, bf16 scales per block), or rows of one GGUF block type ggml computes laid out as
+    one [N, K] run (gate then up adjacent); None otherwise."""
+    if w.relaid == "MXFP4":  # quants then bf16 scales: kind 4 | MT_FP4, a scale per block of 32
+        q, sc = w.mxfp4_split()
+        return 4 | FP4, QBLOCK, q.data_ptr(), sc.data_ptr()
     if w.relaid is not None:
         q, d = w.relay_split()
         return OWN_KERNEL_TYPES[w.relaid][0] | SF16, QBLOCK, q.data_ptr(), d.data_ptr()

@@ -141,9 +141,9 @@ def stored_native(cfg: EngineConfig, sk: Skeleton) -> bool:
     if StoredIntSource.fits(o.reader) is not None or StoredFp8Source.fits(o.reader) is not None:
         return True
     for tensors in layouts:
-        if any(t.codec == "mxfp4" for t in tensors):  # GPT-OSS: re-laid as GGUF MXFP4 rows when read, for ggml
+        if any(t.codec == "mxfp4" for t in tensors):  # GPT-OSS: re-laid for our kernels when read (kind 4 | FP4)
             relaid = StoredFormat(o.reader.layout, tensors, o.dtype, relay=True).relaid
-            if ggml.kind_of("MXFP4", lib) is None or [v[0] for v in relaid.values()] != ["MXFP4", "MXFP4"]:
+            if [v[0] for v in relaid.values()] != ["MXFP4", "MXFP4"]:
                 return False
     for t in (t for tensors in layouts for t in tensors):
         if all(piece.endswith("_bias") for piece, _ in t.pieces) or t.codec == "mxfp4":

@@ -47,6 +47,10 @@ static inline float f16f(uint16_t h) {
 /* one weight scale as fp32: bf16, or fp16 where the weight says so (mt_w.sf16) */
 #define SCL(w, p) ((w)->sf16 ? f16f(*(p)) : bf2f(*(p)))
 
+/* kind 4 with fp4 (mm.h): a nibble's MXFP4 value doubled (FP4S), and that plus 12 for the unsigned paths (FP4U) */
+static const int8_t FP4S[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t FP4U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
 #if MT_ISA == 3
 /* 16 weight scales (masked) as fp32 */
 static inline __m512 sv16(const mt_w* w, __mmask16 m, const uint16_t* p) {
@@ -398,8 +402,13 @@ static inline void put(float* const* yrow, const float* alpha, int64_t i, int64_
 /* ============================================================================ plain C (reference path) */
 
 #if MT_ISA == 0
-static inline int32_t block_isum_c(int64_t kind, const uint8_t* row, const int8_t* a, int64_t b) {
+static inline int32_t block_isum_c(int64_t kind, int64_t fp4, const uint8_t* row, const int8_t* a, int64_t b) {
     int32_t s = 0;
+    if (kind == 4 && fp4) { /* MXFP4 values, signed: no zero shift */
+        const uint8_t* q = row + b * 16;
+        for (int j = 0; j < 16; j++) s += FP4S[q[j] & 15] * a[b * MT_QB + j] + FP4S[q[j] >> 4] * a[b * MT_QB + j + 16];
+        return s;
+    }
     if (kind == 8) {
         const int8_t* q = (const int8_t*)row + b * MT_QB;
         for (int j = 0; j < MT_QB; j++) s += ((int32_t)q[j] + 128) * a[b * MT_QB + j];
@@ -425,8 +434,9 @@ static float dot_q_c(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64
     const uint16_t* s = w->s + r * G;
     float acc = 0.0f;
     const gdiv_t gd = gdiv(per);
-    for (int64_t b = 0; b < nb; b++) acc += d[b] * SCL(w, s + (gof(gd, b))) * (float)block_isum_c(w->kind, row, a, b);
-    return acc - zero_term(w, K, r, A, ar, zc_of(w->kind));
+    for (int64_t b = 0; b < nb; b++)
+        acc += d[b] * SCL(w, s + (gof(gd, b))) * (float)block_isum_c(w->kind, w->fp4, row, a, b);
+    return acc - zero_term(w, K, r, A, ar, w->fp4 ? 0.0f : zc_of(w->kind));
 }
 
 static void mm_c(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
@@ -507,8 +517,8 @@ static inline float bf16_row2(const uint16_t* w, int64_t K, const float* xf) {
 
 /* block b of a quantised row as 8 int32 partial sums against the activation block (the integer sum of
  * (v - zc) * a for symmetric rows, of v * a (VNNI or 4/2-bit) or q * a (8-bit, no VNNI) otherwise) */
-static inline __m256i block_isum2(int64_t kind, int sym, const uint8_t* row, const int8_t* a, const int32_t* init,
-                                  int64_t b) {
+static inline __m256i block_isum2(int64_t kind, int sym, int64_t fp4, const uint8_t* row, const int8_t* a,
+                                  const int32_t* init, int64_t b) {
     const __m256i av = _mm256_loadu_si256((const __m256i*)(a + b * MT_QB));
     if (kind == 8) {
         const __m256i q = _mm256_loadu_si256((const __m256i*)(row + b * MT_QB));
@@ -524,10 +534,14 @@ static inline __m256i block_isum2(int64_t kind, int sym, const uint8_t* row, con
     if (kind == 4) {
         const __m256i v = nib32(row, b);
 #if MT_VNNI256
-        const __m256i i0 = sym ? _mm256_loadu_si256((const __m256i*)(init + b * 8)) : _mm256_setzero_si256();
+        __m256i i0 = sym ? _mm256_loadu_si256((const __m256i*)(init + b * 8)) : _mm256_setzero_si256();
+        if (fp4) /* value + 12 against the start value scaled from -8 to -12 times the block sum (exact: a multiple of 8) */
+            return DPBUSD256(_mm256_srai_epi32(_mm256_mullo_epi32(i0, _mm256_set1_epi32(3)), 1),
+                             _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)FP4U)), v), av);
         return DPBUSD256(i0, v, av);
 #else
         (void)init;
+        if (fp4) return idot_s(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)FP4S)), v), av);
         return sym ? idot_s(_mm256_sub_epi8(v, _mm256_set1_epi8(8)), av) : idot_u(v, av);
 #endif
     }
@@ -561,12 +575,13 @@ static float q_row2(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const __m256i i0 = block_isum2(w->kind, sym, row, a, init, b), i1 = block_isum2(w->kind, sym, row, a, init, b + 1);
+        const __m256i i0 = block_isum2(w->kind, sym, w->fp4, row, a, init, b);
+        const __m256i i1 = block_isum2(w->kind, sym, w->fp4, row, a, init, b + 1);
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d[b] * SCL(w, s + (gof(gd, b)))), a0);
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d[b + 1] * SCL(w, s + (gof(gd, b + 1)))), a1);
     }
     if (b < nb)
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_isum2(w->kind, sym, row, a, init, b)),
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_isum2(w->kind, sym, w->fp4, row, a, init, b)),
                              _mm256_set1_ps(d[b] * SCL(w, s + (gof(gd, b)))), a0);
     float v = hsum8(_mm256_add_ps(a0, a1));
     const float zs = zshift2(w->kind, sym);
@@ -593,6 +608,15 @@ static void mm_avx2(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_a
 /* ============================================================================ AVX-512 BF16 + VNNI */
 #if MT_ISA == 3
 #define MAXT 4
+
+/* kind 4 with fp4 (mm.h): the nibbles as MXFP4 value + 12, and the symmetric start value scaled from -8 to -12
+ * times the block sum (exact: it is a multiple of 8); both unchanged for plain int4 */
+static inline __m512i fp4n(const mt_w* w, __m512i v) {
+    return w->fp4 ? _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)FP4U)), v) : v;
+}
+static inline __m512i fp4i(const mt_w* w, __m512i i) {
+    return w->fp4 ? _mm512_srai_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(3)), 1) : i;
+}
 
 /* One weight row at a time, streamed front to back (one sequential stream per thread: on this project's
  * AVX-512 EPYC, 4 interleaved rows read 23 GB/s where one row at a time reads 28-31, the machine's
@@ -723,13 +747,13 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
     for (; b + 8 <= full; b += 8) {
         const int64_t Gi = b / 4;
         const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16)), r1 = _mm512_loadu_si512((const void*)(q + b * 16 + 64));
-        const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
-        const __m512i l1 = _mm512_and_si512(r1, lo4), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
+        const __m512i l0 = fp4n(w, _mm512_and_si512(r0, lo4)), h0 = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4));
+        const __m512i l1 = fp4n(w, _mm512_and_si512(r1, lo4)), h1 = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4));
         const __m512 s0 = wscale(w, s, b, gd, 4), s1 = wscale(w, s, b + 4, gd, 4);
         for (int t = 0; t < TB; t++) {
             const int8_t* ag = a[t] + Gi * 128;
-            const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512();
-            const __m512i i1 = sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16 + 16)) : _mm512_setzero_si512();
+            const __m512i i0 = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512());
+            const __m512i i1 = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16 + 16)) : _mm512_setzero_si512());
             const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
                                                    _mm512_loadu_si512((const void*)(ag + 64)));
             const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1, l1, _mm512_loadu_si512((const void*)(ag + 128))),
@@ -742,11 +766,11 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
     for (; b < full; b += 4) {
         const int64_t Gi = b / 4;
         const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16));
-        const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+        const __m512i l0 = fp4n(w, _mm512_and_si512(r0, lo4)), h0 = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4));
         const __m512 s0 = wscale(w, s, b, gd, 4);
         for (int t = 0; t < TB; t++) {
             const int8_t* ag = a[t] + Gi * 128;
-            const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512();
+            const __m512i i0 = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512());
             const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
                                                    _mm512_loadu_si512((const void*)(ag + 64)));
             a0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(s0, _mm512_loadu_ps(dx[t] + Gi * 16)), a0[t]);
@@ -754,11 +778,11 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
     }
     for (; b < nb; b++) { /* natural-order tail blocks */
         const int64_t o = full / 4 * 16 + (b - full) * 8;
-        const __m512i v = _mm512_zextsi256_si512(nib32(q, b));
+        const __m512i v = fp4n(w, _mm512_zextsi256_si512(nib32(q, b)));
         const __m512 sv = _mm512_set1_ps(SCL(w, s + (gof(gd, b))));
         for (int t = 0; t < TB; t++) {
             const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a[t] + b * MT_QB);
-            const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512();
+            const __m512i iv = fp4i(w, sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512());
             const __m512 dv = _mm512_maskz_loadu_ps(0xff, dx[t] + o);
             a0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, v, av)), _mm512_mul_ps(sv, dv), a0[t]);
         }
@@ -818,12 +842,12 @@ static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
     for (int64_t b = 0; b < K / MT_QB; b += 4) {
         const int64_t Gi = b / 4;
         const __m512i alo = _mm512_loadu_si512((const void*)(a + Gi * 128)), ahi = _mm512_loadu_si512((const void*)(a + Gi * 128 + 64));
-        const __m512i iv = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
+        const __m512i iv = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512());
         const __m512 dv = _mm512_loadu_ps(dx + Gi * 16);
         const int64_t gi = fast ? gof(gd, b) : 0;
         for (int i = 0; i < 4; i++) {
             const __m512i raw = _mm512_loadu_si512((const void*)((const uint8_t*)w->q + (r + i) * (K / 2) + b * 16));
-            const __m512i l = _mm512_and_si512(raw, lo4), h = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+            const __m512i l = fp4n(w, _mm512_and_si512(raw, lo4)), h = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
             const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv, l, alo), h, ahi);
             const __m512 sc = fast ? _mm512_permutexvar_ps(_mm512_set1_epi32((int)(i * G + gi)), svall)
                                    : wscale(w, w->s + (r + i) * G, b, gd, 4);
@@ -992,12 +1016,12 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
         for (int t = 0; t < TB; t++) {
             alo[t] = _mm512_loadu_si512((const void*)(a[t] + Gi * 128));
             ahi[t] = _mm512_loadu_si512((const void*)(a[t] + Gi * 128 + 64));
-            iv[t] = sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512();
+            iv[t] = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init[t] + Gi * 16)) : _mm512_setzero_si512());
             dv[t] = _mm512_loadu_ps(dx[t] + Gi * 16);
         }
         for (int i = 0; i < R; i++) {
             const __m512i raw = _mm512_loadu_si512((const void*)((const uint8_t*)w->q + (r + i) * rb + b * 16));
-            const __m512i vlo = _mm512_and_si512(raw, lo4), vhi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+            const __m512i vlo = fp4n(w, _mm512_and_si512(raw, lo4)), vhi = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
             const __m512 sv = wscale(w, w->s + (r + i) * G, b, gd, 4);
             for (int t = 0; t < TB; t++) {
                 const __m512i is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv[t], vlo, alo[t]), vhi, ahi[t]);
@@ -1008,11 +1032,11 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
     for (int64_t b = full; b < nb; b++) {
         const int64_t o = full / 4 * 16 + (b - full) * 8;
         for (int i = 0; i < R; i++) {
-            const __m512i v = _mm512_zextsi256_si512(nib32((const uint8_t*)w->q + (r + i) * rb, b));
+            const __m512i v = fp4n(w, _mm512_zextsi256_si512(nib32((const uint8_t*)w->q + (r + i) * rb, b)));
             const __m512 sv = _mm512_set1_ps(SCL(w, w->s + ((r + i) * G + gof(gd, b))));
             for (int t = 0; t < TB; t++) {
                 const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a[t] + b * MT_QB);
-                const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512();
+                const __m512i iv = fp4i(w, sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512());
                 const __m512 dv = _mm512_maskz_loadu_ps(0xff, dx[t] + o);
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, v, av)), _mm512_mul_ps(sv, dv),
                                             acc[i][t]);
@@ -1042,11 +1066,11 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
     for (; b + 8 <= full; b += 8) {
         const int64_t Gi = b / 4;
         const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16)), r1 = _mm512_loadu_si512((const void*)(q + b * 16 + 64));
-        const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
-        const __m512i l1 = _mm512_and_si512(r1, lo4), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
+        const __m512i l0 = fp4n(w, _mm512_and_si512(r0, lo4)), h0 = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4));
+        const __m512i l1 = fp4n(w, _mm512_and_si512(r1, lo4)), h1 = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4));
         const int8_t* ag = a + Gi * 128;
-        const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
-        const __m512i i1 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16 + 16)) : _mm512_setzero_si512();
+        const __m512i i0 = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512());
+        const __m512i i1 = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init + Gi * 16 + 16)) : _mm512_setzero_si512());
         const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
                                                _mm512_loadu_si512((const void*)(ag + 64)));
         const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1, l1, _mm512_loadu_si512((const void*)(ag + 128))), h1,
@@ -1057,17 +1081,17 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
     for (; b < full; b += 4) {
         const int64_t Gi = b / 4;
         const __m512i r0 = _mm512_loadu_si512((const void*)(q + b * 16));
-        const __m512i l0 = _mm512_and_si512(r0, lo4), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+        const __m512i l0 = fp4n(w, _mm512_and_si512(r0, lo4)), h0 = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4));
         const int8_t* ag = a + Gi * 128;
-        const __m512i i0 = sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512();
+        const __m512i i0 = fp4i(w, sym ? _mm512_loadu_si512((const void*)(init + Gi * 16)) : _mm512_setzero_si512());
         const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, l0, _mm512_loadu_si512((const void*)ag)), h0,
                                                _mm512_loadu_si512((const void*)(ag + 64)));
         a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(wscale(w, s, b, gd, 4), _mm512_loadu_ps(dx + Gi * 16)), a0);
     }
     for (; b < nb; b++) {
         const int64_t o = full / 4 * 16 + (b - full) * 8;
-        const __m512i v = _mm512_zextsi256_si512(nib32(q, b));
-        const __m512i iv = sym ? _mm512_maskz_loadu_epi32(0xff, init + o) : _mm512_setzero_si512();
+        const __m512i v = fp4n(w, _mm512_zextsi256_si512(nib32(q, b)));
+        const __m512i iv = fp4i(w, sym ? _mm512_maskz_loadu_epi32(0xff, init + o) : _mm512_setzero_si512());
         const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a + b * MT_QB);
         a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, v, av)),
                              _mm512_mul_ps(_mm512_set1_ps(SCL(w, s + (gof(gd, b)))), _mm512_maskz_loadu_ps(0xff, dx + o)), a0);

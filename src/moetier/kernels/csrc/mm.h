@@ -18,6 +18,10 @@
  *   constant (8-bit 128, 4-bit 8, 2-bit 2), the Q8_0 / Q4_0 layout of the dense weights (group 32).
  *   sf16: the scales are fp16 instead (a GGUF file's Q8_0 / Q4_0 blocks split into their quants and their
  *   own fp16 scales, exact); callers pass kind | MT_SF16.
+ *   fp4 (kind 4 only): each nibble indexes the MXFP4 (e2m1) values doubled, {0, 1, 2, 3, 4, 6, 8, 12} and their
+ *   negatives, W = value * scale with bf16 scales 2^(e - 128) per block of 32 (an MXFP4 block's e8m0 exponent e,
+ *   exact; zero NULL); the integer paths read value + 12 (0..24) and shift the zero by 12 instead of 8; callers
+ *   pass 4 | MT_FP4.
  *   9   fp8 e4m3fn (MT_KIND_F8): one byte a value as the checkpoint stores it; `s` points at fp32 scales
  *       [N, K / group] (a block-scaled FP8 checkpoint's grid, one row of it per weight row), W = fp8 * scale;
  *       zero NULL; group a multiple of 32 dividing K. Reads the MT_F_BF16 activation form: each 32 values are
@@ -118,9 +122,11 @@ typedef struct {
     const uint16_t* z; /* bf16 [N, K / group] or NULL (symmetric) */
     int64_t group;
     int64_t sf16; /* 1: the scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out), not bf16 */
+    int64_t fp4;  /* kind 4: the nibbles are MXFP4 values (see the kinds above) */
 } mt_w;
 /* a kind as callers pass it (gemv, slot descriptors): | MT_SF16 for fp16 scales */
 #define MT_SF16 256
+#define MT_FP4 512 /* kind 4 as MXFP4 values (mt_w.fp4) */
 
 typedef struct {
     int form;

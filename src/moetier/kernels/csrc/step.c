@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 7
+#define ABI 8
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -104,6 +104,8 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
     int64_t g13[MT_NFORM] = {0}, g2[MT_NFORM] = {0};
     for (int64_t j = 0; j < n; j++) {
         if (!kind_ok(c->w13[j].kind, H, c->w13[j].group) || !kind_ok(c->w2[j].kind, I, c->w2[j].group)) return -1;
+        if ((c->w13[j].fp4 && (c->w13[j].kind != 4 || c->w13[j].z)) || (c->w2[j].fp4 && (c->w2[j].kind != 4 || c->w2[j].z)))
+            return -1; /* MXFP4 values are kind 4, symmetric */
         const int f13 = mt_form_of(c->w13[j].kind), f2 = mt_form_of(c->w2[j].kind);
         if (!used13[f13]) g13[f13] = c->w13[j].group;
         if (!used2[f2]) g2[f2] = c->w2[j].group;
@@ -182,9 +184,10 @@ static inline mt_w desc_w(const int64_t* d, int m) {
     const char* base = (const char*)(intptr_t)d[0];
     const int64_t* p = d + 2 + 4 * m;
     const int64_t kind = m ? d[10] : d[1];
-    const int sf = !mt_is_gg(kind) && (kind & MT_SF16);
-    mt_w w = {sf ? kind & ~(int64_t)MT_SF16 : kind, base + p[1], p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL,
-              p[3] >= 0 ? (const uint16_t*)(base + p[3]) : NULL, p[0], sf};
+    const int sf = !mt_is_gg(kind) && (kind & MT_SF16), fp4 = !mt_is_gg(kind) && (kind & MT_FP4);
+    mt_w w = {mt_is_gg(kind) ? kind : kind & ~(int64_t)(MT_SF16 | MT_FP4), base + p[1],
+              p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL, p[3] >= 0 ? (const uint16_t*)(base + p[3]) : NULL, p[0],
+              sf, fp4};
     return w;
 }
 
@@ -589,18 +592,18 @@ int64_t moetier_head(const mt_head* Hd, const uint16_t* x, int64_t T, uint16_t* 
 /* ============================================================================ single ops (kernels/decode.py) */
 
 int64_t moetier_gemv_scratch_bytes(int64_t M, int64_t K, int kind) {
-    if (!mt_is_gg(kind)) kind &= ~MT_SF16;
+    if (!mt_is_gg(kind)) kind &= ~(MT_SF16 | MT_FP4);
     return al64(mt_act_rec_bytes(mt_form_of(kind), K, MT_QB) * M) + al64(M * 8) + al64(M * 4) + 64 * 3;
 }
 
 /* y [M, N] bf16 = x [M, K] bf16 @ W.T */
 int64_t moetier_gemv(const uint16_t* x, int64_t M, int64_t K, int64_t N, int kind, const void* q, const uint16_t* s,
                      const uint16_t* z, int64_t group, uint16_t* y, void* scratch, int nthreads) {
-    const int sf = !mt_is_gg(kind) && (kind & MT_SF16);
-    if (sf) kind &= ~MT_SF16;
-    if (!kind_ok(kind, K, kind == 16 ? 1 : group)) return -1;
+    const int sf = !mt_is_gg(kind) && (kind & MT_SF16), fp4 = !mt_is_gg(kind) && (kind & MT_FP4);
+    if (!mt_is_gg(kind)) kind &= ~(MT_SF16 | MT_FP4);
+    if (!kind_ok(kind, K, kind == 16 ? 1 : group) || (fp4 && (kind != 4 || z != NULL))) return -1;
     (void)N;
-    mt_w w = {kind, q, s, z, kind == 16 ? 0 : group, sf};
+    mt_w w = {kind, q, s, z, kind == 16 ? 0 : group, sf, fp4};
     char* cur = (char*)scratch;
     mt_act a;
     take(&cur, mt_act_init(&a, mt_form_of(kind), K, kind == 16 ? 0 : group, cur, M));
@@ -647,7 +650,7 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     mt_w* w = (mt_w*)take(&cur, n_exp * 2 * (int64_t)sizeof(mt_w));
     for (int64_t e = 0; e < n_exp; e++) {
         const int64_t kind = desc[e * MT_DESC + 1];
-        const int64_t k0 = mt_is_gg(kind) ? kind : kind & ~(int64_t)MT_SF16;
+        const int64_t k0 = mt_is_gg(kind) ? kind : kind & ~(int64_t)(MT_SF16 | MT_FP4);
         if (k0 != 16 && k0 != 8 && k0 != 4 && k0 != 2 && k0 != MT_KIND_F8 && !mt_is_gg(k0)) return -1;
         if (desc[e * MT_DESC + 11] >= 0 || desc[e * MT_DESC + 12] >= 0) return -1; /* SiLU experts, no biases */
         w[e] = desc_w(desc + e * MT_DESC, 0);

@@ -185,6 +185,22 @@ def _bf16_slot(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, SlotV
     return row, views
 
 
+def _moe_step(lib: ctypes.CDLL, moe: MoeLayer, h: int, e: int, ids: torch.Tensor, g: torch.Generator) -> tuple[
+        Step, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A Step for the MoE half of 4 rows routed by ids [4, k]: (step, residual x0, input h, weights), random."""
+    k = ids.shape[1]
+    step = Step(lib, 4, h, 1, k, e, [], [moe], None, 0, 2)
+    step.layer(0)
+    step.s.nthreads, step.s.T = 2, 4
+    x0, hin = torch.randn(4, h, generator=g).to(BF16), torch.randn(4, h, generator=g).to(BF16)
+    wts = torch.rand(4, k, generator=g)
+    step.x[:4].copy_(x0)
+    step.h[:4].copy_(hin)
+    step.ids[0, :4].copy_(ids)
+    step.wts[0, :4].copy_(wts)
+    return step, x0, hin, wts
+
+
 def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
     """Routed bf16 experts by descriptor (a batch of rows with repeated experts), a sigmoid-gated shared expert,
     and a dense MLP layer (E = 0), each added to the residual."""
@@ -204,17 +220,8 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
 
     for shared in (False, True):
         moe = MoeLayer(h, inter, e, k, (sh13, sh2, gate) if shared else None)
-        step = Step(lib, 4, h, 1, k, e, [], [moe], None, 0, 2)
-        step.layer(0)
-        step.s.nthreads, step.s.T = 2, 4
-        x0 = torch.randn(4, h, generator=g).to(BF16)
-        hin = torch.randn(4, h, generator=g).to(BF16)
         ids = torch.tensor([[1, 4], [4, 1], [0, 5], [2, 4]], dtype=torch.int32)
-        wts = torch.rand(4, 2, generator=g)
-        step.x[:4].copy_(x0)
-        step.h[:4].copy_(hin)
-        step.ids[0, :4].copy_(ids)
-        step.wts[0, :4].copy_(wts)
+        step, x0, hin, wts = _moe_step(lib, moe, h, e, ids, g)
         for ex in range(e):
             row = desc_row(slots[ex][1])
             assert row is not None
@@ -275,16 +282,8 @@ def test_moe_half_gpt_oss_experts_match_float64(lib: ctypes.CDLL) -> None:
         return r(a) @ w2.double().T + (b2.double() if b2 is not None else 0.0)  # down rows read bf16 activations
 
     moe = MoeLayer(h, inter, e, k, act=Activation(1, alpha, limit))
-    step = Step(lib, 4, h, 1, k, e, [], [moe], None, 0, 2)
-    step.layer(0)
-    step.s.nthreads, step.s.T = 2, 4
-    x0, hin = torch.randn(4, h, generator=g).to(BF16), torch.randn(4, h, generator=g).to(BF16)
     ids = torch.tensor([[1, 4], [4, 3], [0, 3], [2, 4]], dtype=torch.int32)
-    wts = torch.rand(4, 2, generator=g)
-    step.x[:4].copy_(x0)
-    step.h[:4].copy_(hin)
-    step.ids[0, :4].copy_(ids)
-    step.wts[0, :4].copy_(wts)
+    step, x0, hin, wts = _moe_step(lib, moe, h, e, ids, g)
     for ex in range(e):
         moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
     step.moe(moe)

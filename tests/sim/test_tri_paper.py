@@ -18,6 +18,7 @@ from moetier.sim.tri import PAPER_DRIFT, REGIMES, TriSimConfig, offline_layout, 
 from moetier.specs import ModelSpec, load_spec
 from moetier.traces import Call
 from moetier.types import Domain, ExpertKey, Layout
+from sim.test_tri_baselines import _zipf
 
 QWEN = load_spec("qwen3-235b-a22b")
 MID = ModelSpec(name="mid-tri", source="test", num_layers=2, moe_layers=(0, 1), num_experts=32, top_k=4,
@@ -26,22 +27,9 @@ MID = ModelSpec(name="mid-tri", source="test", num_layers=2, moe_layers=(0, 1), 
 KW: dict[str, Any] = {"ndp_count": 4, "hbm_ratio": 0.125, "context": 256}
 
 
-def _zipf(steps: int = 5, T: int = 256, seed: int = 0) -> list[Call]:
-    rng = np.random.default_rng(seed)
-    base = 1.0 / np.arange(1, 33) ** 1.2
-    out = []
-    for s in range(steps):
-        p = np.roll(base, 2 * s)
-        p = p / p.sum()
-        for layer in (0, 1):
-            ids = np.stack([rng.choice(32, size=4, replace=False, p=p) for _ in range(T)])  # [T, 4]
-            out.append(Call(s, layer, ids, np.ones_like(ids, dtype=np.float32), None))
-    return out
-
-
 @pytest.fixture(scope="module")
 def calls() -> list[Call]:
-    return _zipf()
+    return _zipf(steps=5, shift=2)  # Zipf(1.2) over 32 experts, top-4, rotated 2 ranks a step
 
 
 # 1. DIMM-Link ---------------------------------------------------------------------------------------------------

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from moetier.policies.schedule_ktransformers_plus import KTransformersPlusScheduler
 from moetier.policies.schedule_tri_base import DOMAINS, TriExpert, TriOutcome, hot_split, tri_plan
-from moetier.types import Domain
 
 
-class KTransformersSplitScheduler:
+class KTransformersSplitScheduler(KTransformersPlusScheduler):
+    """En-KTransformers' domains and background actions; only the split of a call differs."""
+
     name = "ktransformers-plus-split"
-    domains = frozenset((Domain.ACCEL, Domain.HOST))
-    prefetches = True
-    relayouts = False
-    rebalances = False
-    refines = False
 
     def schedule(self, experts: Sequence[TriExpert], n_dimms: int, hot: frozenset[int], max_iters: int) -> TriOutcome:
         codes, t = hot_split(experts, n_dimms, 1, "ktransformers-plus-split schedule")

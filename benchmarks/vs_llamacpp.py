@@ -111,8 +111,9 @@ The benchmark makes its anchor itself, so anyone can rerun it (everything lands 
    the first of each 512-token window, llama-perplexity the second half of each window. The
    benchmark model is random, so the figures compare quantization error, not language quality.
    With `moetier-gguf-*` candidates, their files too: `moetier eval GGUF/src --precision full
-   --save-logits` once, then `moetier eval FILE.gguf --kl-ref that --kl-other-checkpoint` per file,
-   beside llama-perplexity's KL of the same file.
+   --save-logits` once, then `moetier eval FILE.gguf --kl-ref that --kl-other-checkpoint --kl-from 256`
+   per file (each window's positions 256-511, llama-perplexity's second half: positions 256-510), beside
+   llama-perplexity's KL of the same file.
 
 Ratios: each row's decode (per depth) and prefill against the llama.cpp row of the same expert
 precision at the same depth (bf16 vs bf16, int8 vs Q8_0, int4 vs Q4_0; the llama.cpp files also
@@ -852,7 +853,7 @@ def moetier_gguf_kl(src: Path, ggufs: dict[str, Path], text: Path, out: Path, ty
     for t in types:
         t0 = time.perf_counter()
         proc = run([sys.executable, "-c", CLI, "eval", str(ggufs[t]), *common, "--kl-ref", str(base),
-                    "--kl-other-checkpoint", "--json"], env=env)  # fmt: skip
+                    "--kl-other-checkpoint", "--kl-from", str(KL_WINDOW // 2), "--json"], env=env)  # fmt: skip
         payload = json.loads(proc.stdout.strip().splitlines()[-1])
         res[t] = {k: payload.get(k) for k in keys} | {"seconds": round(time.perf_counter() - t0, 1)}
     return res

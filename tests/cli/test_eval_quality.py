@@ -60,6 +60,20 @@ def test_save_logits_then_kl_ref_file_equals_kl_ref_full(tiny: Path, text_file: 
     assert "KL divergence vs" in human.stdout and "top-1 agreement" in human.stdout
 
 
+def test_kl_from_scores_the_later_positions_of_each_window(tiny: Path, text_file: Path) -> None:
+    """--kl-from 8 of windows of 16: a window's positions 8-15 of its 16 scored ones (llama-perplexity's second
+    half), each figure over those only (both perplexities too); --kl-from past every position is an error."""
+    base = ("eval", tiny, "--text", text_file, "--window", 16, "--dtype", "bf16", "--kl-ref", "full", "--json")
+    every, later = last_json(invoke(*base)), last_json(invoke(*base, "--kl-from", 8))
+    full, rest = divmod(every["tokens"], 16)  # whole windows of 16 scored positions, and a shorter last one
+    assert later["tokens"] == 8 * full + max(0, rest - 8) and later["kl_from"] == 8
+    assert later["kl_mean"] != pytest.approx(every["kl_mean"], rel=1e-9) and later["kl_mean"] > 0
+    assert later["ref_ppl"] != pytest.approx(every["ref_ppl"], rel=1e-6)  # the reference over the same positions
+    assert_user_error(invoke(*base, "--kl-from", 16), "error:", "no position of any window")
+    no_ref = invoke("eval", tiny, "--text", text_file, "--kl-from", 8)
+    assert_user_error(no_ref, "error:", "--kl-from goes with --kl-ref")
+
+
 def test_kl_ref_file_of_another_model_text_or_window(tiny: Path, text_file: Path, tmp_path: Path) -> None:
     path = tmp_path / "ref.safetensors"
     last_json(invoke("eval", tiny, "--text", text_file, "--window", 16, "--save-logits", path, "--json"))

@@ -72,6 +72,13 @@ KlOther = Annotated[
                       "quantized file against its bf16 original); the vocabulary and the token ids must still "
                       "match."),
 ]  # fmt: skip
+KlFrom = Annotated[
+    int,
+    typer.Option("--kl-from", min=0, rich_help_panel="Quality",
+                 help="With --kl-ref: report KL, top-1 and perplexities over each window's positions from this one on "
+                      "(llama-perplexity --kl-divergence scores the second half of each window: give window / 2 to "
+                      "compare with it on the same positions). 0: every position."),
+]  # fmt: skip
 SaveLogits = Annotated[
     Path | None,
     typer.Option("--save-logits", metavar="FILE", rich_help_panel="Quality",
@@ -119,6 +126,7 @@ def eval_(
     window: Window = 0,
     kl_ref: KlRef = None,
     kl_other_checkpoint: KlOther = False,
+    kl_from: KlFrom = 0,
     save_logits: SaveLogits = None,
     flags: EngineFlags = DEFAULT_FLAGS,
     run_dir: RunDirOpt = None,
@@ -136,6 +144,8 @@ def eval_(
         config, path = arg.defaults(config), arg.path
         if kl_other_checkpoint and (kl_ref is None or kl_ref == "full"):
             raise ConfigError("--kl-other-checkpoint goes with --kl-ref FILE (logits saved from the other checkpoint)")
+        if kl_from and kl_ref is None:
+            raise ConfigError("--kl-from goes with --kl-ref (it picks the positions the KL is reported over)")
         if kl_ref is not None and save_logits is not None:
             raise ConfigError("--save-logits and --kl-ref go in separate runs: save the reference, then compare")
         if save_logits is not None and save_logits.is_dir():
@@ -163,7 +173,7 @@ def eval_(
                     vocab = int(getattr(engine.loaded.config, "vocab_size", ref.vocab))
                     fingerprint = None if kl_other_checkpoint else model_fingerprint(path)
                     ref.check_matches(source, vocab, fingerprint, ids)
-                    quality = compare(engine, ids, win, ref, source, on_window).summary
+                    quality = compare(engine, ids, win, ref, source, on_window, kl_from).summary
                     ppl, nll, tokens = quality.ppl, math.log(quality.ppl), quality.tokens
                 elif save_logits is not None:
                     saved = collect(engine, ids, win, _record_meta(path, text, config), on_window)
@@ -184,7 +194,7 @@ def eval_(
             "model": arg.label, "text_file": str(text), "ppl": ppl, "nll": nll,
             "tokens": tokens, "window": win, "window_from": win_from, "eval_s": elapsed,
             "eval_tok_s": tokens / elapsed if elapsed > 0 else 0.0,
-            **({"kl_ref": ref_name, **quality.as_dict()} if quality is not None else {}),
+            **({"kl_ref": ref_name, "kl_from": kl_from, **quality.as_dict()} if quality is not None else {}),
             **({"saved_logits": str(save_logits)} if save_logits is not None else {}),
             **stats,
         }  # fmt: skip

@@ -270,9 +270,13 @@ class Comparison:
 
 
 def compare(engine: WindowScorer, ids: list[int], window: int, ref: RefLogprobs, source: str,
-            on_window: Callable[[int, int], None] | None = None) -> Comparison:  # fmt: skip
-    """Score `ids` with `engine` over its perplexity windows against `ref` (made over the same windows)."""
-    kls, agrees, nll, done = [], [], 0.0, 0
+            on_window: Callable[[int, int], None] | None = None, first: int = 0) -> Comparison:  # fmt: skip
+    """Score `ids` with `engine` over its perplexity windows against `ref` (made over the same windows). `first` > 0:
+    the figures (KL, top-1, both perplexities) over each window's scored positions from `first` on, as
+    llama-perplexity's --kl-divergence scores the second half of each of its windows."""
+    if first < 0:
+        raise ConfigError(f"the first scored position of a window must be >= 0, got {first}")
+    kls, agrees, nll, ref_nll, done = [], [], 0.0, 0.0, 0
     starts = ref.starts.tolist()
     for i, (start, logits, tgt) in enumerate(engine.window_logits(ids, window, on_window)):
         t = int(tgt.numel())
@@ -285,16 +289,22 @@ def compare(engine: WindowScorer, ids: list[int], window: int, ref: RefLogprobs,
         cand = logits.double()  # [T, V]
         if cand.shape[1] != ref.vocab:
             raise ConfigError(f"{source} holds a vocabulary of {ref.vocab} tokens, this model's logits {cand.shape[1]}")
-        kls.append(kl_per_token(ref.rows(done, done + t), cand.cpu()))  # [T]
-        agrees.append(ref.argmax(done, done + t) == cand.argmax(dim=-1).cpu())  # [T]
-        nll += torch.nn.functional.cross_entropy(cand, tgt.to(cand.device), reduction="sum").item()
+        rows = ref.rows(done, done + t)  # [T, V] the reference's log-probabilities
+        kls.append(kl_per_token(rows, cand.cpu())[first:])  # [T - first]
+        agrees.append((ref.argmax(done, done + t) == cand.argmax(dim=-1).cpu())[first:])
+        tl = tgt.cpu().long()
+        nll += torch.nn.functional.cross_entropy(cand[first:], tgt.to(cand.device)[first:], reduction="sum").item()
+        if first:  # the reference's NLL over the same positions, from its kept log-probabilities
+            ref_nll -= rows[first:].double().gather(1, tl[first:, None]).sum().item()
         done += t
     if done != ref.tokens:
         raise ConfigError(
             f"{source} scored {ref.tokens} tokens, this run {done}: use the same --window and --max-tokens"
         )
     kl, agree = torch.cat(kls), torch.cat(agrees)  # [N], [N]
-    return Comparison(summarize(kl, agree, nll, ref.nll_sum), kl, agree)
+    if kl.numel() == 0:
+        raise ConfigError(f"no position of any window is at or past {first}: lower the first scored position")
+    return Comparison(summarize(kl, agree, nll, ref_nll if first else ref.nll_sum), kl, agree)
 
 
 # -- the reference engine and the default window --------------------------------------------

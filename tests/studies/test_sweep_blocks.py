@@ -63,7 +63,8 @@ def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
     text = (Path(__file__).parents[2] / "sweeps" / "trimoe.toml").read_text()
     full = load_grid(Path(__file__).parents[2] / "sweeps" / "trimoe.toml")
     names = ["systems", "robustness", "systems-split", "ablation-base", "ablation", "variant-per-link",
-             "variant-array", "variant-kv-hbm", "regimes", "regimes-norelayout"]  # fmt: skip
+             "variant-array", "variant-kv-hbm", "regimes", "regimes-norelayout", "variant-all-links", "ndp", "cpu",
+             "drift", "drift-base"]  # fmt: skip
     assert [b.name for b in full.blocks] == names and full.figures == "trimoe"
     small = (
         text.replace('["deepseek-v2", "qwen3-235b-a22b", "glm-4.5-air"]', '["glm-4.5-air"]')
@@ -75,6 +76,9 @@ def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
         .replace("output_lens = [512]", "output_lens = [8]")
         .replace("steps = 8", "steps = 1")
         .replace("warmup_steps = 16", "warmup_steps = 2")
+        .replace("[4, 8, 16, 32]", "[8, 16]")
+        .replace("[0.125, 0.5, 1.0, 2.0]", "[0.5, 1.0]")
+        .replace("[0.0, 2.5, 8.0, 24.0]", "[0.0, 8.0]")
     )
     path = tmp_path / "small.toml"
     path.write_text(small)
@@ -82,12 +86,12 @@ def test_trimoe_figures_from_a_small_sweep(tmp_path: Path) -> None:
     assert rep.errors == 0
     names = {p.name for p in rep.plots}
     for fig in ("fig6_moe_speedup.png", "fig7_e2e_speedup.png", "robustness_batch.png", "fig8_ablation.png",
-                "tables.md"):  # fmt: skip
+                "fig9a_ndp_count.png", "fig9b_cpu_tflops.png", "drift_relayout.png", "tables.md"):  # fmt: skip
         assert fig in names, fig
         assert (tmp_path / "out" / fig).stat().st_size > 500
     assert (tmp_path / "out" / "fig6_moe_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "out" / "tables.md").read_text()
-    for title in ("over klotski", "ablation at batch 512", "Table 3"):
+    for title in ("over klotski", "ablation at batch 512", "Table 3", "NDP DIMMs", "popularity drift"):
         assert title in md, title
 
 

@@ -482,12 +482,7 @@ def _qwen3next(m: Meta) -> dict[str, Any]:
             raise CheckpointError(f"{m.path}: tensor {name!r} has {m.shape(name)[0]} rows, {m.arch}.attention."
                                   f"head_count(_kv) and key_length {head_dim} say {rows}"
                                   + (" (query and gate per head)" if part == "q" else ""))  # fmt: skip
-    rope_dim = int(m.get("rope.dimension_count", head_dim))
-    rope = rope_parameters(m)
-    rope["partial_rotary_factor"] = rope_dim / head_dim
-    if not 0 < rope_dim <= head_dim or rope_dim % 2 or int(head_dim * rope["partial_rotary_factor"]) != rope_dim:
-        raise CheckpointError(f"{m.path}: {m.arch}.rope.dimension_count {rope_dim} is not a rotary part of the "
-                              f"{head_dim}-wide head transformers can express")  # fmt: skip
+    rope = partial_rope(m, head_dim)
     kernel, hk = int(m.need("ssm.conv_kernel")), int(m.need("ssm.state_size"))
     nk, nv, inner = int(m.need("ssm.group_count")), int(m.need("ssm.time_step_rank")), int(m.need("ssm.inner_size"))
     if nk < 1 or nv % nk or inner % nv:

@@ -19,27 +19,31 @@ BENCH_CONFIG = dict(
 )  # fmt: skip
 
 
-def bench_config(vocab: int | None = None) -> dict[str, Any]:
-    """BENCH_CONFIG, with `vocab` embedding and output-head rows when given."""
-    return dict(BENCH_CONFIG, vocab_size=vocab or BENCH_CONFIG["vocab_size"])
+def bench_config(vocab: int | None = None, layers: int | None = None) -> dict[str, Any]:
+    """BENCH_CONFIG, with `vocab` embedding and output-head rows and `layers` decoder layers when given."""
+    return dict(BENCH_CONFIG, vocab_size=vocab or BENCH_CONFIG["vocab_size"],
+                num_hidden_layers=layers or BENCH_CONFIG["num_hidden_layers"])  # fmt: skip
 
 
-def bench_model_name(vocab: int | None = None) -> str:
-    """The cache folder's name: the vocabulary and a digest of the whole config, so that a checkpoint built from
-    another config (an older BENCH_CONFIG, another vocabulary) is never reused under the same name."""
-    config = bench_config(vocab)
+def bench_model_name(vocab: int | None = None, layers: int | None = None) -> str:
+    """The cache folder's name: the vocabulary (and a layer count other than BENCH_CONFIG's) and a digest of the
+    whole config, so that a checkpoint built from another config is never reused under the same name."""
+    config = bench_config(vocab, layers)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
-    return f"qwen3moe-bench-v{config['vocab_size']}-{digest}"
+    deep = f"-l{layers}" if layers and layers != BENCH_CONFIG["num_hidden_layers"] else ""
+    return f"qwen3moe-bench-v{config['vocab_size']}{deep}-{digest}"
 
 
-def qwen3_bench_model(cache_dir: str | os.PathLike[str] = ".bench", vocab: int | None = None) -> Path:
+def qwen3_bench_model(cache_dir: str | os.PathLike[str] = ".bench", vocab: int | None = None,
+                      layers: int | None = None) -> Path:  # fmt: skip
     """Random bf16 Qwen3-MoE checkpoint of the engine issue's shape (seeded; `vocab` rows of embedding and
-    output head, default BENCH_CONFIG's 32000); cached on disk under a name that depends on the config."""
-    out = Path(cache_dir) / bench_model_name(vocab)
+    output head, default BENCH_CONFIG's 32000; `layers` decoder layers, default 8); cached on disk under a name
+    that depends on the config."""
+    out = Path(cache_dir) / bench_model_name(vocab, layers)
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_moe", **bench_config(vocab))
+    config = AutoConfig.for_model("qwen3_moe", **bench_config(vocab, layers))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

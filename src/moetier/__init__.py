@@ -15,6 +15,7 @@ from moetier.config import (
     CacheConfig,
     EngineConfig,
     PrecisionConfig,
+    RoutingConfig,
     RuntimeConfig,
     SamplingConfig,
     SparsityConfig,
@@ -47,8 +48,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BudgetError", "Budgets", "CacheConfig", "CheckpointError", "ConfigError", "Engine", "EngineConfig",
-    "EvalResult", "GenerationResult", "MoetierError", "PrecisionConfig", "RuntimeConfig", "SamplingConfig",
-    "SparsityConfig", "TraceError",
+    "EvalResult", "GenerationResult", "MoetierError", "PrecisionConfig", "RoutingConfig", "RuntimeConfig",
+    "SamplingConfig", "SparsityConfig", "TraceError",
     "UnknownArchitectureError", "load", "parse_size",
 ]  # fmt: skip
 __version__ = "0.1.0"

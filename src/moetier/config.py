@@ -1,7 +1,7 @@
 """Frozen, composed configuration. The CLI only maps flags onto these.
 
 EngineConfig = Budgets + CacheConfig + PrefetchConfig + SchedulerConfig + PrecisionConfig +
-SparsityConfig + RuntimeConfig. Each section validates its own values on construction; names
+SparsityConfig + RuntimeConfig + RoutingConfig. Each section validates its own values on construction; names
 that live in a registry (cache policies, schedulers, hardware profiles) are checked where
 the registry is (the engine, the CLI).
 """
@@ -53,16 +53,22 @@ def format_size(nbytes: int | float) -> str:
 
 @dataclass(frozen=True)
 class Budgets:
-    """Expert memory per tier, in bytes. None means 'room for every expert'."""
+    """Expert memory per tier, in bytes. None means 'room for every expert'. `memory_bytes` (--memory) is
+    the whole process's budget instead: the engine measures what it holds besides experts and gives the
+    host expert tier the rest (runtime/memory.py)."""
 
     host_expert_bytes: int | None = None
     accel_expert_bytes: int | None = None
     # host DRAM caching experts' bytes (both precisions) between their disk tiers and the compute pools of
     # dynamic precision (DynaExq's SSD -> DRAM -> HBM hierarchy); 0 = no such cache
     host_cache_bytes: int = 0
+    memory_bytes: int | None = None  # everything the process holds (dense, experts, KV, scratch); None: no limit
+    kv_bytes: int | None = None  # KV cache bytes --memory sets aside (serving's KV budget); None: one full sequence
 
     def __post_init__(self) -> None:
-        for name in ("host_expert_bytes", "accel_expert_bytes", "host_cache_bytes"):
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ConfigError(f"memory_bytes must be positive (or None: no limit), got {self.memory_bytes}")
+        for name in ("host_expert_bytes", "accel_expert_bytes", "host_cache_bytes", "kv_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value}")
@@ -246,6 +252,42 @@ class SparsityConfig:
         return self.target > 0
 
 
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Overrides of the router's decision (policies/routing.py, runtime/route_override.py), applied where a MoE
+    layer has routed, before its observers and experts. Fewer active experts per token: `max_k` caps the experts a
+    token computes (0 = the model's top-k), `threshold` drops a pair whose renormalised weight is below it (the
+    heaviest pair always kept), `renormalize` scales the kept weights back to the top-k's sum. `prune` is a file
+    of pruned experts per layer (`moetier prune`): the router chooses among the others. `follow_trace` is a
+    routing trace whose ids and weights replace the router's (a benchmark mode: the text output is meaningless,
+    the I/O is the engine's own under that routing)."""
+
+    threshold: float = 0.0
+    max_k: int = 0
+    renormalize: bool = True
+    prune: str | None = None
+    follow_trace: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold < 1.0:
+            raise ConfigError(f"expert weight threshold must be in [0, 1), got {self.threshold}")
+        if self.max_k < 0:
+            raise ConfigError(f"experts-per-token cap must be at least 1 (0 = off), got {self.max_k}")
+        for name in ("prune", "follow_trace"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"routing {name} must be a file or None, got an empty string")
+
+    @property
+    def reduces(self) -> bool:
+        """Whether the per-token reduction is on (the cap is checked against top-k when a model is opened)."""
+        return self.threshold > 0.0 or self.max_k > 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.reduces or self.prune is not None or self.follow_trace is not None
+
+
 DENSE_PRECISIONS = ("full", "int8", "int4")
 
 
@@ -261,6 +303,11 @@ class RuntimeConfig:
     dense_precision: str = "full"  # non-expert weights (attention, output head): full, int8 (Q8_0) or int4 (Q4_0)
     native_step: bool = True  # the lean decoder's layers as two native calls each (runtime/native_step.py)
     step_rows: int = 128  # rows per native step call (prompts run in chunks of this many tokens; its scratch)
+    # expert reads from disk (formats/diskio.py): "direct" = O_DIRECT (bypassing the page cache; buffered +
+    # fadvise DONTNEED where the filesystem refuses it), "buffered" = through the page cache, "auto" = direct for
+    # experts of at least 1 MiB, buffered for smaller ones (runtime/precision.py); io_depth reads in flight
+    disk_io: str = "auto"
+    io_depth: int = 8
 
     def __post_init__(self) -> None:
         if self.dense_precision not in DENSE_PRECISIONS:
@@ -273,6 +320,10 @@ class RuntimeConfig:
             raise ConfigError(f"dtype must be auto, bf16, fp32 or fp16, got {self.dtype!r}")
         if self.max_seq_len < 0:
             raise ConfigError(f"max_seq_len must not be negative, got {self.max_seq_len}")
+        if self.disk_io not in ("auto", "direct", "buffered"):
+            raise ConfigError(f"disk_io must be auto, direct or buffered, got {self.disk_io!r}")
+        if not 1 <= self.io_depth <= 64:
+            raise ConfigError(f"io_depth must be in 1..64, got {self.io_depth}")
         if not 1 <= self.step_rows <= 4096:
             raise ConfigError(f"step_rows must be in 1..4096, got {self.step_rows}")
         if self.kernel_cache is not None and not self.kernel_cache.strip():
@@ -288,6 +339,7 @@ class EngineConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 @dataclass(frozen=True)

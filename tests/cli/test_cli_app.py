@@ -46,7 +46,7 @@ def test_main_is_offline_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_every_command_listed_in_help_order_with_its_own_help() -> None:
-    order = ["generate", "eval", "quantize", "calibrate", "info", "profile", "replay", "synth", "simulate",
+    order = ["generate", "eval", "quantize", "calibrate", "prune", "info", "profile", "replay", "synth", "simulate",
              "simulate-tri", "sweep", "report", "serve"]  # fmt: skip
     assert list(COMMANDS) == order
     for name, cmd in all_commands().items():

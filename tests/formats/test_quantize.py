@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from conftest import canonical_experts_of
 from moetier.errors import CheckpointError, ConfigError
 from moetier.formats import quantize as quantize_mod
+from moetier.formats.diskio import DiskIO
 from moetier.formats.qtier import QuantTier, list_tiers
 from moetier.formats.quant import QMatrix, dequantize, quantize_expert
 from moetier.formats.quantize import QuantEvent, quantize_model
@@ -81,13 +82,16 @@ def test_tier_reads_back_exactly_what_quantize_expert_gives(family: str, ckpt64:
         assert tier.group_sizes == {"w13": 32, "w2": 64}
         files = {layer: load_file(path / f"layer-{layer:03d}.safetensors") for layer in tier.moe_layers}
         dest = empty_like_specs(tier)
-        for (layer, e), pieces in experts.items():
-            assert tier.read_into(ExpertKey(layer, e), dest) == tier.expert_bytes
-            want = quantize_expert(pieces, tier.spec)  # the default method, expert by expert
-            assert set(want) == set(dest)
-            for name, t in dest.items():
-                assert torch.equal(t, want[name].to(t.dtype)), (precision, layer, e, name)
-                assert torch.equal(files[layer][f"{e}.{name}"], t)  # a plain safetensors file too
+        for io in (None, DiskIO(direct=True, depth=2)):  # plain pread, then O_DIRECT (formats/diskio.py)
+            if io is not None:
+                tier.set_io(io)
+            for (layer, e), pieces in experts.items():
+                assert tier.read_into(ExpertKey(layer, e), dest) == tier.expert_bytes
+                want = quantize_expert(pieces, tier.spec)  # the default method, expert by expert
+                assert set(want) == set(dest)
+                for name, t in dest.items():
+                    assert torch.equal(t, want[name].to(t.dtype)), (precision, layer, e, name)
+                    assert torch.equal(files[layer][f"{e}.{name}"], t)  # a plain safetensors file too
         tier.close()
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from moetier.kernels import decode, native
+from moetier.kernels.decode import KIND_BF16, ROWS
 from moetier.kernels.step import DESC, Activation, AttnLayer, AttnSpec, Head, MoeLayer, Step, desc_row
 from moetier.store.pool import SlotViews
 
@@ -322,3 +323,47 @@ def test_head_matches_float64_and_refuses_small_scratch(lib: ctypes.CDLL) -> Non
     step.s.scratch_bytes = 16  # a call never writes past the scratch it is given
     with pytest.raises(ValueError, match="scratch is too small"):
         step.head(head, 3)
+
+
+def test_moe_half_reads_down_rows_as_the_standard_layout(lib: ctypes.CDLL) -> None:
+    """bf16 slots of the sparse layout (down rows [I, H], w2 kind | MT_ROWS) in the MoE half: against float64, and
+    beside standard slots in one call; 6 rows on one expert (more than one block of 4 pairs) and H = 1056 (more
+    than one 512-column chunk per thread's slice)."""
+    h, inter, e, k = 1056, 32, 4, 2
+    g = torch.Generator().manual_seed(21)
+    experts = [((torch.randn(2 * inter, h, generator=g) * 0.1).to(BF16), (torch.randn(h, inter, generator=g) * 0.1)
+                .to(BF16)) for _ in range(e)]  # fmt: skip
+    slots = []
+    for ex, (w13, w2) in enumerate(experts):
+        if ex % 2:  # odd experts: the sparse layout
+            row = torch.cat([w13.reshape(-1), w2.T.contiguous().reshape(-1)]).contiguous()
+            rows = row[2 * inter * h :].view(inter, h)
+            views = SlotViews(row[: 2 * inter * h].view(2 * inter, h), rows.t(), None, None, row, {}, down_rows=rows)
+        else:
+            row, views = _bf16_slot(w13, w2)
+        slots.append((row, views))
+    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)  # [E, DESC]
+    assert int(table[1, 10]) == KIND_BF16 | ROWS and int(table[0, 10]) == KIND_BF16
+    ids = torch.tensor([[1, 0], [1, 2], [3, 1], [1, 0], [1, 3], [2, 1]], dtype=torch.int32)
+    moe = MoeLayer(h, inter, e, k)
+    step = Step(lib, 6, h, 1, k, e, [], [moe], None, 0, 2)
+    step.layer(0)
+    step.s.nthreads, step.s.T = 2, 6
+    x0, hin = torch.randn(6, h, generator=g).to(BF16), torch.randn(6, h, generator=g).to(BF16)
+    wts = torch.rand(6, k, generator=g)
+    step.x[:6].copy_(x0)
+    step.h[:6].copy_(hin)
+    step.ids[0, :6].copy_(ids)
+    step.wts[0, :6].copy_(wts)
+    for ex in range(e):
+        moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
+    step.moe(moe)
+    y = torch.zeros(6, h, dtype=torch.float64)
+    for t in range(6):
+        for j in range(k):
+            w13, w2 = experts[int(ids[t, j])]
+            gu = hin[t : t + 1].double() @ w13.double().T
+            a = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            y[t] += float(wts[t, j]) * (r(a) @ w2.double().T)[0]
+    want = r(x0.double() + r(y))
+    assert float((step.x[:6].double() - want).abs().max()) <= 2e-2 * float(want.abs().max())

@@ -6,8 +6,6 @@ MoE block's place, where the store raises) and output head."""
 
 from __future__ import annotations
 
-import errno
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 import moetier
+from fault_inject import eio_on
 from moetier import Budgets, EngineConfig, RuntimeConfig
 from moetier.errors import ExpertReadError, NumericalError
 from moetier.runtime.batch import BatchConfig, BatchRunner, SeqRequest, SlotDecoder, StepEvent
@@ -248,21 +247,10 @@ def test_eio_on_disk_fails_the_sequences_routed_to_it(tiny_ckpt) -> None:
         hit = {i for i, u in enumerate(used) if e in u}
         # 2. the batch with expert (1, e) unreadable
         key = ExpertKey(1, e)
-        ranges = [(r.offset, r.offset + r.nbytes) for r in eng.store.source.reader.plans[key]]  # type: ignore[union-attr]
-        real = os.preadv
-
-        def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-            if any(lo <= offset < hi for lo, hi in ranges):
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real(fd, buffers, offset, *args)
-
         runner = BatchRunner(eng, BatchConfig(max_batch=4))
         ids = [runner.add(SeqRequest(p, 5, stop_ids=NEVER)) for p in ps]
-        os.preadv = preadv  # type: ignore[assignment]
-        try:
+        with eio_on(eng.store.source.reader, key):  # type: ignore[union-attr]
             events = _drain(runner)
-        finally:
-            os.preadv = real
         failed = {k for k, i in enumerate(ids) if events[i][-1].finish_reason == "error"}
         assert failed == hit
         for k, i in enumerate(ids):

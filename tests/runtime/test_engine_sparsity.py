@@ -35,7 +35,7 @@ from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig, Spars
 from moetier.errors import CheckpointError, ConfigError
 from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.qtier import source_fingerprint
-from moetier.kernels import native
+from moetier.kernels import decode, native
 from moetier.kernels.sparse import ThresholdTable, default_table_path, native_kernel
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.policies.hwprofile import ComputeProfile, HardwareProfile, LinkProfile
@@ -277,6 +277,30 @@ def test_original_dense_path_above_the_tipping_point_is_exact(
     assert not torch.allclose(engines(0.9, 0).logits(PROBE), dense_logits, **CLOSE)
 
 
+def test_routed_gather_path_matches_the_planned_one(engines: Callable[..., moetier.Engine]) -> None:
+    """Every call below the tipping point with the original dense path takes the executor's routed call
+    (`execute_routed`: no Plan, experts in ascending id); the masked setting takes the planned path. Both gather
+    with the same thresholds: the same logits and the same counters."""
+    routed, planned = engines(0.5, 1000, dense="original"), engines(0.5, 1000)
+    block = routed.loaded.blocks[0]
+    assert block.pipeline is not None and block.pipeline.routed is not None  # the sparse executor takes routing
+    assert routed.sparsity is not None
+    ex = routed.sparsity.layers[block.layer]
+    planned_calls: list[int] = []
+    plain = ex.execute
+    ex.execute = lambda *a: planned_calls.append(1) or plain(*a)  # type: ignore[method-assign]
+    try:
+        got = routed.logits(PROBE)
+    finally:
+        del ex.execute
+    assert not planned_calls  # the routed call took every call of the layer
+    torch.testing.assert_close(got, planned.logits(PROBE), **CLOSE)
+    a, b = routed.stats()["sparsity"], planned.stats()["sparsity"]
+    assert a["achieved"] == b["achieved"] > 0.3
+    for layer, ls in a["layers"].items():
+        assert ls["sparse_calls"] == b["layers"][layer]["sparse_calls"] > 0 and ls["dense_calls"] == 0
+
+
 def test_mixed_paths_with_the_original_dense_expert(model: Path, engines: Callable[..., moetier.Engine]) -> None:
     """Tipping point 14: experts given fewer tokens are masked (gather path), the others run unmasked; a
     float64 reference that masks exactly those experts agrees; the achieved sparsity counts the unmasked
@@ -371,6 +395,32 @@ def test_bf16_layer_gather_path_matches_reference(model_bf16: Path) -> None:
     torch.testing.assert_close(got.double(), ref, rtol=1e-2, atol=2e-2)
 
 
+def test_bf16_dense_path_is_the_native_moe_half(model_bf16: Path) -> None:
+    """bf16 on the CPU with the original dense path: a call above the tipping point runs the native MoE half on the
+    sparse layout's slots (down rows read as such, csrc/step.c MT_ROWS), as the dense engine runs its experts: the
+    same greedy tokens as the dense bf16 engine, logits within bf16 rounding (the down projection is summed over
+    neurons in another order), and the native calls counted."""
+    bf16 = RuntimeConfig(device="cpu")
+    prompt = PROBE[0, :8].tolist()
+    with moetier.load(model_bf16, EngineConfig(runtime=bf16)) as ref:
+        assert ref.executor == "native"
+        want = ref.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+        want_logits = ref.logits(PROBE)
+    sc = SparsityConfig(target=0.5, tipping=0, dense="original")
+    with moetier.load(model_bf16, EngineConfig(runtime=bf16, sparsity=sc)) as engine:
+        got = engine.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+        got_logits = engine.logits(PROBE)
+        s = engine.stats()["sparsity"]
+    assert s["dense_kernel"] == "native MoE half" and s["native_dense_calls"] > 0
+    assert all(ls["sparse_calls"] == 0 and ls["dense_calls"] > 0 for ls in s["layers"].values())
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(got_logits.float(), want_logits.float(), rtol=0, atol=0.05)
+    masked = SparsityConfig(target=0.5, tipping=0, dense="masked")  # the masked dense path is not the native half
+    with moetier.load(model_bf16, EngineConfig(runtime=bf16, sparsity=masked)) as engine:
+        engine.logits(PROBE)
+        assert engine.stats()["sparsity"]["dense_kernel"] == "torch"
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 
@@ -463,6 +513,15 @@ def test_tipping_profile_keys_the_dense_path(tmp_path: Path) -> None:
         assert not cached and tip == tipping_point(profile)
     keys = [json.loads(k) for k in json.loads(cache.read_text())]
     assert sorted(k["dense"] for k in keys) == ["masked", "original"]
+    # bf16 with the decode library: the dense side is the native MoE half on down rows, keyed apart
+    lib = decode.load(True, None)
+    assert lib is not None
+    bf16 = native_kernel(64, 64, torch.bfloat16, torch.device("cpu"))
+    _, profile, _ = load_or_measure_tipping(64, 64, torch.bfloat16, F.silu, cfg, bf16, cache=cache, masked=False,
+                                            decode_lib=lib)  # fmt: skip
+    assert profile and all(d > 0 and s > 0 for d, s in profile.values())
+    keys = [json.loads(k) for k in json.loads(cache.read_text())]
+    assert sorted(k["dense"] for k in keys) == ["masked", "native", "original"]
 
 
 # --- the GPU tipping point from a hardware profile (unverified on a GPU: none was lent) ----------

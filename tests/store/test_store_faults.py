@@ -143,6 +143,7 @@ def test_quant_source_read_error_names_tier_file_and_expert(tmp_path):
         spec = SimpleNamespace(precision=Precision.INT4)
         tensor_specs: ClassVar[dict[str, Any]] = {}
         path = tmp_path / "int4-g32"
+        io = None  # plain pread (no formats/diskio.py DiskIO)
 
         def read_into(self, key: ExpertKey, dest: dict[str, torch.Tensor]) -> int:
             raise OSError(errno.EIO, os.strerror(errno.EIO))

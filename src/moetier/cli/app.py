@@ -58,6 +58,9 @@ COMMANDS: dict[str, Entry] = {  # the order of `moetier --help`
     "calibrate": Entry("moetier.cli.calibrate", "Thresholds of intra-expert activation sparsity: per MoE layer, "
                        "routed-expert sparsity 0-0.99 -> threshold on |act(gate x)| of routed experts (shared "
                        "experts stay dense; the engine turns a total target into a routed one)."),
+    "prune": Entry("moetier.cli.prune", "Prune the least salient routed experts of each MoE layer by REAP's "
+                   "saliency (gate weight x output norm, averaged over the tokens routed to the expert) on "
+                   "calibration text; writes the file --prune reads."),
     "info": Entry("moetier.cli.info", "Shape of a checkpoint: family, layers, experts, top-k, sizes, expert and "
                   "non-expert bytes; its quantized tiers and sparsity table."),
     "profile": Entry("moetier.cli.profile", "Measure this machine (expert compute vs tokens per precision, memory "

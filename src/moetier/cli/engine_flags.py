@@ -36,6 +36,7 @@ from moetier.cli.options import (
     HostMem,
     LoPrecision,
     MaxSeqLen,
+    Memory,
     NoLean,
     Period,
     PrecisionMode,
@@ -62,7 +63,7 @@ from moetier.cli.options import (
     size_flag,
     sparsity_config,
 )
-from moetier.config import EngineConfig
+from moetier.config import EngineConfig, RoutingConfig
 from moetier.errors import ConfigError
 from moetier.runtime.engine import Engine
 from moetier.runtime.wire import load
@@ -85,6 +86,20 @@ StepRows = Annotated[
     typer.Option("--step-rows", min=1, max=4096, rich_help_panel="Engine",
                  help="Rows one native step call takes (prompts run in chunks of this many tokens); its scratch is "
                       "sized for them (Engine.stats()['native_step']['scratch_bytes'])."),
+]  # fmt: skip
+# RuntimeConfig.disk_io / io_depth
+DiskIo = Annotated[
+    str,
+    typer.Option("--disk-io", metavar="auto|direct|buffered", rich_help_panel="Engine",
+                 help="How experts are read from disk: direct (O_DIRECT, bypassing the page cache; where the "
+                      "filesystem refuses it, buffered reads that drop their pages after; Engine.stats()['disk_io']), "
+                      "buffered (through the page cache, which keeps them for a rerun), or auto (default: direct for "
+                      "experts of at least 1 MiB, buffered for smaller ones)."),
+]  # fmt: skip
+IoDepth = Annotated[
+    int,
+    typer.Option("--io-depth", min=1, max=64, rich_help_panel="Engine",
+                 help="Expert disk reads in flight at once (a layer call's misses are read together)."),
 ]  # fmt: skip
 DensePrecision = Annotated[
     str,
@@ -161,6 +176,37 @@ HostCacheMem = Annotated[
                  help="dynamic: host DRAM caching experts of both precisions between their disk tiers and the "
                       "compute pools (DynaExq's SSD -> DRAM level), e.g. 64MiB; default none."),
 ]  # fmt: skip
+# RoutingConfig: overrides of the router's decision (runtime/route_override.py, docs/levers.md)
+ExpertThreshold = Annotated[
+    float,
+    typer.Option("--expert-threshold", metavar="T", rich_help_panel="Routing",
+                 help="Skip a token's routed expert whose renormalised router weight (over its top-k) is below T, "
+                      "in [0, 1); its heaviest expert is always computed. 0 = off."),
+]  # fmt: skip
+MaxExpertsPerToken = Annotated[
+    int | None,
+    typer.Option("--max-experts-per-token", metavar="N", rich_help_panel="Routing",
+                 help="Compute at most N of a token's top-k routed experts, the heaviest (1..top-k); default: all."),
+]  # fmt: skip
+ExpertRenorm = Annotated[
+    bool,
+    typer.Option("--expert-renorm/--no-expert-renorm", rich_help_panel="Routing",
+                 help="With --expert-threshold / --max-experts-per-token: scale the kept experts' weights back to "
+                      "the top-k's sum (default), or keep their router values."),
+]  # fmt: skip
+PruneFileOpt = Annotated[
+    Path | None,
+    typer.Option("--prune", metavar="FILE", rich_help_panel="Routing",
+                 help="Pruned experts per MoE layer (written by `moetier prune`): the router chooses among the "
+                      "others, and the pruned ones are never read."),
+]  # fmt: skip
+FollowTrace = Annotated[
+    Path | None,
+    typer.Option("--follow-trace", metavar="FILE.parquet", rich_help_panel="Routing",
+                 help="BENCHMARK MODE: replace the router's expert ids and weights by a recorded routing trace's "
+                      "(same MoE layers, experts and top-k as the model; a random checkpoint of the traced model's "
+                      "shape): the text output is meaningless, the expert reads, evictions and prefetches are real."),
+]  # fmt: skip
 
 
 def run_warmup(engine: Engine, warmup: Path | None, err: Console) -> None:
@@ -183,6 +229,13 @@ def engine_session(
         raise ConfigError("--trace-scores needs --trace FILE")
     with err.status(f"loading {model}"):
         engine = load(model, config)
+    if config.routing.follow_trace is not None:
+        err.print(f"BENCHMARK MODE: routing follows {config.routing.follow_trace}, not the model's router: the text "
+                  "output is meaningless; expert reads, evictions and prefetches are the engine's own",
+                  markup=False, highlight=False)  # fmt: skip
+    if engine.loaded.memory is not None:  # --memory: say how it was spent
+        host = engine.store.stats()["host"]
+        err.print(f"{engine.loaded.memory.describe()} ({host['slots']} expert slots)", markup=False, highlight=False)
     try:
         if trace is not None:
             engine.record_trace(trace, with_scores=scores)
@@ -197,11 +250,12 @@ def engine_session(
 class EngineFlags:
     """The engine options of generate, eval and serve; each field is one CLI flag (its type says which)."""
 
+    memory: Memory = None
     host_expert_mem: HostMem = None
     gpu_expert_mem: GpuMem = None
     device: Device = "auto"
     dtype: Dtype = "auto"
-    cache_policy: CachePolicy = "lru"
+    cache_policy: CachePolicy = "auto"
     max_seq_len: MaxSeqLen = 0
     no_lean: NoLean = False
     seam: Seam = False
@@ -239,6 +293,13 @@ class EngineFlags:
     dense_precision: DensePrecision = "full"
     native_step: NativeStep = True
     step_rows: StepRows = 128
+    disk_io: DiskIo = "auto"
+    io_depth: IoDepth = 8
+    expert_threshold: ExpertThreshold = 0.0
+    max_experts_per_token: MaxExpertsPerToken = None
+    expert_renorm: ExpertRenorm = True
+    prune: PruneFileOpt = None
+    follow_trace: FollowTrace = None
 
     def config(self) -> EngineConfig:
         """The EngineConfig these flags ask for; ConfigError names a bad value or combination."""
@@ -256,7 +317,7 @@ class EngineFlags:
         precision = replace(cfg.precision, hysteresis=self.hysteresis, alpha=self.ema_alpha,
                             transient_slots=self.transient_slots, lookahead=self.lookahead,
                             prefetch=self.precision_prefetch)  # fmt: skip
-        budgets = replace(cfg.budgets, host_cache_bytes=self.host_cache_mem or 0)
+        budgets = replace(cfg.budgets, host_cache_bytes=self.host_cache_mem or 0, memory_bytes=self.memory)
         if self.precision != "dynamic" and (self.host_cache_mem or self.precision_prefetch or self.transient_slots):
             raise ConfigError("--host-cache-mem, --precision-prefetch and --transient-slots need --precision dynamic")
         if self.prefetch_predictor != "gate" and not self.prefetch:
@@ -266,9 +327,22 @@ class EngineFlags:
         cache = str(self.kernel_cache) if self.kernel_cache is not None else None
         runtime = replace(
             cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,
-            seam=self.seam, native_step=self.native_step, step_rows=self.step_rows,
+            seam=self.seam, native_step=self.native_step, step_rows=self.step_rows, disk_io=self.disk_io,
+            io_depth=self.io_depth,
         )
-        return replace(cfg, runtime=runtime)
+        return replace(cfg, runtime=runtime, routing=self.routing())
+
+    def routing(self) -> RoutingConfig:
+        """The RoutingConfig of --expert-threshold, --max-experts-per-token, --expert-renorm, --prune and
+        --follow-trace (RoutingConfig checks the values: ConfigError)."""
+        cap = self.max_experts_per_token
+        if cap is not None and cap < 1:
+            raise ConfigError(f"--max-experts-per-token must be at least 1, got {cap}")
+        return RoutingConfig(
+            threshold=self.expert_threshold, max_k=cap or 0, renormalize=self.expert_renorm,
+            prune=str(self.prune) if self.prune is not None else None,
+            follow_trace=str(self.follow_trace) if self.follow_trace is not None else None,
+        )  # fmt: skip
 
     @contextmanager
     def session(self, model: Path, config: EngineConfig, err: Console, trace: Path | None) -> Iterator[Engine]:

@@ -27,7 +27,7 @@ from moetier.config import (
     parse_size,
 )
 from moetier.errors import ConfigError
-from moetier.policies import CACHE_POLICIES
+from moetier.policies import AUTO, CACHE_POLICIES, cache_policy_for_batch
 from moetier.policies.costmodel import load_profile
 from moetier.policies.schedulers import check_scheduler
 
@@ -58,6 +58,13 @@ HostMem = Annotated[
     typer.Option("--host-expert-mem", parser=size_flag, metavar="SIZE", rich_help_panel=_ENGINE,
                  help=f"Host (CPU RAM) budget for expert weights; default: every expert. {_SIZE_HELP}"),
 ]  # fmt: skip
+Memory = Annotated[
+    int | None,
+    typer.Option("--memory", parser=size_flag, metavar="SIZE", rich_help_panel=_ENGINE,
+                 help="Everything the process may hold (dense weights, experts of every tier, KV cache, scratch): "
+                      "moetier sizes its host expert budget from what the rest leaves and says what it chose; "
+                      f"default: no limit. {_SIZE_HELP}"),
+]  # fmt: skip
 GpuMem = Annotated[
     int | None,
     typer.Option("--gpu-expert-mem", parser=size_flag, metavar="SIZE", rich_help_panel=_ENGINE,
@@ -75,7 +82,8 @@ CachePolicy = Annotated[
     str,
     typer.Option(rich_help_panel=_ENGINE,
                  help=f"Expert eviction policy of every tier; one of: {', '.join(sorted(CACHE_POLICIES))} "
-                      "(belady needs the future: `moetier replay` only)."),
+                      "(belady needs the future: `moetier replay` only), or auto: lru for one sequence, mrs-admit "
+                      "for `serve` with --max-batch above 1 (docs/hybrid.md)."),
 ]  # fmt: skip
 _SCHED = "Prefetch and scheduling"
 Prefetch = Annotated[
@@ -221,6 +229,7 @@ def engine_config(
     prefetch: PrefetchConfig | None = None,
     scheduler: SchedulerConfig | None = None,
 ) -> EngineConfig:
+    policy = cache_policy_for_batch(1) if policy == AUTO else policy  # serve resolves auto by its --max-batch
     if policy not in CACHE_POLICIES:
         raise ConfigError(f"unknown cache policy {policy!r}; known: {', '.join(sorted(CACHE_POLICIES))}")
     return EngineConfig(

@@ -33,8 +33,9 @@ from moetier.cli.console import consoles, read_text, register_command, user_erro
 from moetier.cli.engine_flags import DEFAULT_FLAGS, EngineFlags, engine_flags
 from moetier.cli.model_arg import open_model
 from moetier.cli.options import Model, size_flag
-from moetier.config import EngineConfig
+from moetier.config import CacheConfig, EngineConfig
 from moetier.errors import ConfigError
+from moetier.policies import AUTO, cache_policy_for_batch
 from moetier.runtime.batch import BatchConfig
 from moetier.serve import ServeConfig, create_app
 from moetier.serve.config import API_KEY_ENV, MAX_BODY_BYTES, READ_TIMEOUT_S
@@ -88,7 +89,8 @@ KvBudget = Annotated[
     int | None,
     typer.Option("--kv-budget", parser=size_flag, metavar="SIZE", rich_help_panel=_LIMITS,
                  help="KV-cache bytes all running requests may reserve (prompt + max_tokens each); a request waits "
-                      "until it fits, one that can never fit alone gets 400. Default: unbounded. 512MiB, 2GiB, ..."),
+                      "until it fits, one that can never fit alone gets 400. Default: unbounded, or a quarter of "
+                      "--memory when that is set (counted in it). 512MiB, 2GiB, ..."),
 ]  # fmt: skip
 QueueTimeout = Annotated[
     float | None,
@@ -191,6 +193,11 @@ def serve_cmd(
     with user_errors():
         # 1. flags -> config, and the port, before the (slow) load
         config = flags.config()
+        if flags.cache_policy == AUTO:  # batched decode keeps a stable set: mrs-admit above one sequence
+            config = replace(config, cache=CacheConfig(policy=cache_policy_for_batch(max_batch)))
+        if flags.memory is not None:  # --memory covers the running requests' KV caches: a KV budget inside it
+            kv_budget = kv_budget if kv_budget is not None else flags.memory // 4
+            config = replace(config, budgets=replace(config.budgets, kv_bytes=kv_budget))
         serve = serve_config(model_name, max_batch, max_queue, api_key, kv_budget, queue_timeout, request_timeout,
                              batch_invariant, max_body, read_timeout)  # fmt: skip
         if ray_address is None and (replicas != 1 or replica_cpus != 1.0 or replica_gpus != 0.0):

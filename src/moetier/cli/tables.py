@@ -156,6 +156,17 @@ def _cache_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _disk_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """How experts were read (formats/diskio.py): O_DIRECT, or buffered and why."""
+    io = stats.get("disk_io")
+    if io is None:
+        return []
+    rows = [("disk reads", f"{io['mode']}, {io['depth']} in flight")]
+    if io["fallback"]:
+        rows.append(("disk reads fallback", str(io["fallback"])))
+    return rows
+
+
 def _engine_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [
         *_precision_rows(stats),
@@ -163,6 +174,7 @@ def _engine_rows(stats: Mapping[str, Any]) -> list[tuple[str, str]]:
         *_cache_rows(stats),
         ("expert hits / misses", f"{stats['hits']} / {stats['misses']}"),
         ("bytes read from disk", size(stats["disk_bytes"])),
+        *_disk_rows(stats),
         ("bytes host -> accelerator", size(stats["h2d_bytes"])),
         ("peak host expert bytes", size(stats["peak_host_expert_bytes"])),
         ("peak accelerator expert bytes", size(stats["peak_accel_expert_bytes"])),

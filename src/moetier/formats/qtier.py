@@ -12,7 +12,8 @@ Invariants:
   source (the source record), layout, expert count or layer list, or whose files differ from
   the manifest (size, sha256 with `verify=True`, header dtypes and shapes);
 - `read_into` writes only into the caller's tensors, never allocates on the weight path
-  (biases of another float dtype go through one staging buffer), and is thread-safe.
+  (biases of another float dtype go through one staging buffer), and is thread-safe. With `set_io` it reads
+  through formats/diskio.py (O_DIRECT, the expert's bytes as requests in flight together).
 
 The source record (`source_record`, written by `moetier quantize`) holds config.json's sha256 and, per
 checkpoint file, its size, mtime_ns, header sha256 and a blake2b of its whole content, hashed once at
@@ -48,6 +49,7 @@ import torch
 
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation, read_header
+from moetier.formats.diskio import DiskIO, Span
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs, resolve_group
 from moetier.formats.safetensors import ExpertReader, byte_view, pread_exact
@@ -333,6 +335,8 @@ class QuantTier:
         self.expert_bytes = sum(dt.itemsize * prod(s) for dt, s in self.tensor_specs.values())
         self._offsets: dict[int, tuple[Path, int]] = {}  # layer -> (file, byte offset of expert 0)
         self._fds: dict[int, int] = {}
+        self._dfds: dict[int, int | None] = {}  # layer -> O_DIRECT descriptor (None: buffered), with `io`
+        self.io: DiskIO | None = None  # set_io: reads through formats/diskio.py
         self._lock = threading.Lock()
         staging = [prod(s) * dt.itemsize for n, (dt, s) in self.tensor_specs.items() if n in _BIASES]
         self._staging = torch.empty(sum(staging), dtype=torch.uint8)  # biases read into dest of another dtype
@@ -434,10 +438,19 @@ class QuantTier:
         assert first is not None
         self._offsets[layer] = (file, first.offset)
 
+    def set_io(self, io: DiskIO) -> None:
+        """Read through `io` (O_DIRECT, requests in flight together; formats/diskio.py); its bounce buffers are
+        `io.staging_bytes`, which the source counts."""
+        with self._lock:
+            io.fit(self.expert_bytes)
+            self.io = io
+
     def _fd(self, layer: int) -> int:
         fd = self._fds.get(layer)
         if fd is None:
             fd = self._fds[layer] = os.open(self._offsets[layer][0], os.O_RDONLY)
+            if self.io is not None:
+                self._dfds[layer] = self.io.open_direct(fd, str(self._offsets[layer][0]))
         return fd
 
     def read_into(self, key: ExpertKey, dest: dict[str, torch.Tensor]) -> int:
@@ -446,6 +459,7 @@ class QuantTier:
             raise KeyError(f"no expert {key} in the {self.spec.precision.value} tier {self.path}")
         with self._lock:
             views: list[memoryview] = []
+            addrs: list[tuple[int, int]] = []  # the same buffers as (address, nbytes), for `io`
             casts: list[tuple[torch.Tensor, torch.Tensor]] = []
             staged = 0
             for name, (dt, shape) in self.tensor_specs.items():
@@ -460,15 +474,24 @@ class QuantTier:
                     staged += nbytes
                     casts.append((dest[name], t))
                 views.append(byte_view(t))
+                addrs.append((t.data_ptr(), len(views[-1])))
             file, base = self._offsets[key.layer]
             offset = base + key.expert * self.expert_bytes
             eof = f"{file}: unexpected end of file reading expert {key.expert}"
             try:
-                done = pread_exact(self._fd(key.layer), views, offset, eof)
+                if self.io is None:
+                    done = pread_exact(self._fd(key.layer), views, offset, eof)
+                else:
+                    fd = self._fd(key.layer)
+                    done = sum(n for _, n in addrs)
+                    (err,) = self.io.read([Span(fd, self._dfds.get(key.layer), offset, done, addrs, str(file))])
+                    if err is not None:
+                        raise CheckpointError(eof) if isinstance(err, CheckpointError) else err
             except (OSError, CheckpointError):
-                fd = self._fds.pop(key.layer, None)  # the next read reopens the path (a file restored by rename)
-                if fd is not None:
-                    os.close(fd)
+                for fds in (self._fds, self._dfds):  # the next read reopens the path (a file restored by rename)
+                    fd_ = fds.pop(key.layer, None)
+                    if fd_ is not None:
+                        os.close(fd_)
                 raise
             for out, src in casts:
                 out.copy_(src.view(out.shape))
@@ -477,9 +500,13 @@ class QuantTier:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for fd in (*self._fds.values(), *self._dfds.values()):
+                if fd is not None:
+                    os.close(fd)
             self._fds.clear()
+            self._dfds.clear()
+            if self.io is not None:
+                self.io.close()
 
 
 def check_layer_file(file: Path, rec: dict[str, Any], fix: str, verify: bool) -> None:

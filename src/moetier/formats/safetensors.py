@@ -44,6 +44,7 @@ import torch
 from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
 from moetier.formats.codecs import CODECS
+from moetier.formats.diskio import EOF, DiskIO, Span
 from moetier.formats.layout import ExpertLayout, ExpertSource
 from moetier.formats.location import read_bytes
 from moetier.types import ExpertKey
@@ -53,6 +54,7 @@ STORED_DTYPES = TORCH_DTYPES | {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
+_Dests = Sequence[Sequence[torch.Tensor] | None]  # read_stored's raw destinations, per read of an expert's plan
 DECODE_WORKSPACE = 4  # float32 copies of a decoded slice a codec may hold at once (output + temporaries)
 HEADER_DIGEST_BYTES = 16 * 1024 * 1024  # a file's header bytes hashed to notice it was replaced (see ExpertReader)
 
@@ -216,10 +218,23 @@ class ExpertReader:
         self.staging_bytes = max((r.staging for r in staged), default=0)  # buffer + decode workspace
         self._staging = torch.empty(max((r.nbytes for r in staged), default=0), dtype=torch.uint8)
         self._fds: dict[str, int] = {}
+        self._dfds: dict[str, int | None] = {}  # file -> its O_DIRECT descriptor (None: buffered), with `io`
+        self.io: DiskIO | None = None  # set_io: O_DIRECT and several reads in flight; None: one pread at a time
         self._header_end = _data_starts(index)  # file -> where its first tensor's bytes start
         self._headers: dict[str, bytes] = {}  # file -> digest of its header (bytes before any tensor's), first open
         self._lock = threading.Lock()
         self.bytes_read = 0
+
+    def set_io(self, io: DiskIO) -> None:
+        """Read through `io` from now on (formats/diskio.py); its bounce buffers join `staging_bytes`. Call it
+        before building a source on this reader (sources copy `staging_bytes`)."""
+        with self._lock:
+            if self.io is not None:
+                self.staging_bytes -= self.io.staging_bytes
+                self.io.close()
+            io.fit(max((sum(r.nbytes for r in plan) for plan in self.plans.values()), default=1))  # one expert
+            self.io = io
+            self.staging_bytes += io.staging_bytes
 
     def _plan(self, prefix: str, e: int, sources: Mapping[str, ExpertSource]) -> list[_Read]:
         groups: dict[str, list[tuple[str, ExpertSource]]] = {}
@@ -289,6 +304,8 @@ class ExpertReader:
                 os.close(fd)
                 raise
             self._fds[key] = fd
+            if self.io is not None:
+                self._dfds[key] = self.io.open_direct(fd, key)
         return fd
 
     def _check_header(self, file: str, fd: int) -> None:
@@ -309,17 +326,38 @@ class ExpertReader:
         fd = self._fds.pop(str(loc.file), None)
         if fd is not None:
             os.close(fd)
+        dfd = self._dfds.pop(str(loc.file), None)
+        if dfd is not None:
+            os.close(dfd)
+
+    def _span(self, loc: TensorLocation, offset: int, dest: torch.Tensor) -> Span:
+        """Lock held, `io` set: the span filling `dest` from loc's file at `offset` (its descriptors opened)."""
+        fd = self._fd(loc)
+        return Span.of(fd, self._dfds.get(str(loc.file)), offset, dest, str(loc.file))
 
     def _pread(self, loc: TensorLocation, offset: int, dest: torch.Tensor) -> None:
         """Lock held: fill `dest` from loc's file at `offset`; _ReadFailed (descriptor dropped) on any failure."""
         try:
-            self.bytes_read += pread_exact(self._fd(loc), [byte_view(dest)], offset, "unexpected end of file")
+            if self.io is None:
+                self.bytes_read += pread_exact(self._fd(loc), [byte_view(dest)], offset, EOF)
+                return
+            span = self._span(loc, offset, dest)
+            (err,) = self.io.read([span])
+            if err is not None:
+                raise err
+            self.bytes_read += span.nbytes
         except (OSError, CheckpointError) as exc:
-            self._drop_fd(loc)
-            reason = _reason(exc)
-            if reason == "unexpected end of file":
-                reason += " (the file is shorter than its header says: truncated?)"
-            raise _ReadFailed(loc, reason) from exc
+            raise self._lost(loc, exc) from exc
+
+    def _lost(self, loc: TensorLocation, exc: BaseException) -> _ReadFailed:
+        """Lock held: a failed read of loc's file as _ReadFailed (its cause set), the file's descriptors dropped."""
+        self._drop_fd(loc)
+        reason = _reason(exc)
+        if reason == EOF:
+            reason += " (the file is shorter than its header says: truncated?)"
+        err = _ReadFailed(loc, reason)
+        err.__cause__ = exc
+        return err
 
     def _failed(self, key: ExpertKey, err: _ReadFailed) -> ExpertReadError:
         """The ExpertReadError of a failed read of expert `key` (its rows are the MoE block's to fill)."""
@@ -334,6 +372,8 @@ class ExpertReader:
         plan = self.plans.get(key)
         if plan is None:
             raise KeyError(f"no expert {key} in this checkpoint")
+        if self.io is not None:
+            return _one(self._batch([(key, None, pieces)]))
         before = self.bytes_read
         with self._lock:
             try:
@@ -342,6 +382,88 @@ class ExpertReader:
             except _ReadFailed as err:
                 raise self._failed(key, err) from err.__cause__
         return self.bytes_read - before
+
+    def read_many(self, items: Sequence[tuple[ExpertKey, Mapping[str, torch.Tensor]]]) -> list[int | ExpertReadError]:
+        """`read_into` of several experts, their reads in flight together (with `io`); per expert the bytes read or
+        the ExpertReadError that stopped it (one failed expert never fails another)."""
+        return self._batch([(key, None, pieces) for key, pieces in items])
+
+    def read_stored_many(
+        self, items: Sequence[tuple[ExpertKey, _Dests, Mapping[str, torch.Tensor]]]
+    ) -> list[int | ExpertReadError]:
+        """`read_stored` of several experts, as `read_many`."""
+        return self._batch(items)
+
+    def _batch(
+        self, items: Sequence[tuple[ExpertKey, _Dests | None, Mapping[str, torch.Tensor]]]
+    ) -> list[int | ExpertReadError]:
+        """Experts read together: every byte range that lands as it is stored (a slot piece of the stored dtype, a
+        raw stored part) of every expert goes to `io` in one call (`depth` in flight); the staged reads (casts,
+        transposes, decodes) follow one at a time through the staging buffer. Without `io`, one after another."""
+        for key, _, _ in items:
+            if key not in self.plans:
+                raise KeyError(f"no expert {key} in this checkpoint")
+        if self.io is None:
+            out: list[int | ExpertReadError] = []
+            for key, dests, pieces in items:
+                try:
+                    out.append(self.read_stored(key, dests, pieces) if dests is not None
+                               else self.read_into(key, dict(pieces)))  # fmt: skip
+                except ExpertReadError as exc:
+                    out.append(exc)
+            return out
+        with self._lock:
+            failed: dict[int, _ReadFailed] = {}
+            spans: list[Span] = []
+            owners: list[tuple[int, TensorLocation]] = []
+            staged: list[tuple[int, _Read]] = []
+            done, direct = [0] * len(items), [0] * len(items)  # bytes staged (counted by _pread), direct
+            for i, (key, dests, pieces) in enumerate(items):
+                mine: list[tuple[Span, TensorLocation]] = []
+                todo: list[_Read] = []
+                r = self.plans[key][0]
+                try:
+                    for j, r in enumerate(self.plans[key]):
+                        dest = dests[j] if dests is not None else None
+                        if dest is not None:
+                            at = [(p.loc, p.offset) for p in r.parts] if r.parts else [(r.loc, r.offset)]
+                            for (loc, offset), view in zip(at, dest, strict=True):
+                                mine.append((self._span(loc, offset, view), loc))
+                        elif self._direct(r):
+                            mine.append((self._span(r.loc, r.offset, pieces[r.pieces[0][0]]), r.loc))
+                        else:
+                            todo.append(r)
+                except (OSError, CheckpointError) as exc:  # a file that cannot be (re)opened
+                    failed[i] = self._lost(r.loc, exc)
+                    continue
+                spans += [sp for sp, _ in mine]
+                owners += [(i, loc) for _, loc in mine]
+                staged += [(i, r) for r in todo]
+            for span, (i, loc), err in zip(spans, owners, self.io.read(spans), strict=True):
+                if err is not None:
+                    if i not in failed:
+                        failed[i] = self._lost(loc, err)
+                elif i not in failed:
+                    direct[i] += span.nbytes
+            for i, r in staged:
+                if i in failed:
+                    continue
+                before = self.bytes_read
+                try:
+                    self._fill(r, items[i][2])
+                except _ReadFailed as err:
+                    failed[i] = err
+                done[i] += self.bytes_read - before
+            out = []
+            for i, (key, _, _) in enumerate(items):
+                if i in failed:
+                    lost = self._failed(key, failed[i])
+                    lost.__cause__ = failed[i].__cause__
+                    out.append(lost)
+                else:
+                    self.bytes_read += direct[i]
+                    out.append(direct[i] + done[i])
+            return out
 
     def _fill(self, r: _Read, pieces: Mapping[str, torch.Tensor]) -> None:
         """One read into the slot pieces it feeds: straight from the file when it matches, else via staging."""
@@ -401,6 +523,8 @@ class ExpertReader:
         plan = self.plans.get(key)
         if plan is None:
             raise KeyError(f"no expert {key} in this checkpoint")
+        if self.io is not None:
+            return _one(self._batch([(key, dests, pieces)]))
         before = self.bytes_read
         with self._lock:
             try:
@@ -433,9 +557,21 @@ class ExpertReader:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for fd in (*self._fds.values(), *self._dfds.values()):
+                if fd is not None:
+                    os.close(fd)
             self._fds.clear()
+            self._dfds.clear()
+            if self.io is not None:
+                self.io.close()
+
+
+def _one(results: list[int | ExpertReadError]) -> int:
+    """The bytes of a one-expert batch, or its error raised."""
+    (got,) = results
+    if isinstance(got, ExpertReadError):
+        raise got
+    return got
 
 
 def _data_starts(index: CheckpointIndex) -> dict[str, int]:

@@ -45,6 +45,7 @@ from moetier.kernels import ggml, matmul, native
 KIND_BF16 = 16
 KIND_F8 = 9  # csrc/mm.h MT_KIND_F8: fp8 e4m3fn rows, fp32 scales per group (a block-scaled FP8 checkpoint)
 SF16 = 256  # csrc/mm.h MT_SF16: a kind whose scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out)
+ROWS = 2048  # csrc/mm.h MT_ROWS: a bf16 down matrix stored as rows of its neurons [I, H] (the sparse layout)
 FP4 = 512  # csrc/mm.h MT_FP4: kind 4 whose nibbles are MXFP4 values (bf16 scales 2^(e - 128), symmetric)
 FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # a nibble's MXFP4 value, doubled
 QBLOCK = 32  # activation (and dense weight) quantisation block

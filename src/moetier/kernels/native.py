@@ -43,8 +43,9 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
 HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
 ABI = 5  # csrc/sparse_swiglu.c
-# csrc/step.c (5: kind 9, fp8 e4m3fn rows; 6: expert biases, the GPT-OSS activation; 7: sinks, window; 8: MT_FP4)
-DECODE_ABI = 8
+# csrc/step.c (5: kind 9, fp8 e4m3fn rows; 6: expert biases, the GPT-OSS activation; 7: sinks, window; 8: MT_FP4;
+# 9: id -1 skips a pair; 10: mt_w.rows, bf16 down rows [I, H] in slot descriptors, MT_ROWS)
+DECODE_ABI = 10
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS: dict[str, tuple[str, ...]] = {  # csrc/mm.h: the path each build compiles

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moetier.kernels import ggml
-from moetier.kernels.decode import FP4, KIND_BF16, KIND_F8, OWN_KERNEL_TYPES, QBLOCK, SF16, QDense
+from moetier.kernels.decode import FP4, KIND_BF16, KIND_F8, OWN_KERNEL_TYPES, QBLOCK, ROWS, SF16, QDense
 from moetier.kernels.qformat import NATIVE_KINDS, QExpertViews
 from moetier.kernels.stored import StoredExpertViews, StoredVariants, StoredWeight
 from moetier.store.pool import SlotViews
@@ -34,7 +34,8 @@ _BF16 = torch.bfloat16
 
 
 class MtW(ctypes.Structure):
-    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64), ("fp4", I64)]
+    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64), ("fp4", I64),
+                ("rows", I64)]
 
 
 class MtAttn(ctypes.Structure):
@@ -277,9 +278,10 @@ class Step:
 def desc_row(views: Any, lib: ctypes.CDLL | None = None) -> list[int] | None:
     """A slot's descriptor row (csrc/step.h): address, kind, then per matrix (w13 [2I, H], w2 [H, I]) its group
     and the byte offsets of q, scale and zero from the address (-1: none), then w2's kind, then the byte offsets
-    of the biases b13 and b2 (bf16, -1: none); None for a format the kernels do not read (fp32 / fp16 slots, down
-    rows, non-native quantised kinds). With `lib`, a stored-form slot of GGUF blocks whose types ggml computes
-    (kernels/ggml.py) is read as stored."""
+    of the biases b13 and b2 (bf16, -1: none); None for a format the kernels do not read (fp32 / fp16 slots,
+    non-native quantised kinds, quantised down rows). A bf16 slot of the sparse layout (down rows [I, H]) has w2's
+    kind | MT_ROWS. With `lib`, a stored-form slot of GGUF blocks whose types ggml computes (kernels/ggml.py) is
+    read as stored."""
     row = _matrices_row(views, lib)
     if row is None:
         return None
@@ -303,13 +305,15 @@ def _bias_offsets(views: Any, base: int) -> list[int] | None:
 def _matrices_row(views: Any, lib: ctypes.CDLL | None) -> list[int] | None:
     """desc_row's first 11 fields."""
     if isinstance(views, SlotViews):
-        if views.row.dtype != _BF16 or views.down_rows is not None:
+        if views.row.dtype != _BF16 or not views.row.is_cpu:
             return None
-        if not (views.w13.is_contiguous() and views.w2.is_contiguous()) or not views.row.is_cpu:
+        rows = views.down_rows  # the sparse layout's down matrix, [I, H]: read as down rows (MT_ROWS)
+        w2 = views.w2 if rows is None else rows
+        if not (views.w13.is_contiguous() and w2.is_contiguous()):
             return None
         base = views.row.data_ptr()
-        return [base, KIND_BF16, 0, views.w13.data_ptr() - base, -1, -1, 0, views.w2.data_ptr() - base, -1, -1,
-                KIND_BF16]  # fmt: skip
+        return [base, KIND_BF16, 0, views.w13.data_ptr() - base, -1, -1, 0, w2.data_ptr() - base, -1, -1,
+                KIND_BF16 | (ROWS if rows is not None else 0)]  # fmt: skip
     if isinstance(views, QExpertViews) and views.w13.kind == "f8":  # fp8 e4m3fn rows, fp32 scales (kernels/fp8.py)
         if views.w2.kind != "f8" or not views.row.is_cpu:
             return None

@@ -8,6 +8,12 @@ no torch.
 
 Policies that need no scores (LRU, LFU) ignore `on_route`. Belady's optimal policy needs
 the future: the replayer gives it the whole access sequence up front (`cache_belady.py`).
+Admission (optional, declared): a policy with an int attribute `transient_slots` > 0 and a method
+`admit(key, victim) -> bool` (cache_mrs_admit.py) makes the store reserve that many slots of the pool for
+demand misses and, once such a miss is written, ask whether it may evict `victim` (the policy's own pick among
+the evictable residents); if not, the miss is computed from its transient slot and dropped at its last release.
+Policies without these attributes get no transient slots and always admit.
+
 `heap_victim` is the lazy-heap victim search LFU and Belady share (the victim is always a candidate).
 """
 

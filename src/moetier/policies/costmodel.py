@@ -187,8 +187,11 @@ class CostModel:
 
 
 def token_counts(ids: Sequence[Sequence[int]]) -> dict[int, int]:
-    """Tokens per expert of one layer call from its top-k ids [T][k], in order of first appearance."""
-    return dict(Counter(map(int, chain.from_iterable(ids))))  # counted in C: the prefetcher calls it per MoE call
+    """Tokens per expert of one layer call from its top-k ids [T][k], in order of first appearance (-1, a pair a
+    routing override skipped, is no expert)."""
+    counts = Counter(map(int, chain.from_iterable(ids)))  # counted in C: the prefetcher calls it per MoE call
+    counts.pop(-1, None)
+    return dict(counts)
 
 
 __all__ = [

@@ -58,7 +58,8 @@ def check_routing(ids: np.ndarray, weights: np.ndarray, num_experts: int) -> tup
     """Validate one layer call's routing and return (ids int64 [T, k], weights float64 [T, k]).
 
     Raises ValueError naming the problem: wrong rank, shape mismatch, id out of [0, E),
-    an id repeated within one token, or a negative / non-finite weight.
+    an id repeated within one token, or a negative / non-finite weight. An id of -1 with weight 0 is a pair a
+    routing override skipped (policies/routing.py): it is no expert and counts for none.
     """
     ids_a = np.asarray(ids)
     w_a = np.asarray(weights)
@@ -72,13 +73,16 @@ def check_routing(ids: np.ndarray, weights: np.ndarray, num_experts: int) -> tup
     w_f = w_a.astype(np.float64, copy=False)  # [T, k]
     if ids_i.size == 0:
         return ids_i, w_f
-    lo, hi = int(ids_i.min()), int(ids_i.max())
+    skipped = ids_i == -1  # [T, k] pairs a routing override skipped
+    lo, hi = int(np.where(skipped, 0, ids_i).min()), int(ids_i.max())
     if lo < 0 or hi >= num_experts:
         bad = lo if lo < 0 else hi
         raise ValueError(f"routing id {bad} out of range [0, {num_experts})")
+    if skipped.any() and (w_f[skipped] != 0).any():
+        raise ValueError("a skipped routing pair (id -1) must have weight 0")
     if ids_i.shape[1] > 1:
         srt = np.sort(ids_i, axis=1)  # [T, k]
-        dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        dup = np.flatnonzero(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1))
         if dup.size:
             t = int(dup[0])
             raise ValueError(f"token {t} selects an expert twice: ids {ids_i[t].tolist()}")
@@ -150,7 +154,8 @@ class EmaHotness:
         a = self._alpha
         decay = a ** np.arange(n_tok - 1, -1, -1, dtype=np.float64)  # [T] a^(T-1-t), in (0, 1]
         contrib = (1.0 - a) * decay[:, None] * w_f  # [T, k]
-        added = np.bincount(ids_i.ravel(), weights=contrib.ravel(), minlength=self._num_experts)  # [E]
+        live = ids_i.ravel() >= 0  # -1: a pair a routing override skipped (weight 0)
+        added = np.bincount(ids_i.ravel()[live], weights=contrib.ravel()[live], minlength=self._num_experts)  # [E]
         self._scores[row] = (a**n_tok) * self._scores[row] + added
         self._tokens[row] += n_tok
 

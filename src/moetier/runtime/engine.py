@@ -53,6 +53,7 @@ from moetier.formats.gguf import is_gguf
 from moetier.kernels import decode, native
 from moetier.models.gguf_config import open_gguf
 from moetier.models.open import ModelInfo
+from moetier.runtime import memory
 from moetier.runtime.executors.sparse import SPEC as SPARSE_SPEC
 from moetier.runtime.executors.sparse import SparsityState
 from moetier.runtime.executors.spec import ExecutorState
@@ -387,6 +388,13 @@ class Engine:
             return False
 
     # -- accounting --------------------------------------------------------------
+    def _routing_stats(self) -> dict[str, Any]:
+        """{"routing": the routing override's counters (runtime/route_override.py)}, or {} without one."""
+        for b in self.loaded.blocks:
+            if b.pipeline is not None and b.pipeline.override is not None:
+                return {"routing": b.pipeline.override.stats()}
+        return {}
+
     def _kernels(self) -> str:
         """Which kernels decode runs: "native (ISA)" with the C library, else "torch" and why."""
         rt = self.config.runtime
@@ -446,11 +454,18 @@ class Engine:
             "dense_stored": getattr(self.decoder, "stored_weights", 0),  # projections / head computed as stored
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-        } | ({"switching": self.switching.stats()} if self.switching is not None else {}) | (
+        } | ({"disk_io": self.loaded.disk_io.stats()} if self.loaded.disk_io is not None else {}) | (
+            {"switching": self.switching.stats()} if self.switching is not None else {}) | (
             {self.executor_state.stats_key: self.executor_state.stats()} if self.executor_state is not None else {}
         ) | ({"prefetch": self.prefetcher.summary()} if self.prefetcher is not None else {}) | (
             {"native_step": self._fused.stats()} if self._fused is not None else {}
-        )
+        ) | ({"memory": self._memory()} if self.loaded.memory is not None else {}) | self._routing_stats()
+
+    def _memory(self) -> dict[str, Any]:
+        """--memory: how the budget was spent (runtime/memory.py) and the process's resident bytes now and at peak."""
+        assert self.loaded.memory is not None
+        return self.loaded.memory.as_dict() | {"rss_bytes": memory.process_rss(), "peak_rss_bytes": memory.peak_rss(),
+                                               "plan": self.loaded.memory.describe()}  # fmt: skip
 
     def close(self) -> None:
         """Write the trace, stop the background threads, close the store: all of them, whichever fails."""

@@ -28,6 +28,7 @@ from moetier.models import seam
 from moetier.models.base import check_all_consumed, ignored_unexpected, load_non_experts
 from moetier.models.families import Family
 from moetier.models.open import ModelInfo, Opened, model_info, open_checkpoint, resolve_device
+from moetier.policies.memory import MemoryNeeds, MemoryPlan
 from moetier.runtime.moe_block import TieredExperts, TieredMoE
 from moetier.runtime.precision import build_store
 from moetier.store.dynamic import DynamicStore
@@ -59,6 +60,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     index: Any = None  # the checkpoint's CheckpointIndex (non-expert tensors as stored, for the decoder)
+    memory: MemoryPlan | None = None  # how --memory was spent (runtime/memory.py), None without it
+    disk_io: Any = None  # the expert reader's formats/diskio.py DiskIO (Engine.stats()["disk_io"])
 
 
 def open_skeleton(path: str | os.PathLike[str], cfg: EngineConfig) -> Skeleton:
@@ -69,15 +72,17 @@ def open_skeleton(path: str | os.PathLike[str], cfg: EngineConfig) -> Skeleton:
     return Skeleton(path, device, o, info)
 
 
-def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
-    """4-5. the store, the TieredMoE blocks, every other weight."""
+def build_model(sk: Skeleton, cfg: EngineConfig, needs: MemoryNeeds | None = None) -> LoadedModel:
+    """4-5. the store, the TieredMoE blocks, every other weight; with --memory (`needs`: what the process holds
+    besides experts) the store's host expert budget is the rest of it."""
     o, device = sk.opened, sk.device
     config, family, model, sites, dtype = o.config, o.family, o.model, o.sites, o.dtype
     fn = o.expert_fn
     # 4. the tiered store; the non-expert weights' bytes are reserved on their device before
     #    the pools are sized
     non_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) * dtype.itemsize
-    store = build_store(o.reader, sk.path, cfg, dtype, device, reserve=non_expert, top_k=sk.info.top_k)  # MRS: 2k
+    store, plan = build_store(o.reader, sk.path, cfg, dtype, device, reserve=non_expert, top_k=sk.info.top_k,
+                              needs=needs)  # fmt: skip
     # 5. swap the blocks, load everything else, refuse leftovers (a refusal closes the store it made)
     try:
         blocks: list[TieredMoE | TieredExperts] = []
@@ -99,4 +104,5 @@ def build_model(sk: Skeleton, cfg: EngineConfig) -> LoadedModel:
     except BaseException:
         store.close()
         raise
-    return LoadedModel(sk.info, family, config, model, blocks, store, dtype, device, o.index)
+    return LoadedModel(sk.info, family, config, model, blocks, store, dtype, device, o.index, plan,
+                       disk_io=o.reader.io)  # fmt: skip

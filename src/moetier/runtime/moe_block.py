@@ -3,7 +3,8 @@ into transformers' own block for a family run through the seam (models/seam.py),
 
 One call runs the pipeline once, and this file says all of it:
 1. route: the family's own router module (kept from the reference block) gives top-k ids and
-   weights per token (and the router logits);
+   weights per token (and the router logits); then the model's routing override, if any (Pipeline.override,
+   runtime/route_override.py: a followed trace, pruned experts, fewer experts per token; a skipped pair is id -1);
 2. observe: the model's route observers (runtime/observers.py: trace recorder, precision
    controller, cache scores, prefetcher) see the call's routing, before any expert is touched;
 3. plan: the executor groups the tokens by expert, the scheduler turns the counts into a Plan
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,6 +46,7 @@ from moetier.kernels.stored import StoredExpertViews, for_layer
 from moetier.models.families import Family
 from moetier.runtime.executors.base import Executor, ExpertStoreLike, LayerScheduler, RoutedExecutor
 from moetier.runtime.observers import ObserverList, Route
+from moetier.runtime.route_override import RouteOverride
 from moetier.store.pool import SlotViews
 from moetier.types import ExpertKey
 
@@ -62,6 +65,7 @@ class Pipeline:
     executor: Executor
     observers: ObserverList
     routed: RoutedExecutor | None = None  # the executor again where it takes routing as is (plans in its acquire)
+    override: RouteOverride | None = None  # the model's routing override (runtime/route_override.py), or None
 
 
 class _Tiered(nn.Module):
@@ -106,7 +110,7 @@ class _Tiered(nn.Module):
         the engine calls it only after a step's logits were not finite."""
         if self.last_ids is None:
             return None
-        for e in sorted(set(self.last_ids.reshape(-1).tolist())):
+        for e in sorted(set(self.last_ids.reshape(-1).tolist()) - {-1}):  # -1: a pair an override skipped
             key = ExpertKey(self.layer, int(e))
             try:
                 views = self.store.acquire(key)
@@ -126,6 +130,21 @@ class _Tiered(nn.Module):
         if self.pipeline is None:
             raise MoetierError(f"MoE layer {self.layer} has no pipeline: open models with moetier.load")
         return self.pipeline
+
+
+def override_routing(
+    override: RouteOverride, layer: int, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ids / weights [T, k] (and the router logits [T, E]) of one call -> the overridden (ids, weights, logits the
+    observers see: the pruned experts masked, None when a trace replaced the routing); ids of skipped pairs -1."""
+    ids_np = ids.detach().cpu().numpy().astype(np.int32)  # [T, k] copies: the override writes in place
+    w_np = weights.detach().float().cpu().numpy().copy()  # [T, k]
+    lg = logits.detach().float().cpu().numpy() if override.needs_logits(layer) and logits is not None else None
+    override.apply(layer, ids_np, w_np, lg)
+    new_ids = torch.from_numpy(ids_np).to(device=ids.device, dtype=ids.dtype)
+    new_w = torch.from_numpy(w_np).to(device=weights.device, dtype=weights.dtype)
+    seen = None if override.replaces_logits(layer) else override.mask_logits(layer, logits)
+    return new_ids, new_w, seen
 
 
 def routed_rows(ids: torch.Tensor, expert: int) -> tuple[int, ...]:
@@ -201,9 +220,13 @@ class TieredMoE(_Tiered):
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         # 1. route
         logits, weights, ids = self.route(x)  # [T, E], [T, k], [T, k]
+        # 1b. the routing override (a followed trace, pruned experts, fewer experts per token), if any
+        seen_logits: torch.Tensor | None = logits
+        if p.override is not None:
+            ids, weights, seen_logits = override_routing(p.override, self.layer, ids, weights, logits)
         # 2. observe, before any expert is touched
         if p.observers:
-            route = Route(self.layer, x, ids, weights, logits, self.family.scoring)
+            route = Route(self.layer, x, ids, weights, seen_logits, self.family.scoring, self.num_experts)
             for obs in p.observers:
                 obs.observe(route)
         # 3. plan, 4. move + compute + combine
@@ -245,6 +268,8 @@ class TieredExperts(_Tiered):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         ids = top_k_index.reshape(x.shape[0], -1)  # [T, k]
         weights = top_k_weights.reshape(x.shape[0], -1)  # [T, k]
+        if p.override is not None:  # a followed trace, fewer experts per token (pruning needs our router: refused)
+            ids, weights, _ = override_routing(p.override, self.layer, ids, weights, None)
         # 2. observe, before any expert is touched (no router logits: the router is the family's own code)
         if p.observers:
             route = Route(self.layer, x, ids, weights, None, "softmax", self.num_experts)

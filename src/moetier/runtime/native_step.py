@@ -3,10 +3,11 @@
 Per layer, for T rows (one token of each of T sequences, or T tokens of one sequence's prompt):
 1. `moetier_attn_half`: norms, QKV, RoPE, the cache write, attention over each row's cache, the output
    projection and residual, the post-attention norm and the router (top-k ids and weights, logits);
-2. Python, once per layer: the route observers (trace, precision switching, cache scores, prefetch) see
-   the routing; `acquire_many` pins the routed experts (hits first, then misses read from disk: the
-   resident-first plan of the default scheduler) and their slots' descriptor rows are set from the
-   store's slot table; then
+2. Python, once per layer: the routing override, if any (runtime/route_override.py, in place on the step's ids
+   and weights; a skipped pair is id -1, which the MoE half skips); the route observers (trace, precision
+   switching, cache scores, prefetch) see the routing; `acquire_many` pins the routed experts (hits first,
+   then misses read from disk: the resident-first plan of the default scheduler) and their slots' descriptor
+   rows are set from the store's slot table; then
 3. `moetier_moe_half`: every routed expert and the shared expert, combined in ascending expert id, added to
    the residual; then `release_many`. A call routing to more experts than the compute tier has slots runs
    steps 2-3 per group of that many experts (ascending id), summed in fp32 across the groups: the same bits.
@@ -50,6 +51,7 @@ from moetier.runtime.lean import LeanDecoder, LeanLayer, fuse_projections
 from moetier.runtime.loader import LoadedModel
 from moetier.runtime.moe_block import Pipeline, TieredMoE
 from moetier.runtime.observers import Route
+from moetier.runtime.route_override import RouteOverride
 
 
 @dataclass
@@ -114,6 +116,7 @@ class NativeStep:
                          [s.attn for s in self.sites], [s.moe for s in self.sites if s.moe is not None], self.head_,
                          lean.max_len, nthreads)  # fmt: skip
         self.torch_moe_calls = 0  # MoE halves run in torch (swapped pipeline, unreadable slot)
+        self._wts_np = self.step.wts.numpy()  # the routing weights' memory, for a routing override (in place)
         self.calls = 0
 
     def _site(self, i: int, L: LeanLayer, block: TieredMoE | None, spec: AttnSpec, router: bool) -> _Site:
@@ -238,16 +241,18 @@ class NativeStep:
             self._torch_residual(T, block(st.h[:T][None]))
             self.torch_moe_calls += 1
             return
+        override = pipeline.override if pipeline is not None else None
+        seen = self._override(override, i, T) if override is not None else st.logits[i, :T]  # in ids / weights
         observers = pipeline.observers if pipeline is not None else ()
         if observers:
             route = Route(i, st.h[:T].clone(), ids.long(), self._gate_weights(weights),
-                          st.logits[i, :T].clone(), block.family.scoring)  # fmt: skip
+                          None if seen is None else seen.clone(), block.family.scoring, block.num_experts)  # fmt: skip
             for obs in observers:
                 obs.observe(route)
         block.__dict__["last_ids"] = ids  # a plain attribute (nn.Module.__setattr__'s checks cost ~3 us a layer)
         wired = site.routed is not None and pipeline is not None and pipeline is site.pipeline
         if wired and site.routed is not None:
-            experts = sorted(set(st.ids_np[i, :T].ravel().tolist()))
+            experts = sorted(set(st.ids_np[i, :T].ravel().tolist()) - {-1})  # -1: a pair an override skipped
             if site.routed.run(st, experts, ids):
                 if self.state is not None:
                     self.state.calls += 1
@@ -257,6 +262,16 @@ class NativeStep:
         y = block.experts_forward(h, ids.long(), self._gate_weights(weights))
         shared = block.shared(h)
         self._torch_residual(T, y if shared is None else y + shared)
+
+    def _override(self, override: RouteOverride, i: int, T: int) -> torch.Tensor | None:
+        """Apply the routing override to layer i's routing in the step's buffers (ids [T, k] int32 and weights
+        [T, k] fp32, which the MoE half reads; a skipped pair is id -1); returns the router logits [T, E] the
+        observers see (pruned experts at -inf; None when a trace replaced the routing)."""
+        st = self.step
+        logits = st.logits[i, :T]
+        lg = logits.float().numpy() if override.needs_logits(i) else None
+        override.apply(i, st.ids_np[i, :T], self._wts_np[i, :T], lg)
+        return None if override.replaces_logits(i) else override.mask_logits(i, logits)
 
     def _gate_weights(self, w: torch.Tensor) -> torch.Tensor:
         """The router weights as the family's router returns them (model dtype, or fp32 for Mixtral)."""

@@ -13,7 +13,9 @@ Invariants:
   and before the call's first expert access;
 - router probabilities are computed by `router_probs` only (softmax or sigmoid per
   family.scoring), at most once per call (`Route.probs`), whatever the observers;
-- an observer never changes the call's result: it reads the route, it does not write it.
+- an observer never changes the call's result: it reads the route, it does not write it;
+- the route is the one the experts compute, after the model's routing override (runtime/route_override.py): a
+  pair it skipped has id -1 and weight 0, and a followed trace's route has no logits.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ class Route:
         gate weights scattered into zeros: the probability mass the family's router gave the chosen experts."""
         if self.logits is None:
             probs = torch.zeros((self.ids.shape[0], self.num_experts), dtype=torch.float32, device=self.ids.device)
-            return probs.scatter_(1, self.ids.long(), self.weights.float())  # [T, E]
+            ids, w = self.ids.long(), self.weights.float()
+            if bool((ids < 0).any()):  # -1: a pair a routing override skipped (weight 0), no expert's
+                return probs.scatter_add_(1, ids.clamp(min=0), w * (ids >= 0))  # [T, E]
+            return probs.scatter_(1, ids, w)  # [T, E]
         return router_probs(self.logits, self.scoring)
 
 

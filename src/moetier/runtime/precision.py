@@ -37,12 +37,15 @@ import torch
 
 from moetier.config import EngineConfig, PrecisionConfig, format_size
 from moetier.errors import BudgetError, ConfigError, MoetierError
+from moetier.formats.diskio import DiskIO
 from moetier.formats.qtier import QuantTier
 from moetier.formats.quant import QuantSpec
 from moetier.formats.safetensors import ExpertReader
 from moetier.kernels import decode
 from moetier.kernels.qformat import ExpertFormat
+from moetier.policies.memory import MemoryNeeds, MemoryPlan
 from moetier.policies.precision import ExpertState, PrecisionController, order_switches, split_budget
+from moetier.runtime import memory
 from moetier.runtime.observers import Route, Stage
 from moetier.store.dynamic import DynamicStore
 from moetier.store.mover import Mover, SwitchPipeline
@@ -80,29 +83,49 @@ def make_source(
     if tier.layout != reader.layout:
         tier.close()
         raise ConfigError(f"quantized {precision} tier layout {tier.layout} does not match the model's {reader.layout}")
+    if reader.io is not None:  # read as the checkpoint is (RuntimeConfig.disk_io), with its own bounce buffers
+        tier.set_io(DiskIO(direct=reader.io.direct, depth=reader.io.depth))
     return QuantSource(tier, ExpertFormat(reader.layout, tier.spec, dtype, device, native=native))
+
+
+AUTO_DIRECT_BYTES = 1 << 20  # RuntimeConfig.disk_io "auto": O_DIRECT for experts of at least this many bytes
 
 
 def build_store(
     reader: ExpertReader, model_dir: str | os.PathLike[str], cfg: EngineConfig, dtype: torch.dtype,
-    device: torch.device, reserve: int, top_k: int | None = None,
-) -> ExpertStore | DynamicStore:  # fmt: skip
+    device: torch.device, reserve: int, top_k: int | None = None, needs: MemoryNeeds | None = None,
+) -> tuple[ExpertStore | DynamicStore, MemoryPlan | None]:  # fmt: skip
+    """The store the config asks for, and with --memory (`needs`: what the process holds besides experts,
+    runtime/memory.py) the plan that sized its host expert budget: the rest of the budget, at least `top_k`
+    slots (one token's experts of a layer at once) plus staging, or BudgetError naming the smallest budget."""
     pcfg = cfg.precision
     keys = list(reader.plans)
+    # expert reads: O_DIRECT (or buffered), io_depth in flight; its bounce buffers join the sources' staging.
+    # "auto": O_DIRECT for experts of at least AUTO_DIRECT_BYTES, buffered for smaller ones (a tiny model's experts:
+    # bounce buffers as large as several experts, and a page cache that costs little)
+    mode = cfg.runtime.disk_io
+    largest = max((sum(r.nbytes for r in plan) for plan in reader.plans.values()), default=0)
+    direct = mode == "direct" or (mode == "auto" and largest >= AUTO_DIRECT_BYTES)
+    io = DiskIO(direct=direct, depth=cfg.runtime.io_depth)
+    if mode == "auto" and not direct:
+        io.fallback = f"auto: experts of {format_size(largest)}, under {format_size(AUTO_DIRECT_BYTES)}: buffered"
+    reader.set_io(io)
     native = decode.formats_available(cfg.runtime.native_kernels, cfg.runtime.kernel_cache, dtype, device)
+    plan: MemoryPlan | None = None
     if pcfg.mode != "dynamic":
         source = make_source(pcfg.mode, reader, model_dir, pcfg, dtype, device, native)
         try:
+            if needs is not None:
+                least = source.slot_bytes * min(max(top_k or 1, 1), len(keys)) + source.staging_bytes
+                cfg, plan = memory.fit(cfg, needs, least)
             return ExpertStore(
                 source, keys, device, cfg.budgets.host_expert_bytes, cfg.budgets.accel_expert_bytes,
                 cfg.cache.policy, reserve=reserve, top_k=top_k,
-            )  # fmt: skip
+            ), plan  # fmt: skip
         except BaseException:
             source.close()
             raise
     # dynamic: both pools in the compute tier, sized from its budget
-    budget = cfg.budgets.accel_expert_bytes if device.type == "cuda" else cfg.budgets.host_expert_bytes
-    flag = "--gpu-expert-mem" if device.type == "cuda" else "--host-expert-mem"
     hi = make_source(pcfg.hi, reader, model_dir, pcfg, dtype, device, native)
     lo = make_source(pcfg.lo, reader, model_dir, pcfg, dtype, device, native)
     try:
@@ -120,6 +143,10 @@ def build_store(
         if pcfg.prefetch and not cfg.budgets.host_cache_bytes:
             raise ConfigError("precision prefetch stages experts in the host DRAM cache: set --host-cache-mem")
         all_lo, all_hi = len(keys) * lo.slot_bytes + staging, len(keys) * hi.slot_bytes + staging
+        if needs is not None and device.type != "cuda":  # every expert at lo and one at hi, at least
+            cfg, plan = memory.fit(cfg, needs, all_lo + max(hi.slot_bytes - lo.slot_bytes, 0))
+        budget = cfg.budgets.accel_expert_bytes if device.type == "cuda" else cfg.budgets.host_expert_bytes
+        flag = "--gpu-expert-mem" if device.type == "cuda" else "--host-expert-mem"
         if budget is None:
             raise ConfigError(
                 f"dynamic precision needs an expert budget ({flag}): between {format_size(all_lo)} "
@@ -135,7 +162,7 @@ def build_store(
         return DynamicStore(
             hi, lo, keys, sum(n_hot.values()), pcfg.spare_slots, device, budget, per_layer=n_hot,
             transient=pcfg.transient_slots, cache_bytes=cfg.budgets.host_cache_bytes,
-        )  # fmt: skip
+        ), plan  # fmt: skip
     except BaseException:
         hi.close()
         lo.close()

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, cast
 
+import numpy as np
 import torch
 
 from moetier.config import PrefetchConfig
@@ -117,7 +118,10 @@ class HistoryPredictor:
         self.model = RouteHistoryPredictor([b.layer for b in blocks], blocks[0].num_experts, top_k, depth)
 
     def predict(self, route: Route, ahead: Sequence[PrefetchBlock]) -> list[dict[int, int]]:
-        self.model.feed(route.layer, route.ids.cpu().numpy())  # [T, k]
+        ids = route.ids.cpu().numpy()  # [T, k]
+        if (ids < 0).any():  # pairs a routing override skipped (-1): a row's kept expert in their place
+            ids = np.where(ids < 0, ids.max(axis=1, keepdims=True), ids)
+        self.model.feed(route.layer, ids)
         return [self.model.predict_counts(route.layer, d) for d in range(1, len(ahead) + 1)]
 
     def summary(self) -> dict[str, Any]:

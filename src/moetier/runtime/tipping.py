@@ -17,6 +17,7 @@ unwritable cache only costs a re-measure, never an error.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from moetier.config import SparsityConfig
 from moetier.kernels import native
+from moetier.kernels.decode import KIND_BF16, ROWS
 from moetier.kernels.qformat import QExpertViews, QLinearWeight
 from moetier.kernels.sparse import (
     NativeSparse,
@@ -40,24 +42,26 @@ from moetier.kernels.sparse import (
     masked_dense,
     sparse_torch,
 )
+from moetier.kernels.step import DESC, MoeLayer, Step
 from moetier.policies.sparsity import tipping_point
 
 PROFILE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-PROFILE_VERSION = 3  # 3: quantized rows' dense side is the native kernel at threshold 0
+PROFILE_VERSION = 4  # 3: quantized rows' dense side is the native kernel at threshold 0; 4: bf16's the MoE half
 
 
 def _profile_key(
     hidden: int, inter: int, dtype: torch.dtype, target: float, block: int, kernel: str,
     quant: tuple[int, int] | None = None, device: torch.device | None = None, masked: bool = True,
+    native_dense: bool = False,
 ) -> str:  # fmt: skip
     """Everything a measured profile depends on: CPU (model and flags), threads, the GPU on CUDA, shape,
     dtype, target, block, which kernel (`kernel`: the native build's key (source, compiler, flags) or
-    "torch") and torch."""
+    "torch"), which dense path (masked, original in torch, or the native MoE half) and torch."""
     cpu = hashlib.sha256(native._cpu_id().encode()).hexdigest()[:16]
     key = {"cpu": cpu, "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
            "dtype": str(dtype), "target": round(target, 4), "block": block, "quant": list(quant or ()),
            "kernel": kernel, "version": PROFILE_VERSION, "torch": torch.__version__,
-           "dense": "masked" if masked else "original"}  # fmt: skip
+           "dense": "masked" if masked else ("native" if native_dense else "original")}  # fmt: skip
     if device is not None and device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(device)
     return json.dumps(key, sort_keys=True)
@@ -123,7 +127,7 @@ def tipping_profile(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], target: float,
     block: int, kernel: NativeSparse | NativeSparseQuant | None, counts: Sequence[int] = PROFILE_COUNTS,
     stop_after: int = 2, quant: tuple[int, int] | None = None, device: torch.device | None = None,
-    masked: bool = True,
+    masked: bool = True, decode_lib: ctypes.CDLL | None = None,
 ) -> dict[int, tuple[float, float]]:  # fmt: skip
     """tokens per expert -> (dense s, sparse s) for one expert call on synthetic experts of this shape
     (full precision, or `quant` = (bits, group) in the rows layout), rotating over enough of them to
@@ -132,7 +136,9 @@ def tipping_profile(
     tokens is that of independent tokens (pessimistic for the gather path). Stops `stop_after`
     counts after dense first wins. `masked`: the dense side applies the mask (else it is the original,
     unmasked expert). `device` (default CPU) is where the experts live and both paths run;
-    quantized rows are CPU-only (the native kernel's)."""
+    quantized rows are CPU-only (the native kernel's). `decode_lib` (bf16 CPU experts, unmasked): the dense side
+    is the native MoE half reading the sparse layout's down rows (csrc/step.c, MT_ROWS), the path the engine's
+    sparse executor runs above the switch."""
     dev = device or torch.device("cpu")
     if quant is not None and dev.type != "cpu":
         raise ValueError("quantized rows are timed on the CPU only")
@@ -150,11 +156,16 @@ def tipping_profile(
         it[0] = (it[0] + 1) % len(experts)
         return experts[it[0]]
 
+    half = _NativeHalf(decode_lib, hidden, inter, max(counts), experts) if decode_lib is not None else None
     for c in counts:
         x = x_all[:c].contiguous()
         y = torch.empty_like(x)
 
         def dense(x: torch.Tensor = x, y: torch.Tensor = y, c: int = c) -> None:
+            if half is not None:  # the engine's dense path on bf16 down rows: the native MoE half
+                it[0] = (it[0] + 1) % len(experts)
+                half(x, it[0])
+                return
             if isinstance(kernel, NativeSparseQuant) and not masked:  # the engine's dense path on quantized rows
                 kernel(x, [kernel.address(pick())], list(range(c)), [1.0] * c, [0, c], y, 0.0, block)
                 return
@@ -181,17 +192,41 @@ def tipping_profile(
     return out
 
 
+class _NativeHalf:
+    """One expert's call through the native MoE half (csrc/step.c) on synthetic bf16 experts of the sparse
+    layout (rows [3I, H]: gate, up, then down rows), as the sparse executor's dense path runs it."""
+
+    def __init__(self, lib: ctypes.CDLL, hidden: int, inter: int, rows: int, experts: Sequence[Any]) -> None:
+        self.moe = MoeLayer(hidden, inter, 1, 1)
+        self.step = Step(lib, rows, hidden, 1, 1, 1, [], [self.moe], None, 0, max(1, torch.get_num_threads()))
+        self.step.layer(0)
+        self.table = torch.tensor([[v.row.data_ptr(), KIND_BF16, 0, 0, -1, -1, 0, 2 * inter * hidden * 2, -1, -1,
+                                    KIND_BF16 | ROWS, -1, -1] for v in experts], dtype=torch.int64)  # [n, DESC]
+
+    def __call__(self, x: torch.Tensor, e: int) -> None:
+        st, c = self.step, x.shape[0]
+        st.s.T = c
+        st.s.nthreads = torch.get_num_threads()
+        st.h[:c].copy_(x)
+        st.ids[0, :c] = 0
+        st.wts[0, :c] = 1.0
+        self.moe.desc[0] = self.table.data_ptr() + 8 * DESC * e
+        st.moe(self.moe)
+
+
 def load_or_measure_tipping(
     hidden: int, inter: int, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor], cfg: SparsityConfig,
     kernel: NativeSparse | NativeSparseQuant | None, cache: Path | None = None, quant: tuple[int, int] | None = None,
     kernel_cache: Path | str | None = None, device: torch.device | None = None, masked: bool = True,
+    decode_lib: ctypes.CDLL | None = None,
 ) -> tuple[int, dict[int, tuple[float, float]], bool]:  # fmt: skip
     """(tipping point, profile, from cache). A profile is cached per machine, threads, shape, dtype,
     target and block in `cache`, by default KERNEL_CACHE/sparse-profiles.json (`kernel_cache`:
     RuntimeConfig.kernel_cache, None: ~/.cache/moetier); an unwritable cache only costs the re-measure."""
     path = cache or native.cache_root(kernel_cache) / "sparse-profiles.json"
     build = kernel.build_key if kernel is not None else "torch"
-    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, build, quant, device, masked)
+    key = _profile_key(hidden, inter, dtype, cfg.target, cfg.block, build, quant, device, masked,
+                       decode_lib is not None)  # fmt: skip
     stored: dict[str, Any] = {}
     try:
         stored = json.loads(path.read_text()) if path.exists() else {}
@@ -206,7 +241,7 @@ def load_or_measure_tipping(
         except (AttributeError, TypeError, ValueError):
             pass  # a malformed entry: measure again and overwrite it
     profile = tipping_profile(hidden, inter, dtype, act, cfg.target, cfg.block, kernel, quant=quant, device=device,
-                              masked=masked)  # fmt: skip
+                              masked=masked, decode_lib=decode_lib)  # fmt: skip
     stored[key] = {str(c): list(v) for c, v in profile.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,13 +10,16 @@ Steps (numbered in `load`):
    from the capabilities the config's store declares and each feature needs, before any pool is
    allocated, in this order: sparsity, prefetch, hybrid execution; then what the variant prepares
    (the sparsity table);
-3. build the store and the model (runtime/loader.py);
+3. build the store and the model (runtime/loader.py); with a process budget (Budgets.memory_bytes, --memory)
+   the host expert budget is what the process, dense weights, KV cache, scratch and margin leave
+   (runtime/memory.py), and the checkpoint's pages the load read are dropped from the page cache;
 4. the route observers, in stage order (runtime/observers.py): precision switching when the store
    switches precisions, cache scores when its policy takes router scores, the prefetcher when
    PrefetchConfig is on (with the predictor PrefetchConfig.predictor names: runtime/prefetch.py
    PREDICTORS; on a row family's blocks or the seam's alike, a predictor that needs the routers refused
    on the seam in step 2); the pricing both the prefetcher and the hybrid scheduler use;
-5. the executor of every MoE layer, attached with its scheduler and the observers, once;
+5. the executor of every MoE layer, attached with its scheduler, the observers and the routing override
+   (RoutingConfig: runtime/route_override.py; a trace or pruning file that does not fit is refused here), once;
 6. the decoder (lean when the family's attention allows it; its dense projections on the native
    kernels when loaded, quantised per RuntimeConfig.dense_precision; with the native executor and
    RuntimeConfig.native_step, its layers as two native calls each, runtime/native_step.py) and the Engine.
@@ -47,6 +50,7 @@ from moetier.kernels.fp8 import fp8_dense
 from moetier.kernels.stored import StoredFormat
 from moetier.models.families import Family
 from moetier.policies.schedulers import make_scheduler
+from moetier.runtime import memory
 from moetier.runtime.decode_hf import HFDecoder
 from moetier.runtime.engine import Decoder, Engine, Wired
 from moetier.runtime.executors.base import PRECISION_SWITCHING, ROUTE_SCORES, refuse_missing
@@ -55,6 +59,7 @@ from moetier.runtime.executors.registry import EXECUTORS
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.lean import LeanDecoder, lean_supported
 from moetier.runtime.loader import LoadedModel, Skeleton, build_model, open_skeleton
+from moetier.runtime.memory_needs import memory_needs
 from moetier.runtime.moe_block import Pipeline
 from moetier.runtime.native_step import NativeStep
 from moetier.runtime.observers import CacheScores, ObserverList
@@ -62,6 +67,7 @@ from moetier.runtime.precision import Switching, store_capabilities
 from moetier.runtime.prefetch import NEEDS as PREFETCH_NEEDS
 from moetier.runtime.prefetch import PREDICTORS, Prefetcher
 from moetier.runtime.pricing import Pricing, make_pricing
+from moetier.runtime.route_override import build_override
 from moetier.store.dynamic import DynamicStore
 from moetier.store.source import StoredFp8Source, StoredIntSource
 from moetier.store.store import ExpertStore
@@ -85,12 +91,15 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
     except BaseException:
         sk.close()  # release the checkpoint's file descriptors
         raise
-    # 3. store and model
+    # 3. store and model; with --memory the host expert budget is what the rest of the process leaves
     try:
-        loaded = build_model(sk, cfg)
+        needs = memory_needs(sk, cfg) if cfg.budgets.memory_bytes is not None else None
+        loaded = build_model(sk, cfg, needs)
     except BaseException:
         sk.close()  # the reader's files (build_model closes the store it made)
         raise
+    if needs is not None:  # the dense weights' pages the load read leave the page cache (charged to us otherwise)
+        memory.drop_page_cache(memory.checkpoint_files(path))
     try:
         return Engine(wire(loaded, cfg, spec, prepared))
     except BaseException:
@@ -256,9 +265,10 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
             observers.add(prefetcher)
         # 5. one pipeline per MoE layer, attached once
         built = spec.build(BuildContext(loaded, cfg, prepared, pricing))
+        override = build_override(cfg.routing, loaded.info, loaded.family, loaded.config)  # RoutingConfig, or None
         for block in loaded.blocks:
             scheduler, executor = built.layers[block.layer]
-            block.attach(Pipeline(scheduler, executor, observers, built.routed.get(block.layer)))
+            block.attach(Pipeline(scheduler, executor, observers, built.routed.get(block.layer), override))
         # 6. the decoder
         decoder: Decoder
         if cfg.runtime.lean and loaded.family.lean_attention and lean_supported(loaded):

@@ -16,6 +16,18 @@ A cache starts empty. Per layer call, in trace order:
    that are not experts of this call (if the call alone needs more experts than the cache
    holds, among all residents but the one being fetched), then inserts the expert.
 
+A policy that admits (declares `transient_slots` and `admit`, policies/cache_base.py; mrs-admit) is replayed as
+the engine's store runs it (store/tier.py): min(transient_slots, slots // 4) of the slots are transient (none
+when every expert fits), the call's unique experts are taken in groups of that many in ascending id (the
+executors' pin groups, ExpertStore.pin_groups: contiguous, each with at most that many experts not cached when
+the call starts), each group's residents first; a miss goes to a free cached slot while there is one, else the
+policy's victim among the cached residents outside the call is evicted for it if `admit(key, victim)`, else (or
+with no such resident) it is computed from a transient slot and not cached (`bypasses`).
+
+`batched_calls` merges a batch-1 stream into B sequences decoding together (the serving pattern of
+runtime/batch.py): B cursors spread evenly over the stream's decode steps, one call per step and layer holding
+the B tokens' rows.
+
 An access is one unique expert of one layer call. Decode counts cover calls with step > 0
 (step 0 is the prefill chunk in engine traces). Belady gets the whole access sequence up front
 (per call in ascending id order; it only consumes each key's positions in order, so the
@@ -72,6 +84,7 @@ class ReplayResult:
     options: tuple[tuple[str, Any], ...] = ()
     seconds: float = 0.0
     per_layer: bool = False  # one cache per layer (slots = their sum) instead of one global cache
+    bypasses: int = 0  # misses computed from a transient slot and not cached (admitting policies)
 
     @property
     def misses(self) -> int:
@@ -95,6 +108,7 @@ class ReplayResult:
             "per_layer": {str(h.layer): {"accesses": h.accesses, "hits": h.hits, "hit_rate": h.hit_rate}
                           for h in self.layers},
             "options": dict(self.options), "replay_s": self.seconds, "per_layer_caches": self.per_layer,
+            "bypasses": self.bypasses,
         }  # fmt: skip
 
 
@@ -150,6 +164,7 @@ class _Counts:
     dec_acc: int = 0
     dec_hit: int = 0
     evictions: int = 0
+    bypasses: int = 0
     options: dict[str, Any] | None = None
 
 
@@ -166,6 +181,12 @@ def _run(
     """Replay `calls` (their unique keys in `call_keys`) through one fresh policy and one cache of `slots`."""
     future: list[Hashable] = [key for keys in call_keys for key in keys]
     pol = make_cache_policy(policy, top_k=top_k, future=future, **knobs)  # only Belady takes the future
+    transient = getattr(pol, "transient_slots", 0)
+    total = len({key.layer for keys in call_keys for key in keys}) * num_experts
+    if transient and slots < total and slots // 4 > 0:
+        _run_admitting(calls, call_keys, pol, slots, min(int(transient), slots // 4), num_experts, counts)
+        counts.options = dict(getattr(pol, "options", knobs))
+        return
     resident: set[ExpertKey] = set()
     for call, keys in zip(calls, call_keys, strict=True):
         layer = int(call.layer)
@@ -193,6 +214,91 @@ def _run(
             counts.dec_acc += len(keys)
             counts.dec_hit += n_hit
     counts.options = dict(getattr(pol, "options", knobs))  # the knobs in effect, defaults included (MRS)
+
+
+def _run_admitting(
+    calls: Sequence[Call],
+    call_keys: Sequence[list[ExpertKey]],
+    pol: Any,
+    slots: int,
+    transient: int,
+    num_experts: int,
+    counts: _Counts,
+) -> None:
+    """`_run` for an admitting policy: `slots - transient` cached slots, groups of `transient` (module doc)."""
+    cached: set[ExpertKey] = set()
+    for call, keys in zip(calls, call_keys, strict=True):
+        layer = int(call.layer)
+        pol.on_route(layer, call_scores(call, num_experts))
+        n_hit = 0
+        in_call = set(keys)
+        groups: list[list[ExpertKey]] = [[]]
+        misses = 0
+        for key in keys:  # ExpertStore.pin_groups (the pool is never the limit here: a call fits the slots)
+            miss = key not in cached
+            if groups[-1] and miss and misses == transient:
+                groups.append([])
+                misses = 0
+            groups[-1].append(key)
+            misses += miss
+        for group in groups:
+            held: list[ExpertKey] = []  # bypassed: in a transient slot until the group is computed
+            for key in [k for k in group if k in cached] + [k for k in group if k not in cached]:
+                if key in cached:
+                    n_hit += 1
+                    pol.on_access(key)
+                    continue
+                pol.on_insert(key)  # written to a transient slot (or a free one) first, as the store does
+                if len(cached) < slots - transient:
+                    cached.add(key)
+                    continue
+                cands = cached - in_call
+                victim = pol.victim(cands) if cands else None
+                if victim is not None and victim not in cands:
+                    raise AssertionError(f"policy chose {victim!r}, not a candidate")
+                if victim is not None and pol.admit(key, victim):
+                    cached.discard(victim)
+                    pol.on_evict(victim)
+                    counts.evictions += 1
+                    cached.add(key)
+                else:
+                    held.append(key)
+                    counts.bypasses += 1
+            for key in held:
+                pol.on_evict(key)
+        counts.acc[layer] += len(keys)
+        counts.hit[layer] += n_hit
+        if call.step > 0:
+            counts.dec_acc += len(keys)
+            counts.dec_hit += n_hit
+
+
+def batched_calls(calls: Sequence[Call], batch: int, steps: int | None = None) -> list[Call]:
+    """B sequences decoding together from one batch-1 stream: `batch` cursors spread evenly over its decode steps
+    (step > 0 with one row per layer call), advancing one step per merged step (wrapping at the end); per merged
+    step and layer one call of the B rows (ids, weights, scores concatenated). `steps` merged steps (default: as
+    many as the stream has). TraceError for a stream with a call of more than one row after step 0."""
+    if batch < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch}")
+    by_step: dict[int, dict[int, Call]] = {}
+    for call in calls:
+        if call.step > 0:
+            if np.asarray(call.ids).shape[0] != 1:
+                raise TraceError(f"step {call.step} layer {call.layer}: batched_calls needs a batch-1 stream")
+            by_step.setdefault(int(call.step), {})[int(call.layer)] = call
+    layers = sorted({layer for per in by_step.values() for layer in per})
+    stream = [by_step[s] for s in sorted(by_step) if len(by_step[s]) == len(layers)]
+    if not stream:
+        raise TraceError("the trace holds no complete decode step")
+    n = len(stream)
+    out = []
+    for s in range(n if steps is None else steps):
+        for layer in layers:
+            rows = [stream[(b * n // batch + s) % n][layer] for b in range(batch)]
+            scores = None if any(r.scores is None for r in rows) else np.concatenate([r.scores for r in rows])
+            out.append(Call(s + 1, layer, np.concatenate([r.ids for r in rows]),
+                            np.concatenate([r.weights for r in rows]), scores))  # fmt: skip
+    return out
 
 
 def replay(
@@ -241,6 +347,7 @@ def replay(
         decode_accesses=counts.dec_acc, decode_hits=counts.dec_hit,
         layers=tuple(LayerHits(layer, counts.acc[layer], counts.hit[layer]) for layer in layer_ids),
         options=tuple(sorted(options.items())), seconds=time.perf_counter() - t0, per_layer=per_layer,
+        bypasses=counts.bypasses,
     )  # fmt: skip
 
 

@@ -199,7 +199,7 @@ class PrefetchLoads:
             for key in keys:
                 if key in state.slots or key in state.inflight:
                     continue
-                slot = state.take_slot(exclude=exclude)
+                slot = state.take_slot(exclude=exclude, demand=False)  # never a transient slot
                 if slot is None:
                     break
                 state.inflight[key] = slot

@@ -11,6 +11,10 @@ A source fills one pool slot with one expert at its precision:
   their experts differently, slots of the largest layout), computed as stored or dequantised per call;
   its slots count stored bytes, and only the biases are decoded when read.
 
+`FullSource` and `StoredSource` also have `read_many(items)`: several experts read together, their byte
+ranges in flight at once (formats/diskio.py through the reader's `io`); per expert the bytes read or the
+ExpertReadError that stopped it. The store's layer-call misses use it where a source has it.
+
 `make_pool` builds the fixed-slot pool of a precision. Every source is thread-safe (one
 lock), because the forward pass (demand loads) and the mover thread both read. The
 `staging_bytes` of a source is transient memory that budgets must count.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -122,6 +127,9 @@ class FullSource(_FromReader):
     def read_into(self, key: ExpertKey, views: Any) -> int:
         return self.reader.read_into(key, views.pieces)
 
+    def read_many(self, items: Sequence[tuple[ExpertKey, Any]]) -> list[int | ExpertReadError]:
+        return self.reader.read_many([(key, views.pieces) for key, views in items])
+
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> SlotPool:
         return SlotPool(self.layout, n_slots, self.dtype, device, pin=pin)
 
@@ -136,7 +144,8 @@ class QuantSource:
         # one expert's canonical tensors, allocated once; the mover and demand loads share it
         self._staging = {name: torch.empty(shape, dtype=dt) for name, (dt, shape) in tier.tensor_specs.items()}
         canonical = sum(t.numel() * t.element_size() for t in self._staging.values())
-        self.staging_bytes = canonical + fmt.pack_scratch_bytes
+        bounce = tier.io.staging_bytes if tier.io is not None else 0  # formats/diskio.py's O_DIRECT buffers
+        self.staging_bytes = canonical + fmt.pack_scratch_bytes + bounce
         self._lock = threading.Lock()
 
     def read_into(self, key: ExpertKey, views: Any) -> int:
@@ -354,6 +363,16 @@ class StoredSource(_FromReader):
             if w.relaid is not None:
                 w.relay()
         return n
+
+    def read_many(self, items: Sequence[tuple[ExpertKey, Any]]) -> list[int | ExpertReadError]:
+        vs = [for_layer(views, key.layer) for key, views in items]
+        got = self.reader.read_stored_many([(key, v.dests, v.pieces) for (key, _), v in zip(items, vs, strict=True)])
+        for v, n in zip(vs, got, strict=True):
+            if not isinstance(n, ExpertReadError):
+                for w in (v.w13, v.w2):
+                    if w.relaid is not None:
+                        w.relay()
+        return got
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> StoredPool:
         # a mixed format's slots are StoredVariants: the consumers take a layer's variant (stored.for_layer)

@@ -16,7 +16,8 @@ victim outside `protect` that is no unused prefetch) and loads it in the backgro
 (store/mover.py PrefetchLoads: disk -> host on a CPU machine, host -> GPU on a GPU one),
 outside the store lock, registering it when complete. A forward needing an in-flight expert
 waits for that load (no second read), never for one it does not need (except the disk: the
-reader reads one expert at a time). A failed load frees its slot and is recorded.
+reader reads one expert at a time). A failed load frees its slot and is recorded. On a host compute tier
+`acquire_many` reads a layer call's misses together (`source.read_many`: their disk reads in flight at once).
 
 A failed read (EIO, a checkpoint file truncated or replaced under the engine) raises ExpertReadError
 naming the file and the expert out of `acquire` (a demand load), or is recorded by the mover (a
@@ -33,6 +34,12 @@ Invariants (tested):
 - provenance: an in-flight slot is in no index (`index`, `resident`, `views`) until it
   is fully written and registered;
 - a pinned expert is never evicted; a key maps to at most one slot per tier;
+- admission (a compute-tier policy declaring `transient_slots` and `admit`, policies/cache_base.py): that many
+  slots of the pool (at most a quarter, none when every expert fits) are transient; a demand miss that finds
+  no free slot is written to one and then either cached in place of the policy's victim or, refused, computed
+  from it and dropped at its last release (store/tier.py); `pin_limit` is then the transient slots and
+  `pin_groups` splits a call into contiguous groups of at most that many misses (its residents ride along), so
+  the executors pin a call's experts in groups whose misses fit them;
 - hits + misses of the compute tier == number of successful compute-tier acquires;
 - prefetch issued == used + wasted + failed + (registered, not yet accessed or evicted)
   + in flight.
@@ -80,6 +87,7 @@ class ExpertStore:
         self.host = self._tier(Tier.HOST, cpu, host_budget, self.staging_bytes, pin=device.type == "cuda")
         self.accel = self._tier(Tier.ACCEL, device, accel_budget, 0) if device.type != "cpu" else None
         self.compute = self.accel or self.host
+        self.compute.reserve(_transient_slots(self.compute.policy, self.compute.pool.n_slots, len(keys)))
         self.disk_bytes = 0
         self.h2d_bytes = 0
         self._lock = threading.RLock()
@@ -211,7 +219,7 @@ class ExpertStore:
                     state.pins[key] += 1
                     pinned.append(key)
                     out[i] = state.pool.views[slot]
-                for i in later:
+                for i in self._read_misses(keys, later, out, pinned):
                     out[i] = self._acquire_locked(state, keys[i])
                     pinned.append(keys[i])
             except BaseException:
@@ -236,6 +244,8 @@ class ExpertStore:
                     pins[key] = n
                 else:
                     del pins[key]
+                    if self.compute.bypassed and key in self.compute.bypassed:
+                        self.compute.drop_bypassed(key)
 
     @staticmethod
     def _unpin(state: TierState, key: ExpertKey) -> None:
@@ -243,20 +253,49 @@ class ExpertStore:
         pins[key] -= 1
         if pins[key] <= 0:
             del pins[key]
+            if key in state.bypassed:
+                state.drop_bypassed(key)
 
     def compute_pools(self) -> list[Pool]:
         """The compute tier's pools (one here): what a native slot table is built from (kernels/step.py)."""
         return [self.compute.pool]
 
     def pin_limit(self) -> int | None:
-        """How many distinct experts one `acquire_many` can pin at once: the compute tier's slots."""
-        return self.compute.pool.n_slots
+        """How many distinct experts one `acquire_many` can pin at once: the compute tier's slots, or its transient
+        slots under admission (each group's misses then fit them, so none evicts a cached expert to be computed)."""
+        return len(self.compute.reserved) or self.compute.pool.n_slots
+
+    def pin_groups(self, keys: Sequence[ExpertKey]) -> list[int]:
+        """Sizes of the contiguous groups a layer call's experts `keys` (distinct, in computing order) are pinned in,
+        one `acquire_many` each: groups of `pin_limit`; under admission each group holds at most as many keys that
+        are not resident or loading as there are transient slots (residents ride along, up to the pool's slots), so
+        each group's misses fit them and no group is split further than its misses need. Under admission `keys`
+        also become the call in progress, which admission evicts nothing of (store/tier.py), so the counts hold."""
+        transient = len(self.compute.reserved)
+        n, limit = len(keys), transient or self.compute.pool.n_slots  # pin_limit
+        if not transient:
+            return [min(limit, n - g) for g in range(0, n, limit)]
+        with self._lock:
+            self.compute.protect = frozenset(keys)
+        cached, loading, n_slots = self.compute.slots, self.compute.inflight, self.compute.pool.n_slots
+        sizes: list[int] = []
+        size = misses = 0
+        for key in keys:
+            miss = key not in cached and key not in loading
+            if size and (size == n_slots or (miss and misses == transient)):
+                sizes.append(size)
+                size = misses = 0
+            size += 1
+            misses += miss
+        if size:
+            sizes.append(size)
+        return sizes
 
     def preload(self) -> int:
         """Load experts into the compute tier until it is full (all of them when they fit), so
         steady-state runs do not pay first-touch reads; returns how many were loaded."""
         n = 0
-        for key in self.keys[: self.compute.pool.n_slots]:
+        for key in self.keys[: self.compute.pool.n_slots - len(self.compute.reserved)]:
             if key not in self.compute.slots:
                 self.acquire(key)
                 self.release(key)
@@ -303,6 +342,48 @@ class ExpertStore:
             raise err from exc
         host.insert(key, slot)
         return slot
+
+    def _read_misses(
+        self, keys: Sequence[ExpertKey], later: list[int], out: list[Any], pinned: list[ExpertKey]
+    ) -> list[int]:
+        """Lock held, host compute tier, a source with `read_many`: the misses `later` (indices of `keys`) that are
+        not loading in the background are read together (their disk reads in flight at once) into slots taken
+        without waiting, then registered, pinned (into `out`, `pinned`) and counted as `_load_host` does. Returns
+        the indices left for the one-at-a-time path (in flight, no slot free without waiting, or, under admission,
+        no free or transient slot). A failed read frees its slot; the first one is raised once the others are
+        registered."""
+        read_many = getattr(self.source, "read_many", None)
+        host = self.host
+        if read_many is None or self.accel is not None or len(later) < 2:
+            return later
+        batch: list[tuple[int, int]] = []
+        rest: list[int] = []
+        for i in later:
+            # under admission (reserved transient slots) only a free or transient slot: an eviction is the
+            # admission's to decide, one miss at a time (`insert` gives the transient slot back)
+            room = not host.reserved or host.free or host.transient
+            new = keys[i] not in host.inflight and keys[i] not in host.slots
+            slot = host.take_slot() if new and room else None
+            if slot is None:
+                rest.append(i)
+            else:
+                batch.append((i, slot))
+        first: BaseException | None = None
+        for (i, slot), got in zip(batch, read_many([(keys[i], host.pool.views[s]) for i, s in batch]), strict=True):
+            key = keys[i]
+            if isinstance(got, BaseException):
+                host.free.append(slot)  # the slot holds a partial expert: never register it
+                first = first or self.read_failed(key, got) or got
+                continue
+            self.disk_bytes += got
+            host.insert(key, slot)
+            host.misses += 1
+            host.pins[key] += 1
+            pinned.append(key)
+            out[i] = host.pool.views[slot]
+        if first is not None:
+            raise first
+        return rest
 
     def read_failed(self, key: ExpertKey, exc: BaseException) -> ExpertReadError | None:
         """A failed read of `key` (demand or prefetch) as its ExpertReadError, counted in `faults`; None (not
@@ -388,6 +469,13 @@ class ExpertStore:
             self._loads.mover.drain(30.0)
             self._loads.mover.close()
         self.source.close()
+
+
+def _transient_slots(policy: object, n_slots: int, total: int) -> int:
+    """Transient slots for a tier of `n_slots` under `policy`: its declared `transient_slots` (0 without), at most a
+    quarter of the slots, none when every one of the `total` experts fits."""
+    want = getattr(policy, "transient_slots", 0)
+    return 0 if n_slots >= total else min(int(want), n_slots // 4)
 
 
 def _budget(budget: int | None, pool: Pool) -> int:

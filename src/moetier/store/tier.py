@@ -5,9 +5,19 @@
 `available_bytes` reports when there is none). The store takes its lock around every TierState
 call; TierState itself is not thread-safe.
 
-Invariants: a pinned key, or one in `exclude`, is never evicted by `take_slot`; a key maps to at
-most one slot; an evicted key the last prefetch registered and nobody accessed counts as wasted,
-an accessed one as used (once each); `slots_for_budget` returns at least 1 slot and at most
+Admission (a policy declaring `transient_slots` and `admit`, policies/cache_base.py): `reserve(n)` sets n
+slots of the pool aside as transient. A demand `take_slot` that finds no free slot takes a transient one
+without evicting anything; `insert` then asks the policy whether the new key may evict the policy's victim:
+if so the victim goes and its slot becomes transient in place of the key's (the key is cached), else the key
+stays in its transient slot as `bypassed` and `drop_bypassed` frees that slot at its last release. The admission's
+victim is never one of `protect` (the layer call in progress, ExpertStore.pin_groups), so a call's resident
+experts stay resident until their own group is pinned. A transient slot handed back on the free list (a failed
+load) returns to the transient list at the next `take_slot`.
+
+Invariants: a pinned key, or one in `exclude`, is never evicted by `take_slot` or `insert`; a key maps to at
+most one slot; slots in use + free + transient == the pool's slots, and len(reserved) is constant; a bypassed
+key is pinned from its insert to its drop; an evicted key the last prefetch registered and nobody accessed
+counts as wasted, an accessed one as used (once each); `slots_for_budget` returns at least 1 slot and at most
 `total`, or raises BudgetError with the flag to set.
 """
 
@@ -43,17 +53,38 @@ class TierState:
     peak_slots: int = 0
     pf_used: int = 0  # prefetched experts accessed before eviction
     pf_wasted: int = 0  # prefetched experts evicted unaccessed
+    reserved: set[int] = field(default_factory=set)  # the transient slots (ids change as misses are admitted)
+    transient: list[int] = field(default_factory=list)  # transient slots not in use
+    bypassed: set[ExpertKey] = field(default_factory=set)  # keys held in a transient slot, not cached
+    bypasses: int = 0  # demand misses computed from a transient slot and not cached
+    protect: frozenset[ExpertKey] = frozenset()  # the layer call in progress: admission evicts none of them
 
-    def take_slot(self, exclude: Collection[ExpertKey] = ()) -> int | None:
-        """A free slot, else the policy's victim among unpinned residents outside `exclude`
-        (evicted here); None when there is neither."""
-        if self.free:
-            return self.free.pop()
-        candidates = [k for k in self.slots if self.pins[k] == 0 and k not in exclude]
+    def reserve(self, n: int) -> None:
+        """Set `n` free slots aside as transient (before any load); n = 0: none (every miss is cached)."""
+        if n < 0 or n > len(self.free) or self.slots or self.inflight:
+            raise ValueError(f"{self.tier.value} tier: cannot reserve {n} transient slots of {len(self.free)} free")
+        taken = [self.free.pop(0) for _ in range(n)]  # the last ones handed out
+        self.reserved, self.transient = set(taken), taken
+
+    def take_slot(self, exclude: Collection[ExpertKey] = (), demand: bool = True) -> int | None:
+        """A free slot, else (`demand`: a miss acquired now, not a prefetch) a transient slot, else the policy's
+        victim among unpinned cached residents outside `exclude` (evicted here); None when there is none."""
+        while self.free:
+            slot = self.free.pop()
+            if slot not in self.reserved:
+                return slot
+            self.transient.append(slot)  # a transient slot given back by a failed load
+        if demand and self.transient:
+            return self.transient.pop()  # whether the key is cached is decided at `insert`
+        candidates = [k for k in self.slots if self.pins[k] == 0 and k not in exclude and k not in self.bypassed]
         if not candidates:
             return None
         victim = self.policy.victim(candidates)
         assert isinstance(victim, ExpertKey)
+        return self._evict(victim)
+
+    def _evict(self, victim: ExpertKey) -> int:
+        """Evict the unpinned resident `victim`; its slot."""
         slot = self.slots.pop(victim)
         self.policy.on_evict(victim)
         self.evictions += 1
@@ -66,6 +97,33 @@ class TierState:
         self.slots[key] = slot
         self.policy.on_insert(key)
         self.peak_slots = max(self.peak_slots, len(self.slots) + len(self.inflight))
+        if slot in self.reserved:
+            self._admit(key, slot)
+
+    def _admit(self, key: ExpertKey, slot: int) -> None:
+        """`key` was just written to transient `slot`: cache it in the place of the policy's victim when the
+        policy admits it, else keep it bypassed (the caller pins it before the lock is released)."""
+        admit = getattr(self.policy, "admit", None)
+        protect = self.protect
+        candidates = [k for k in self.slots if self.pins[k] == 0 and k not in self.bypassed and k not in protect
+                      and k != key]  # fmt: skip
+        if candidates:
+            victim = self.policy.victim(candidates)
+            if admit is None or admit(key, victim):
+                assert isinstance(victim, ExpertKey)
+                freed = self._evict(victim)
+                self.reserved.discard(slot)
+                self.reserved.add(freed)
+                self.transient.append(freed)
+                return
+        self.bypassed.add(key)
+        self.bypasses += 1
+
+    def drop_bypassed(self, key: ExpertKey) -> None:
+        """A bypassed key's last pin went: forget it and give its transient slot back."""
+        self.bypassed.discard(key)
+        self.transient.append(self.slots.pop(key))
+        self.policy.on_evict(key)
 
     def hit(self, key: ExpertKey) -> None:
         self.hits += 1
@@ -91,6 +149,8 @@ class TierState:
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
+            "bypasses": self.bypasses,
+            "transient_slots": len(self.reserved),
             "slots": self.pool.n_slots,
             "resident_bytes": len(self.slots) * self.pool.slot_bytes,
             "inflight_bytes": len(self.inflight) * self.pool.slot_bytes,

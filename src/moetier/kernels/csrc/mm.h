@@ -123,10 +123,13 @@ typedef struct {
     int64_t group;
     int64_t sf16; /* 1: the scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out), not bf16 */
     int64_t fp4;  /* kind 4: the nibbles are MXFP4 values (see the kinds above) */
+    int64_t rows; /* an expert's down matrix stored as rows of its neurons, [I, H] (the sparse layout), not [H, I];
+                     kind 16 only (step.c moe_core) */
 } mt_w;
 /* a kind as callers pass it (gemv, slot descriptors): | MT_SF16 for fp16 scales */
 #define MT_SF16 256
 #define MT_FP4 512 /* kind 4 as MXFP4 values (mt_w.fp4) */
+#define MT_ROWS 2048 /* (above the ggml kinds 1000..1063) kind 16 stored as down rows [I, H] (mt_w.rows): a slot descriptor's w2 kind only */
 
 typedef struct {
     int form;

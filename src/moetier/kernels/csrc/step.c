@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 8
+#define ABI 10
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -95,6 +95,36 @@ static int64_t moe_core_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
     return b;
 }
 
+/* y[p][lo:hi] += rw[p] * sum_i h[p][i] * Wd[i, lo:hi] for cnt pairs, Wd bf16 down rows [I, H] (the sparse layout):
+ * every neuron's row slice read once for all pairs, in ascending neuron order; sums in fp32 per pair, the whole
+ * expert's sum scaled by rw[p] once at the end (as mt_mm scales a dot product) */
+static void down_rows(const uint16_t* wd, int64_t H, int64_t I, int64_t lo, int64_t hi, float* const* h, int64_t cnt,
+                      float* const* y, const float* rw) {
+    const int64_t n = hi - lo;
+    float acc[4][512];
+    for (int64_t c0 = 0; c0 < n; c0 += 512) {
+        const int64_t m = n - c0 < 512 ? n - c0 : 512;
+        for (int64_t p0 = 0; p0 < cnt; p0 += 4) {
+            const int64_t np = cnt - p0 < 4 ? cnt - p0 : 4;
+            for (int64_t q = 0; q < np; q++) memset(acc[q], 0, (size_t)m * 4);
+            for (int64_t i = 0; i < I; i++) {
+                const uint16_t* w = wd + i * H + lo + c0;
+                for (int64_t q = 0; q < np; q++) {
+                    const float a = h[p0 + q][i]; /* no skip of zeros: 0 * Inf must stay NaN, as in the dot */
+                    float* o = acc[q];
+#pragma omp simd
+                    for (int64_t r = 0; r < m; r++) o[r] += a * bf2f(w[r]);
+                }
+            }
+            for (int64_t q = 0; q < np; q++) {
+                float* o = y[p0 + q] + lo + c0;
+                const float s = rw[p0 + q];
+                for (int64_t r = 0; r < m; r++) o[r] += s * acc[q][r];
+            }
+        }
+    }
+}
+
 /* ys [T, H] fp32 += sum over pairs of rw * expert(x[tok]), experts in the order given (x bf16 [T, H]) */
 static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* scratch, int64_t bytes, int nthreads) {
     const int64_t T = c->T, H = c->H, I = c->I, n = c->n, P = c->start[n];
@@ -104,6 +134,7 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
     int64_t g13[MT_NFORM] = {0}, g2[MT_NFORM] = {0};
     for (int64_t j = 0; j < n; j++) {
         if (!kind_ok(c->w13[j].kind, H, c->w13[j].group) || !kind_ok(c->w2[j].kind, I, c->w2[j].group)) return -1;
+        if (c->w2[j].rows && c->w2[j].kind != 16) return -1; /* down rows: bf16 only */
         if ((c->w13[j].fp4 && (c->w13[j].kind != 4 || c->w13[j].z)) || (c->w2[j].fp4 && (c->w2[j].kind != 4 || c->w2[j].z)))
             return -1; /* MXFP4 values are kind 4, symmetric */
         const int f13 = mt_form_of(c->w13[j].kind), f2 = mt_form_of(c->w2[j].kind);
@@ -160,7 +191,10 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
                 gptoss_glu(hp[p], hp[p] + I, I, c->alpha, c->limit);
             else
                 mt_silu_mul(hp[p], hp[p] + I, I);
-            mt_act_prep_f32(&ad[mt_form_of(c->w2[pe[p]].kind)], p, hp[p]);
+            if (c->w2[pe[p]].rows)
+                mt_round_bf16(hp[p], I); /* the bf16 form's activation, as mt_act_prep_f32 rounds it */
+            else
+                mt_act_prep_f32(&ad[mt_form_of(c->w2[pe[p]].kind)], p, hp[p]);
         }
         /* 3. down rows: each thread a slice of H, experts in the order given */
         {
@@ -168,7 +202,9 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
             span(H, 16, nt, me, &lo, &hi);
             for (int64_t j = 0; j < n && hi > lo; j++) {
                 const int64_t p0 = c->start[j], cnt = c->start[j + 1] - p0;
-                if (cnt > 0)
+                if (cnt > 0 && c->w2[j].rows)
+                    down_rows((const uint16_t*)c->w2[j].q, H, I, lo, hi, hp + p0, cnt, yp + p0, c->rw + p0);
+                else if (cnt > 0)
                     mt_mm(&c->w2[j], I, lo, hi, &ad[mt_form_of(c->w2[j].kind)], pidx + p0, cnt, yp + p0, c->rw + p0);
                 const uint16_t* bias = c->b2 ? c->b2[j] : NULL;
                 if (bias)
@@ -185,9 +221,10 @@ static inline mt_w desc_w(const int64_t* d, int m) {
     const int64_t* p = d + 2 + 4 * m;
     const int64_t kind = m ? d[10] : d[1];
     const int sf = !mt_is_gg(kind) && (kind & MT_SF16), fp4 = !mt_is_gg(kind) && (kind & MT_FP4);
-    mt_w w = {mt_is_gg(kind) ? kind : kind & ~(int64_t)(MT_SF16 | MT_FP4), base + p[1],
+    const int rows = !mt_is_gg(kind) && (kind & MT_ROWS);
+    mt_w w = {mt_is_gg(kind) ? kind : kind & ~(int64_t)(MT_SF16 | MT_FP4 | MT_ROWS), base + p[1],
               p[2] >= 0 ? (const uint16_t*)(base + p[2]) : NULL, p[3] >= 0 ? (const uint16_t*)(base + p[3]) : NULL, p[0],
-              sf, fp4};
+              sf, fp4, rows};
     return w;
 }
 
@@ -243,6 +280,7 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
         memset(cnt, 0, (size_t)((E + 1) * 8));
         for (int64_t i = 0; i < T * k; i++) {
             const int32_t e = S->ids[i];
+            if (e == -1) continue; /* a pair the routing override skipped (policies/routing.py): no expert */
             if (e < 0 || e >= E || (whole && desc[e] == NULL)) return -1;
             if (desc[e] != NULL) cnt[e]++; /* a group call: the experts given this time */
         }
@@ -264,7 +302,7 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < k; i++) {
                 const int32_t e = S->ids[t * k + i];
-                if (desc[e] == NULL) continue;
+                if (e < 0 || desc[e] == NULL) continue;
                 const int64_t p = next[e]++;
                 tok[p] = (int32_t)t;
                 rw[p] = S->wts[t * k + i];

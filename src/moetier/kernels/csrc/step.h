@@ -9,6 +9,7 @@
  *   router, the router logits (bf16, as the reference rounds them), softmax in fp32, top-k (ties: lower id
  *   first), optional renormalisation, weights optionally rounded to bf16 -> S->ids, S->wts, S->logits.
  * moetier_moe_half(M, S, desc): x += sum over each row's (expert, weight) pairs of weight * SwiGLU_e(h)
+ *   (an id of -1 is no expert: the pair is skipped, its weight unread; routing overrides, policies/routing.py)
  *   (experts in ascending id, fp32 sums, rounded once) + the shared expert (sigmoid-gated where the family
  *   gates it); desc[e] points at expert e's slot descriptor (DESC int64: slot address, kind, then per
  *   matrix w13 [2I, H] and w2 [H, I]: group, q / scale / zero byte offsets from the address, -1 for none,

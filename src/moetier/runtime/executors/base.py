@@ -112,7 +112,9 @@ def group_tokens(
     k = ids.shape[1]
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k], grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    skipped = int((flat < 0).sum())  # pairs a routing override skipped (id -1: no expert), sorted first
+    order = order[skipped:]  # [P] the pairs computed
+    counts = torch.bincount(flat[order], minlength=num_experts)  # [E]
     hit = counts.nonzero().flatten()  # [A]
     active = dict(zip(hit.tolist(), counts[hit].tolist(), strict=True))
     token_of = order // k  # [T*k]
@@ -131,7 +133,8 @@ def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) 
     if ids.shape[0] == 1:  # decode: k experts, one token each
         w_of: dict[int, float] = {}
         for e, w in zip(ids[0].tolist(), weights[0].tolist(), strict=True):  # an expert chosen twice (hash
-            w_of[e] = w_of.get(e, 0.0) + w  # routing, e.g. DeepSeek-V4) counts with both gate weights
+            if e >= 0:  # -1: a pair a routing override skipped
+                w_of[e] = w_of.get(e, 0.0) + w  # routing, e.g. DeepSeek-V4) counts with both gate weights
         return Grouped(dict.fromkeys(w_of, 1), w_of)
     active, groups = group_tokens(ids, weights, num_experts)
     return Grouped(active, groups)

@@ -6,7 +6,9 @@ ones first, then reads the misses: the default resident-first plan), sets their 
 from the store's slot table (built once), and runs `moetier_moe_half`: gate, up, SwiGLU, down and the
 weighted combine of every (token, expert) pair in C on both cores, experts in ascending id; then one
 `release_many`. Prompts run in chunks of RuntimeConfig.step_rows tokens. A call routing to more experts
-than the store can pin at once runs per group of that many, summed in fp32 across groups (the same bits).
+than the store can pin at once runs per group of that many (or per group the store's `pin_groups` sizes: under an
+admitting cache policy, contiguous groups with at most its transient slots of misses each), summed in fp32 across
+groups (the same bits).
 The lean decoder's native step (runtime/native_step.py) runs the same RoutedMoE between its two calls
 per layer; families served through transformers' experts seam reach it from their TieredExperts blocks.
 A call the kernels cannot take (a slot format they do not read) runs the per-expert torch path
@@ -99,19 +101,26 @@ class RoutedMoE:
         self.layer, self.store, self.table, self.moe = layer, store, table, moe
         self.keys = [ExpertKey(layer, e) for e in range(num_experts)]
         self.limit = store.pin_limit()  # distinct experts one acquire_many can pin (None: every one)
+        self.groups = getattr(store, "pin_groups", None)  # the store's own split of a call (ExpertStore.pin_groups)
 
     def run(self, step: Step, experts: list[int], ids: torch.Tensor) -> bool:
         """Compute the step's routed experts (`experts`: the distinct ids of ids [T, k], ascending) into
         step.x; False, with nothing computed and nothing held, when a slot is in a format the kernels do not
         read. An ExpertReadError leaves with `rows` set to the rows of `ids` routed to that expert."""
         n = len(experts)
-        size = self.limit if self.limit and n > self.limit else n
         desc, addr, all_keys = self.moe.desc, self.table.for_layer(self.layer).get, self.keys
-        if size < n:  # group calls read the experts whose descriptor is set: none of the call's, to begin with
+        if self.groups is not None:  # contiguous groups in ascending id, sized by the store
+            sizes = self.groups([all_keys[e] for e in experts]) if n else [0]
+        else:
+            size = self.limit if self.limit and n > self.limit else max(n, 1)
+            sizes = [min(size, n - g) for g in range(0, n, size)] or [0]
+        grouped = len(sizes) > 1
+        if grouped:  # group calls read the experts whose descriptor is set: none of the call's, to begin with
             for e in experts:
                 desc[e] = None
-        for g0 in range(0, n, size):
-            group = experts[g0 : g0 + size] if size < n else experts
+        g0 = 0
+        for size in sizes:
+            group = experts[g0 : g0 + size] if grouped else experts
             keys = [all_keys[e] for e in group]
             try:
                 views = self.store.acquire_many(keys)
@@ -131,9 +140,10 @@ class RoutedMoE:
                 step.moe(self.moe, (1 if g0 == 0 else 0) | (2 if g0 + size >= n else 0))
             finally:
                 self.store.release_many(keys)
-                if size < n:  # a group call reads only the experts set for it: clear them for the next group
+                if grouped:  # a group call reads only the experts set for it: clear them for the next group
                     for e in group:
                         desc[e] = None
+            g0 += size
         return True
 
 
@@ -172,7 +182,7 @@ class NativeExecutor:
             step.ids[0, :n].copy_(ids[r0:r1])
             step.wts[0, :n].copy_(weights[r0:r1])
             step.s.T = n
-            experts = sorted(set(step.ids_np[0, :n].ravel().tolist()))
+            experts = sorted(set(step.ids_np[0, :n].ravel().tolist()) - {-1})  # -1: a pair an override skipped
             if not self._routed.run(step, experts, ids[r0:r1]):
                 return None  # only the first chunk can refuse: every slot of a store has one format
             out[r0:r1].copy_(step.x[:n])

@@ -32,7 +32,7 @@ from torch import nn
 from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.formats.qtier import source_fingerprint
-from moetier.kernels import native
+from moetier.kernels import decode, native
 from moetier.kernels.experts import SwiGLU
 from moetier.kernels.qformat import QExpertViews
 from moetier.kernels.sparse import (
@@ -48,13 +48,14 @@ from moetier.kernels.sparse import (
 )
 from moetier.models.families import Family
 from moetier.policies.costmodel import HardwareProfile, load_profile
-from moetier.policies.sparsity import roofline_profile, routed_target, tipping_point, total_sparsity
+from moetier.policies.sparsity import roofline_profile, routed_target, tipping_point, total_sparsity, use_sparse
 from moetier.runtime.calibrate import model_identity
 from moetier.runtime.executors.base import STATIC_PRECISION, Grouped, ResidentFirst, execute_per_expert, group_by_expert
+from moetier.runtime.executors.native import NativeExecutor, NativeState, is_silu
 from moetier.runtime.executors.spec import BuildContext, Built, ExecutorSpec
 from moetier.runtime.loader import LoadedModel, Skeleton
 from moetier.runtime.tipping import load_or_measure_tipping
-from moetier.types import Domain, ExpertKey, Plan
+from moetier.types import Domain, ExpertKey, ExpertTask, Plan
 
 NEEDS = {
     STATIC_PRECISION: (
@@ -160,7 +161,8 @@ def group_tokens(ids: torch.Tensor, weights: torch.Tensor) -> Groups:
     """ids/weights [T, k] -> expert -> (token indices, router weights), tokens in order."""
     t, k = ids.shape
     if t == 1:
-        return {e: ([0], [w]) for e, w in zip(ids[0].tolist(), weights[0].float().tolist(), strict=True)}
+        return {e: ([0], [w]) for e, w in zip(ids[0].tolist(), weights[0].float().tolist(), strict=True)
+                if e >= 0}  # fmt: skip
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within
     experts = flat[order].tolist()
@@ -168,6 +170,8 @@ def group_tokens(ids: torch.Tensor, weights: torch.Tensor) -> Groups:
     ws = weights.reshape(-1)[order].float().tolist()
     out: dict[int, tuple[list[int], list[float]]] = {}
     for e, tok, w in zip(experts, tokens, ws, strict=True):
+        if e < 0:  # a pair a routing override skipped (id -1): no expert
+            continue
         entry = out.setdefault(e, ([], []))
         entry[0].append(tok)
         entry[1].append(w)
@@ -199,17 +203,52 @@ class SparseExecutor:
         self, store: Any, layer: int, threshold: float, block: int, inter: int,
         act: Callable[[torch.Tensor], torch.Tensor], kernel: NativeSparse | NativeSparseQuant | None,
         fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None, num_experts: int = 0, masked: bool = False,
-        shared: int = 0,
+        shared: int = 0, native: NativeExecutor | None = None,
     ) -> None:  # fmt: skip
+        """`native`: the native MoE half over this store's bf16 slots (down rows read as such, csrc/step.c
+        MT_ROWS), the original dense path of a call whose tasks are all above the tipping point."""
         self.store, self.layer, self.threshold, self.block = store, layer, threshold, block
         self.inter, self.act, self.kernel = inter, act, kernel
         self.fn, self.num_experts, self.masked, self.shared = fn, num_experts, masked or fn is None, shared
+        self.native = native
+        self.tipping: int | None = None  # the switch (set by `build`): execute_routed's paths; None: planned calls
+        self.sparsity = 0.0  # the routed target the gather path's tasks carry (the scheduler's)
         self.counts = LayerCounts()
 
     def group(self, ids: torch.Tensor, weights: torch.Tensor) -> Grouped:
         """ids/weights [T, k] -> expert -> (token indices, router weights), tokens in order."""
         groups = group_tokens(ids, weights)
         return Grouped({e: len(g[0]) for e, g in groups.items()}, _Call(groups, ids, weights))
+
+    def execute_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """The call on its routing as is (Pipeline.routed), without a Plan: when every expert of the call is below
+        the tipping point (a decode step, small batches), one gather call per chunk of experts the store can pin
+        (`acquire_many` pins the resident first), experts in ascending id; when every one is at or above it, the
+        native MoE half (`native`). None (the block groups, plans and runs `execute`) for a mixed call, the masked
+        dense path, or without the native kernels. The same tasks and counters as the planned path."""
+        if self.masked or self.kernel is None or self.tipping is None or x.shape[0] == 0:
+            return None
+        groups = group_tokens(ids, weights)
+        tip = self.tipping
+        below = [e for e, g in groups.items() if use_sparse(len(g[0]), tip)]
+        if len(below) == len(groups):  # every expert on the gather path
+            tasks = [ExpertTask(ExpertKey(self.layer, e), len(groups[e][0]), self.sparsity) for e in sorted(below)]
+            xc = x.contiguous()
+            out = torch.zeros_like(xc)
+            self.counts.shared += x.shape[0] * self.shared
+            self._sparse(self.store, xc, out, tasks, groups, self.threshold, accumulate=False, dense=False)
+            return out
+        if below or self.native is None or isinstance(self.kernel, NativeSparseQuant):
+            return None  # mixed paths, or no native dense path: the planned path
+        y = self.native.execute_routed(x, ids, weights)
+        if y is not None:
+            c, n = self.counts, sum(len(g[0]) for g in groups.values())
+            c.shared += x.shape[0] * self.shared
+            c.active += n * self.inter
+            c.total += n * self.inter
+            c.dense_calls += len(groups)
+            c.dense_tokens += n
+        return y
 
     def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
         """x [T, H] -> sum_k w * expert(x) as [T, H]. The plan's tasks under the tipping point carry the
@@ -232,6 +271,10 @@ class SparseExecutor:
             c.total += n * self.inter
             c.dense_calls += len(dense)
             c.dense_tokens += n
+            if self.native is not None:  # the native MoE half, as the dense engine runs it (None: a slot it can't read)
+                y = self.native.execute_routed(x, call.ids, call.weights)
+                if y is not None:
+                    return y
             return execute_per_expert(store, self._original, x, plan,
                                       group_by_expert(call.ids, call.weights, self.num_experts))  # fmt: skip
         xc = x.contiguous()
@@ -369,6 +412,7 @@ class SparsityState:
     shared: int = 0
     dense: str = "original"
     tipping_source: str = "measured"  # "configured", "measured", or "profile NAME" (a GPU roofline)
+    native: NativeState | None = None  # the native MoE half of the calls above the switch (bf16 on the CPU)
 
     def stats(self) -> dict[str, Any]:
         """`achieved` is the sparsity in the target's scope over every call (calls above the tipping point on
@@ -397,6 +441,8 @@ class SparsityState:
             "routed_neurons_per_token": self.routed, "shared_neurons_per_token": self.shared,
             "block": self.block, "tipping_tokens": self.tipping, "tipping_source": self.tipping_source,
             "dense_path": self.dense, "kernel": self.kernel, "table": self.table_path,
+            "dense_kernel": "native MoE half" if self.native is not None else "torch",
+            "native_dense_calls": self.native.calls if self.native is not None else 0,
             "profile_cached": self.profile_cached, "layers": per_layer,
         }  # fmt: skip
 
@@ -442,6 +488,13 @@ def build(ctx: BuildContext) -> Built:
     # 3. the routed fraction the target asks for: scope "total" counts the shared experts' neurons (active)
     routed, shared = info.top_k * inter, shared_neurons(loaded)
     r = routed_target(cfg.target, cfg.scope, routed, shared, max_routed=table.targets[-1])
+    # 3b. bf16 experts on the CPU, unmasked dense path: above the switch, the native MoE half reads the sparse
+    #     layout's down rows (csrc/step.c MT_ROWS), as fast as the dense engine's
+    lib = (decode.load(rt.native_kernels, rt.kernel_cache)
+           if isinstance(kernel, NativeSparse) and dtype == torch.bfloat16 and device.type == "cpu"
+           and cfg.dense == "original" and fn.act is not None and is_silu(fn.act) else None)  # fmt: skip
+    native_state = (NativeState(lib, store, hidden, inter, info.top_k, info.num_experts, rt.step_rows)
+                    if lib is not None else None)  # fmt: skip
     # 4. the tipping point: configured, from the named profile's GPU roofline (CUDA), or measured here (cached)
     profile: dict[int, tuple[float, float]] = {}
     cached = False
@@ -454,13 +507,13 @@ def build(ctx: BuildContext) -> Built:
     else:  # on CUDA unverified: timed on the device as on the CPU (the paper profiles it at engine start)
         tipping, profile, cached = load_or_measure_tipping(
             hidden, inter, dtype, fn.act, replace(cfg, target=r), kernel, quant=quant, kernel_cache=rt.kernel_cache,
-            device=device, masked=cfg.dense == "masked",
+            device=device, masked=cfg.dense == "masked", decode_lib=lib,
         )  # fmt: skip
         source = "measured"
     # 5. one executor per layer with its threshold, one scheduler carrying the routed target
     state = SparsityState(cfg.target, cfg.block, tipping, table_path, why, profile, cached, scope=cfg.scope,
                           routed_target=r, routed=routed, shared=shared, dense=cfg.dense,
-                          tipping_source=source)  # fmt: skip
+                          tipping_source=source, native=native_state)  # fmt: skip
     scheduler = ResidentFirst(store, Domain.ACCEL if device.type == "cuda" else Domain.HOST, sparsity=r,
                               tipping=tipping)  # fmt: skip
     layers: dict[int, tuple[ResidentFirst, SparseExecutor]] = {}
@@ -469,9 +522,12 @@ def build(ctx: BuildContext) -> Built:
         state.layers[block.layer] = ex = SparseExecutor(
             store, block.layer, thr, cfg.block, inter, fn.act, kernel, fn=block.expert_fn,
             num_experts=block.num_experts, masked=cfg.dense == "masked", shared=shared,
+            native=(NativeExecutor(store, fn, block.num_experts, inter, native_state, block.layer)
+                    if native_state is not None else None),
         )  # fmt: skip
+        ex.tipping, ex.sparsity = tipping, r
         layers[block.layer] = (scheduler, ex)
-    return Built(layers, state)
+    return Built(layers, state, dict(state.layers))
 
 
 def roofline_tipping(

@@ -8,8 +8,9 @@ exists):
    default Q4_K_M) made by `vs_llamacpp.py`'s steps (llama.cpp built from the llama-cpp-python sdist).
 1. **Limits**: for each share of `--shares` (default 0.5,0.25), limit = share x the model's bytes (its bf16
    safetensors) + `--overhead` (default 512 MiB: the process itself; torch alone is about 400 MiB of it).
-2. **Runs**, interleaved: `--rounds` rounds (after a warm-up round that is not counted when `--rounds` > 1), each
-   running every candidate once at every limit. Before each run the page cache is dropped; each run is a fresh
+2. **Runs**, interleaved: `--rounds` rounds (default 2; `--warmup` adds a first round that is not counted: every run
+   starts cold anyway, in a fresh process with the page cache dropped), each running every candidate once at every
+   limit. Before each run the page cache is dropped; each run is a fresh
    process placed in a fresh memory cgroup (`/sys/fs/cgroup/memory/moetier-btm-*`, `memory.limit_in_bytes` =
    the limit; page cache counted), removed afterwards. Read from the group after the run: `memory.max_usage_in_bytes`
    (peak, page cache included), `memory.failcnt` (times the limit was hit: reclaim), and the OOM kills
@@ -26,7 +27,8 @@ exists):
      names the cache policy (default LRU), e.g. `moetier-bf16+prefetch+mrs`.
 3. **Table**: medians per candidate and limit: decode and prefill tok/s, the ratio to llama.cpp bf16 at the same
    limit, GB read from disk over the whole run (load included), moetier's own expert reads per prompt or generated
-   token, host hit rate, cgroup peak and OOM kills. `--json FILE` keeps every run.
+   token, host hit rate, cgroup peak (page cache included: reclaim holds it at the limit), moetier's own resident
+   peak (VmHWM) and OOM kills. `--json FILE` keeps every run.
 
 Needs root (cgroups, drop_caches) and cgroup v1's memory controller. Random weights route almost uniformly, the
 worst case for any expert cache: these figures bound moetier's speed from below.
@@ -183,7 +185,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--shares", default="0.5,0.25")
     ap.add_argument("--overhead", type=int, default=512 * 2**20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", action="store_true", help="a first round not counted (every run is cold anyway)")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -221,7 +224,7 @@ def main() -> None:
         print(f"  {t}: {p.stat().st_size / 2**30:.2f} GiB", flush=True)
     # 2. interleaved rounds (the first a warm-up when more than one)
     runs: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    rounds = a.rounds + (1 if a.rounds > 1 else 0)
+    rounds = a.rounds + (1 if a.warmup else 0)
     for r in range(rounds):
         for sh, lim in limits.items():
             for name in names:
@@ -230,19 +233,19 @@ def main() -> None:
                 print(f"round {r} {sh:.0%} {name}: " + json.dumps({k: v for k, v in got.items()
                       if k in ("decode", "prefill", "read_bytes", "peak", "oom_kills", "hit_rate", "error")}),
                       flush=True)  # fmt: skip
-                if r > 0 or rounds == 1:
+                if r > 0 or not a.warmup:
                     runs.setdefault((name, sh), []).append(got)
     # 3. the table
     print("\n| limit | candidate | decode tok/s | x llama.cpp bf16 | prefill tok/s | GB read (whole run) | "
-          "engine MB read / token | host hit rate | cgroup peak MiB | OOM kills |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "engine MB read / token | host hit rate | cgroup peak MiB | moetier RSS peak MiB | OOM kills |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for sh, lim in limits.items():
         base = None
         for name in names:
             ok = [g for g in runs.get((name, sh), []) if "error" not in g]
             if not ok:
                 errs = [g.get("error") for g in runs.get((name, sh), [])]
-                print(f"| {sh:.0%} ({lim / 2**30:.2f} GiB) | {name} | failed: {errs[:1]} | | | | | | | |")
+                print(f"| {sh:.0%} ({lim / 2**30:.2f} GiB) | {name} | failed: {errs[:1]} | | | | | | | | |")
                 continue
             med = {k: statistics.median(g[k] for g in ok) for k in ("decode", "prefill", "read_bytes", "peak")}
             oom = sum(g["oom_kills"] for g in ok)
@@ -252,8 +255,11 @@ def main() -> None:
                          if "disk_bytes" in ok[0] else "")  # fmt: skip
             hit = f"{statistics.median(g['hit_rate'] for g in ok):.3f}" if "hit_rate" in ok[0] else ""
             x = f"{med['decode'] / base:.2f}" if base else ""
+            rss = [g["memory"]["peak_rss_bytes"] for g in ok if isinstance(g.get("memory"), dict)]
+            rss_mib = f"{max(rss) / 2**20:.0f}" if rss else ""
             print(f"| {sh:.0%} ({lim / 2**30:.2f} GiB) | {name} | {med['decode']:.2f} | {x} | {med['prefill']:.1f} | "
-                  f"{med['read_bytes'] / 1e9:.2f} | {engine_mb} | {hit} | {med['peak'] / 2**20:.0f} | {oom} |")
+                  f"{med['read_bytes'] / 1e9:.2f} | {engine_mb} | {hit} | {med['peak'] / 2**20:.0f} | {rss_mib} | "
+                  f"{oom} |")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"machine": machine, "model": str(model), "model_bytes": model_bytes,
                                       "limits": {str(k): v for k, v in limits.items()},

@@ -310,11 +310,19 @@ class NativeSparseQuant:
         self.build_key = native.build_key_of(lib)
         self.hidden, self.inter, self.dtype, self.bits, self.group = hidden, inter, dtype, bits, group
         self._scratch = _Scratch()
+        self._addresses: dict[int, tuple[Any, tuple[int, ...]]] = {}  # id(views) -> (views, addresses)
 
-    @staticmethod
-    def address(views: Any) -> tuple[int, ...]:
-        """What the kernel takes of one expert: (w13 q, scale, zero, w2 q, scale, zero) addresses."""
-        return tuple(t.data_ptr() for w in (views.w13, views.w2) for t in (w.q, w.scale, w.zero))
+    def address(self, views: Any) -> tuple[int, ...]:
+        """What the kernel takes of one expert: (w13 q, scale, zero, w2 q, scale, zero) addresses. Remembered per
+        views object (a pool slot's views are built once: six data_ptr calls a decode expert cost about 5 us); the
+        entry holds the views, so its id is never reused for another object while remembered."""
+        got = self._addresses.get(id(views))
+        if got is None or got[0] is not views:
+            got = (views, tuple(t.data_ptr() for w in (views.w13, views.w2) for t in (w.q, w.scale, w.zero)))
+            if len(self._addresses) >= 1 << 16:  # more views than any store holds: start over
+                self._addresses.clear()
+            self._addresses[id(views)] = got
+        return got[1]
 
     def __call__(
         self, x: torch.Tensor, experts: Sequence[Sequence[int]], tokens: Sequence[int], weights: Sequence[float],

@@ -199,7 +199,7 @@ class DiskIO:
         views = [_view(addr, n) for _, addr, n in parts]
         done, total = 0, b - a
         while done < total:
-            n = os.preadv(s.fd, _after(views, done), a + done)
+            n = os.preadv(s.fd, after(views, done), a + done)
             if n <= 0:
                 raise CheckpointError(EOF)
             done += n
@@ -214,7 +214,7 @@ class DiskIO:
             views = [_view(addr, n) for _, addr, n in parts]  # aligned: straight into the destinations
             done = 0
             while done < b - a:
-                n = os.preadv(s.dfd, _after(views, done), a + done)
+                n = os.preadv(s.dfd, after(views, done), a + done)
                 if n <= 0 or n % ALIGN:
                     raise CheckpointError(EOF)
                 done += n
@@ -282,7 +282,7 @@ def _read_full(fd: int, view: memoryview, offset: int, need: int) -> None:
         raise CheckpointError(EOF)
 
 
-def _after(views: list[memoryview], n: int) -> list[memoryview]:
+def after(views: list[memoryview], n: int) -> list[memoryview]:
     """The buffers of `views` after their first `n` bytes (to resume a short read)."""
     out = []
     for v in views:

@@ -44,7 +44,7 @@ import torch
 from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
 from moetier.formats.codecs import CODECS
-from moetier.formats.diskio import EOF, DiskIO, Span
+from moetier.formats.diskio import EOF, DiskIO, Span, after
 from moetier.formats.layout import ExpertLayout, ExpertSource
 from moetier.formats.location import read_bytes
 from moetier.types import ExpertKey
@@ -68,23 +68,11 @@ def pread_exact(fd: int, views: list[memoryview], offset: int, eof_message: str)
     """Fill `views` from `fd` at `offset`, resuming short reads; CheckpointError(eof_message) at EOF."""
     done, total = 0, sum(len(v) for v in views)
     while done < total:
-        n = os.preadv(fd, _after(views, done), offset + done)
+        n = os.preadv(fd, after(views, done), offset + done)
         if n <= 0:
             raise CheckpointError(eof_message)
         done += n
     return done
-
-
-def _after(views: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers of `views` after their first `n` bytes (to resume a short read)."""
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
 
 
 class _ReadFailed(Exception):

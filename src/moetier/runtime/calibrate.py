@@ -54,6 +54,29 @@ class _Recording:
         return linear(a * up, v.w2)  # [N, H]
 
 
+def run_recording(
+    engine: Any, executors: dict[int, Any], ids: Sequence[int], window: int,
+    on_window: Callable[[int, int], None] | None = None,
+) -> None:  # fmt: skip
+    """Run `ids` through the engine's model in windows of `window` tokens (fresh sequences) with every MoE block's
+    pipeline swapped for one of `executors[layer]` (resident-first plan, the engine's observers), then give every
+    block its own pipeline back (None included), also on error. Calibration and pruning record through it."""
+    saved: dict[int, Pipeline | None] = {}
+    try:
+        for b in engine.loaded.blocks:
+            observers = b.pipeline.observers if b.pipeline is not None else ObserverList()
+            saved[b.layer] = b.attach(Pipeline(ResidentFirst(b.store), executors[b.layer], observers))
+        starts = list(range(0, len(ids), window))
+        for n, s in enumerate(starts):
+            engine.logits(torch.tensor([ids[s : s + window]]))
+            if on_window is not None:
+                on_window(n + 1, len(starts))
+    finally:  # every block swapped so far gets its own pipeline back (None included)
+        for b in engine.loaded.blocks:
+            if b.layer in saved:
+                b.pipeline = saved[b.layer]
+
+
 def calibrate(
     engine: Any, ids: Sequence[int], window: int, model_identity: dict[str, Any], act_name: str,
     text_meta: dict[str, Any], on_window: Callable[[int, int], None] | None = None,
@@ -67,22 +90,9 @@ def calibrate(
     if len(ids) < 2:
         raise ConfigError(f"calibration text has {len(ids)} tokens; give at least a few hundred")
     recorders = {b.layer: _Recording(engine.info.expert_intermediate, fn.act) for b in blocks}
-    saved: dict[int, Pipeline | None] = {}
-    try:
-        for b in blocks:  # the dense executor, with recording expert functions; the engine's observers
-            observers = b.pipeline.observers if b.pipeline is not None else ObserverList()
-            executor = DenseExecutor(b.store, recorders[b.layer], b.num_experts)
-            dense = Pipeline(ResidentFirst(b.store), executor, observers)
-            saved[b.layer] = b.attach(dense)
-        starts = list(range(0, len(ids), window))
-        for n, s in enumerate(starts):
-            engine.logits(torch.tensor([ids[s : s + window]]))
-            if on_window is not None:
-                on_window(n + 1, len(starts))
-    finally:  # every block swapped so far gets its own pipeline back (None included)
-        for b in blocks:
-            if b.layer in saved:
-                b.pipeline = saved[b.layer]
+    # the dense executor, with recording expert functions
+    run_recording(engine, {b.layer: DenseExecutor(b.store, recorders[b.layer], b.num_experts) for b in blocks}, ids,
+                  window, on_window)  # fmt: skip
     thresholds = {layer: {b: thresholds_for(r.hist[b]) for b in r.blocks} for layer, r in recorders.items()}
     calibration = dict(text_meta) | {"tokens": len(ids), "window": window,
                                      "pairs": {str(k): r.pairs for k, r in recorders.items()}}  # fmt: skip

@@ -22,9 +22,8 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.policies.routing import choose_pruned, reap_saliency
-from moetier.runtime.executors.base import ExpertStoreLike, Grouped, ResidentFirst, execute_per_expert, group_by_expert
-from moetier.runtime.moe_block import Pipeline
-from moetier.runtime.observers import ObserverList
+from moetier.runtime.calibrate import run_recording
+from moetier.runtime.executors.base import ExpertStoreLike, Grouped, execute_per_expert, group_by_expert
 from moetier.types import Plan
 
 
@@ -65,20 +64,7 @@ def saliency(engine: Any, ids: Sequence[int], window: int,
     if len(ids) < 2:
         raise ConfigError(f"calibration text has {len(ids)} tokens; give at least a few hundred")
     recorders = {b.layer: _SaliencyExecutor(b.store, b.expert_fn, b.num_experts) for b in blocks}
-    saved: dict[int, Pipeline | None] = {}
-    try:
-        for b in blocks:
-            observers = b.pipeline.observers if b.pipeline is not None else ObserverList()
-            saved[b.layer] = b.attach(Pipeline(ResidentFirst(b.store), recorders[b.layer], observers))
-        starts = list(range(0, len(ids), window))
-        for n, s in enumerate(starts):
-            engine.logits(torch.tensor([ids[s : s + window]]))
-            if on_window is not None:
-                on_window(n + 1, len(starts))
-    finally:  # every block swapped so far gets its own pipeline back (None included)
-        for b in blocks:
-            if b.layer in saved:
-                b.pipeline = saved[b.layer]
+    run_recording(engine, dict(recorders), ids, window, on_window)
     return {layer: reap_saliency(r.sums, r.tokens) for layer, r in recorders.items()}
 
 

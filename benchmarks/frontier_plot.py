@@ -6,9 +6,10 @@ limit, from the two benchmarks that measure each side.
 - Quality: `benchmarks/quality_frontier.py` (the bundled trained model, KL to its fp32 self on held-out text), read
   from its per-point results under `.bench/quality_frontier/points/`.
 A candidate is placed when both sides measured it: llama.cpp's files (bf16, Q8_0, Q4_K_M, Q2_K...) by their type,
-moetier's configurations by the matching quality point (`bf16` -> moetier bf16 experts, `int4` -> int4 experts; both
-with bf16 dense weights, as the speed runs hold them). Candidates without a quality point (prefetch, cache-policy
-variants: the same output as their precision) take their precision's KL. Prints the table it plots.
+moetier's configurations by the matching quality point (`bf16` -> moetier bf16 experts, `int4` -> int4 experts, with
+bf16 dense weights unless the candidate names `+dint8` / `+dint4`). Candidates without a quality point of their own
+(prefetch, cache-policy variants: the same output as their precision) take their precision's KL. Prints the table it
+plots.
 
     python benchmarks/frontier_plot.py --speed .bench/btm.json --out docs/img/frontier.png
 """
@@ -29,10 +30,11 @@ def kl_of(name: str, points: Path, tokens: int, window: int) -> float | None:
     if name.startswith("llamacpp-"):
         stem = name
     else:
-        base = name.removeprefix("moetier-").split("+")[0]
+        base, *levers = name.removeprefix("moetier-").split("+")
         if base not in QUALITY:
             return None
-        stem = QUALITY[base]
+        dense = [lv for lv in levers if lv in ("dint8", "dint4")]  # quantised dense weights: their own quality point
+        stem = QUALITY[base] + (f"-{dense[0]}" if dense else "")
     f = points / f"{stem}-{tokens}-w{window}.json"
     return float(json.loads(f.read_text())["kl_mean"]) if f.exists() else None
 

@@ -308,6 +308,7 @@ class RuntimeConfig:
     # experts of at least 1 MiB, buffered for smaller ones (runtime/precision.py); io_depth reads in flight
     disk_io: str = "auto"
     io_depth: int = 8
+    preload: bool = False  # fill the host expert tier at load (as llama.cpp populates its mapping), not on first use
 
     def __post_init__(self) -> None:
         if self.dense_precision not in DENSE_PRECISIONS:

@@ -5,6 +5,7 @@ says how the reads went (mode, fallback, requests); the config and the flags ref
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,20 @@ def test_auto_reads_small_experts_buffered(tiny_ckpt: Callable[..., Path], monke
     with moetier.load(path, EngineConfig(runtime=runtime)) as engine:
         io = engine.stats()["disk_io"]
         assert io["mode"] in ("O_DIRECT", "buffered+DONTNEED") and io["staging_bytes"] > 0
+
+
+def test_preload_fills_the_host_tier_at_load(tiny_ckpt: Callable[..., Path]) -> None:
+    """--preload (RuntimeConfig.preload): the host tier is full before the first token (reads counted as misses),
+    the first generation reads nothing more when every expert fits, and the tokens are those of a lazy engine."""
+    path = tiny_ckpt("qwen3_moe")
+    runtime = RuntimeConfig(device="cpu", dtype="fp32")
+    with moetier.load(path, EngineConfig(runtime=runtime)) as lazy:
+        want = lazy.generate([5, 9, 14, 3], 6, stop_at_eos=False).token_ids
+        every = lazy.stats()["tiers"]["host"]["slots"]
+    with moetier.load(path, EngineConfig(runtime=replace(runtime, preload=True))) as eager:
+        s0 = eager.stats()
+        assert s0["misses"] == every and s0["tiers"]["host"]["resident_bytes"] == every * eager.store.slot_bytes
+        got = eager.generate([5, 9, 14, 3], 6, stop_at_eos=False).token_ids
+        assert eager.stats()["misses"] == every  # nothing read on first use
+    assert got == want
+    assert EngineFlags(preload=True).config().runtime.preload

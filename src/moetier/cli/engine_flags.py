@@ -101,6 +101,12 @@ IoDepth = Annotated[
     typer.Option("--io-depth", min=1, max=64, rich_help_panel="Engine",
                  help="Expert disk reads in flight at once (a layer call's misses are read together)."),
 ]  # fmt: skip
+Preload = Annotated[
+    bool,
+    typer.Option("--preload/--no-preload", rich_help_panel="Engine",
+                 help="Fill the host expert tier at load (every expert when they fit, reads in flight together), as "
+                      "llama.cpp populates its mapping, instead of reading each expert on its first use."),
+]  # fmt: skip
 DensePrecision = Annotated[
     str,
     typer.Option("--dense-precision", metavar="full|int8|int4", rich_help_panel="Precision",
@@ -295,6 +301,7 @@ class EngineFlags:
     step_rows: StepRows = 128
     disk_io: DiskIo = "auto"
     io_depth: IoDepth = 8
+    preload: Preload = False
     expert_threshold: ExpertThreshold = 0.0
     max_experts_per_token: MaxExpertsPerToken = None
     expert_renorm: ExpertRenorm = True
@@ -328,7 +335,7 @@ class EngineFlags:
         runtime = replace(
             cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,
             seam=self.seam, native_step=self.native_step, step_rows=self.step_rows, disk_io=self.disk_io,
-            io_depth=self.io_depth,
+            io_depth=self.io_depth, preload=self.preload,
         )
         return replace(cfg, runtime=runtime, routing=self.routing())
 

@@ -22,7 +22,8 @@ Steps (numbered in `load`):
    (RoutingConfig: runtime/route_override.py; a trace or pruning file that does not fit is refused here), once;
 6. the decoder (lean when the family's attention allows it; its dense projections on the native
    kernels when loaded, quantised per RuntimeConfig.dense_precision; with the native executor and
-   RuntimeConfig.native_step, its layers as two native calls each, runtime/native_step.py) and the Engine.
+   RuntimeConfig.native_step, its layers as two native calls each, runtime/native_step.py) and the Engine;
+7. with RuntimeConfig.preload (--preload), the host expert tier filled at load (ExpertStore.preload).
 
 Invariants: every refusal of step 2 comes before any pool is allocated and closes the checkpoint's
 files; a failure after the model is built closes its store and stops the threads wiring started;
@@ -101,10 +102,17 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
     if needs is not None:  # the dense weights' pages the load read leave the page cache (charged to us otherwise)
         memory.drop_page_cache(memory.checkpoint_files(path))
     try:
-        return Engine(wire(loaded, cfg, spec, prepared))
+        engine = Engine(wire(loaded, cfg, spec, prepared))
     except BaseException:
         loaded.store.close()
         raise
+    if cfg.runtime.preload and isinstance(loaded.store, ExpertStore):  # a DynamicStore holds every expert already
+        try:
+            loaded.store.preload()
+        except BaseException:
+            engine.close()
+            raise
+    return engine
 
 
 def native_ok(cfg: EngineConfig, sk: Skeleton, as_stored: bool) -> bool:

@@ -62,6 +62,8 @@ from moetier.store.source import ExpertSource, FaultLog, Pool, as_read_error
 from moetier.store.tier import TierState, available_bytes, slots_for_budget
 from moetier.types import ExpertKey, Precision, Tier
 
+PRELOAD_GROUP = 16  # experts read together by `preload` (their requests in flight at once, formats/diskio.py)
+
 
 class ExpertStore:
     # what the runtime may wire on this store (runtime/executors/base.py names them)
@@ -293,14 +295,16 @@ class ExpertStore:
 
     def preload(self) -> int:
         """Load experts into the compute tier until it is full (all of them when they fit), so
-        steady-state runs do not pay first-touch reads; returns how many were loaded."""
-        n = 0
-        for key in self.keys[: self.compute.pool.n_slots - len(self.compute.reserved)]:
-            if key not in self.compute.slots:
-                self.acquire(key)
-                self.release(key)
-                n += 1
-        return n
+        steady-state runs do not pay first-touch reads; returns how many were loaded. Reads go in groups of up to
+        PRELOAD_GROUP experts (one `acquire_many` each: their reads in flight together); they count as misses."""
+        todo = [k for k in self.keys[: self.compute.pool.n_slots - len(self.compute.reserved)]
+                if k not in self.compute.slots]  # fmt: skip
+        step = max(1, min(PRELOAD_GROUP, self.pin_limit() or PRELOAD_GROUP))
+        for i in range(0, len(todo), step):
+            group = todo[i : i + step]
+            self.acquire_many(group)
+            self.release_many(group)
+        return len(todo)
 
     def _wait_inflight(self, state: TierState, key: ExpertKey) -> None:
         """Lock held: if `key` is loading into `state` in the background, wait for that load."""

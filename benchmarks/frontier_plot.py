@@ -11,7 +11,7 @@ bf16 dense weights unless the candidate names `+dint8` / `+dint4`). Candidates w
 (prefetch, cache-policy variants: the same output as their precision) take their precision's KL. Prints the table it
 plots.
 
-    python benchmarks/frontier_plot.py --speed .bench/btm.json --out docs/img/frontier.png
+    python benchmarks/frontier_plot.py --speed .bench/btm.json [more.json ...] --out docs/img/frontier.png
 """
 
 from __future__ import annotations
@@ -41,17 +41,24 @@ def kl_of(name: str, points: Path, tokens: int, window: int) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--speed", type=Path, default=Path(".bench/btm.json"))
+    ap.add_argument("--speed", type=Path, nargs="+", default=[Path(".bench/btm.json")],
+                    help="bigger_than_memory.py --json files; a candidate measured in several takes the median of all")
     ap.add_argument("--points", type=Path, default=Path(".bench/quality_frontier/points"))
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    data = json.loads(a.speed.read_text())
+    files = [json.loads(f.read_text()) for f in a.speed]
+    data = files[0]
+    decodes: dict[str, list[float]] = {}
+    for d in files:
+        if d["limits"] != data["limits"]:
+            raise SystemExit("the speed files were measured at other limits")
+        for key, runs in d["runs"].items():
+            decodes.setdefault(key, []).extend(r["decode"] for r in runs if "error" not in r)
     rows: dict[str, list[tuple[str, float, float]]] = {}
-    for key, runs in data["runs"].items():
+    for key, ok in decodes.items():
         name, share = key.rsplit("@", 1)
-        ok = [r["decode"] for r in runs if "error" not in r]
         kl = kl_of(name, a.points, a.tokens, a.window)
         if ok and kl is not None:
             rows.setdefault(share, []).append((name, statistics.median(ok), kl))

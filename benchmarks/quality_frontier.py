@@ -239,7 +239,7 @@ def moetier_points(ggufs: dict[str, Path]) -> list[Point]:
     pts = [Point("moetier-full", "moetier", "static", ["--precision", "full"], precision="full")]
     for p in ("int8", "int4", "int2"):
         pts.append(Point(f"moetier-{p}", "moetier", "static", ["--precision", p], precision=p))
-    for p, d in (("int8", "int8"), ("int4", "int4"), ("int2", "int4")):
+    for p, d in (("int8", "int8"), ("int4", "int4"), ("int4", "int8"), ("int2", "int4")):
         pts.append(Point(f"moetier-{p}-d{d}", "moetier", "static", ["--precision", p, "--dense-precision", d],
                          precision=p, dense=d))  # fmt: skip
     dyn = [(hi, lo, share, "full") for hi, lo in DYNAMIC for share in HOT_SHARES] + list(DYNAMIC_EXTRA)

@@ -77,11 +77,12 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
     limits: dict[str, Any] = data.get("limits", {})
     for ax, (share, pts) in zip(axes[0], sorted(rows.items(), key=lambda kv: -float(kv[0])), strict=True):
-        for name, tok_s, kl in pts:
+        for n, (name, tok_s, kl) in enumerate(sorted(pts, key=lambda p: (p[2], p[1]))):
             llama = name.startswith("llamacpp-")
             ax.scatter(kl, tok_s, marker="s" if llama else "o", color="tab:gray" if llama else "tab:blue")
             ax.annotate(name.removeprefix("llamacpp-").removeprefix("moetier-") + (" (llama.cpp)" if llama else ""),
-                        (kl, tok_s), textcoords="offset points", xytext=(4, 4), fontsize=8)  # fmt: skip
+                        (kl, tok_s), textcoords="offset points", xytext=(5, 3 if n % 2 else -9),
+                        fontsize=7)  # fmt: skip
         gib = limits.get(share, 0) / 2**30
         ax.set(xscale="log", yscale="log", xlabel="KL to the fp32 model (bundled model, nats)",
                ylabel="decode tok/s (large random checkpoint)",

@@ -195,14 +195,7 @@ class DiskIO:
         return out
 
     def _buffered(self, s: Span, a: int, b: int) -> None:
-        parts = self._parts(s, a, b)
-        views = [_view(addr, n) for _, addr, n in parts]
-        done, total = 0, b - a
-        while done < total:
-            n = os.preadv(s.fd, after(views, done), a + done)
-            if n <= 0:
-                raise CheckpointError(EOF)
-            done += n
+        total = pread_exact(s.fd, [_view(addr, n) for _, addr, n in self._parts(s, a, b)], a, EOF)
         if self.direct:  # O_DIRECT refused: leave no page cache behind
             os.posix_fadvise(s.fd, a, total, os.POSIX_FADV_DONTNEED)
         self._count(total, 0)
@@ -280,6 +273,17 @@ def _read_full(fd: int, view: memoryview, offset: int, need: int) -> None:
             break
     if done < need:
         raise CheckpointError(EOF)
+
+
+def pread_exact(fd: int, views: list[memoryview], offset: int, eof_message: str) -> int:
+    """Fill `views` from `fd` at `offset`, resuming short reads; CheckpointError(eof_message) at EOF."""
+    done, total = 0, sum(len(v) for v in views)
+    while done < total:
+        n = os.preadv(fd, after(views, done), offset + done)
+        if n <= 0:
+            raise CheckpointError(eof_message)
+        done += n
+    return done
 
 
 def after(views: list[memoryview], n: int) -> list[memoryview]:

@@ -49,10 +49,10 @@ import torch
 
 from moetier.errors import CheckpointError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation, read_header
-from moetier.formats.diskio import DiskIO, Span
+from moetier.formats.diskio import DiskIO, Span, pread_exact
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import DEFAULT_GROUP, QuantSpec, expert_tensor_specs, resolve_group
-from moetier.formats.safetensors import ExpertReader, byte_view, pread_exact
+from moetier.formats.safetensors import ExpertReader, byte_view
 from moetier.types import ExpertKey, Precision
 
 log = logging.getLogger(__name__)

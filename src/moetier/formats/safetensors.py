@@ -44,7 +44,7 @@ import torch
 from moetier.errors import CheckpointError, ExpertReadError
 from moetier.formats.checkpoint import CheckpointIndex, TensorLocation
 from moetier.formats.codecs import CODECS
-from moetier.formats.diskio import EOF, DiskIO, Span, after
+from moetier.formats.diskio import EOF, DiskIO, Span, pread_exact
 from moetier.formats.layout import ExpertLayout, ExpertSource
 from moetier.formats.location import read_bytes
 from moetier.types import ExpertKey
@@ -62,17 +62,6 @@ HEADER_DIGEST_BYTES = 16 * 1024 * 1024  # a file's header bytes hashed to notice
 def byte_view(t: torch.Tensor) -> memoryview:
     """The flat bytes of a CPU tensor's own memory (any shape), for os.preadv to fill."""
     return memoryview(t.view(torch.uint8).reshape(-1).numpy().data)
-
-
-def pread_exact(fd: int, views: list[memoryview], offset: int, eof_message: str) -> int:
-    """Fill `views` from `fd` at `offset`, resuming short reads; CheckpointError(eof_message) at EOF."""
-    done, total = 0, sum(len(v) for v in views)
-    while done < total:
-        n = os.preadv(fd, after(views, done), offset + done)
-        if n <= 0:
-            raise CheckpointError(eof_message)
-        done += n
-    return done
 
 
 class _ReadFailed(Exception):

@@ -206,7 +206,7 @@ class SparseExecutor:
         shared: int = 0, native: NativeExecutor | None = None,
     ) -> None:  # fmt: skip
         """`native`: the native MoE half over this store's bf16 slots (down rows read as such, csrc/step.c
-        MT_ROWS), the original dense path of a call whose tasks are all above the tipping point."""
+        MT_ROWS), the original dense path of a call whose tasks are all above the tipping point (execute_routed)."""
         self.store, self.layer, self.threshold, self.block = store, layer, threshold, block
         self.inter, self.act, self.kernel = inter, act, kernel
         self.fn, self.num_experts, self.masked, self.shared = fn, num_experts, masked or fn is None, shared
@@ -242,13 +242,17 @@ class SparseExecutor:
             return None  # mixed paths, or no native dense path: the planned path
         y = self.native.execute_routed(x, ids, weights)
         if y is not None:
-            c, n = self.counts, sum(len(g[0]) for g in groups.values())
-            c.shared += x.shape[0] * self.shared
-            c.active += n * self.inter
-            c.total += n * self.inter
-            c.dense_calls += len(groups)
-            c.dense_tokens += n
+            self.counts.shared += x.shape[0] * self.shared
+            self._count_dense(len(groups), sum(len(g[0]) for g in groups.values()))
         return y
+
+    def _count_dense(self, calls: int, tokens: int) -> None:
+        """`calls` expert tasks of `tokens` (token, expert) pairs in all ran the unmasked dense expert."""
+        c = self.counts
+        c.active += tokens * self.inter
+        c.total += tokens * self.inter
+        c.dense_calls += calls
+        c.dense_tokens += tokens
 
     def execute(self, x: torch.Tensor, plan: Plan, grouped: Grouped) -> torch.Tensor:
         """x [T, H] -> sum_k w * expert(x) as [T, H]. The plan's tasks under the tipping point carry the
@@ -265,16 +269,8 @@ class SparseExecutor:
         # neuron computed, the same integer products as the gather path), not torch on dequantised copies
         kernel_dense = isinstance(self.kernel, NativeSparseQuant) and not self.masked
         if not sparse and not self.masked and not kernel_dense:  # 2a. every task dense: the dense executor's
-            assert self.fn is not None
-            n = sum(task.tokens for task in dense)
-            c.active += n * self.inter
-            c.total += n * self.inter
-            c.dense_calls += len(dense)
-            c.dense_tokens += n
-            if self.native is not None:  # the native MoE half, as the dense engine runs it (None: a slot it can't read)
-                y = self.native.execute_routed(x, call.ids, call.weights)
-                if y is not None:
-                    return y
+            assert self.fn is not None  # (with `native`, such a call took execute_routed's native MoE half instead)
+            self._count_dense(len(dense), sum(task.tokens for task in dense))
             return execute_per_expert(store, self._original, x, plan,
                                       group_by_expert(call.ids, call.weights, self.num_experts))  # fmt: skip
         xc = x.contiguous()

@@ -15,6 +15,8 @@ the evictable residents); if not, the miss is computed from its transient slot a
 Policies without these attributes get no transient slots and always admit.
 
 `heap_victim` is the lazy-heap victim search LFU and Belady share (the victim is always a candidate).
+`admission_groups` is how a layer call's experts are split for pinning under admission, one rule for the store
+(ExpertStore.pin_groups) and the replayer (sim/cache_replay.py).
 """
 
 from __future__ import annotations
@@ -68,3 +70,20 @@ def heap_victim(heap: list[Any], candidates: Iterable[Hashable], current: Callab
     if found is None:
         raise ValueError(f"none of the candidates {sorted(map(str, allowed))[:4]} is tracked by the policy")
     return found
+
+
+def admission_groups(misses: Iterable[bool], transient: int, limit: int) -> list[int]:
+    """Sizes of the contiguous groups a call's experts are pinned in under admission, given per expert (in
+    computing order) whether it misses: a group closes before a miss that would make it hold more than `transient`
+    misses, or when it holds `limit` experts (the pool's slots); residents ride along."""
+    sizes: list[int] = []
+    size = held = 0
+    for miss in misses:
+        if size and (size == limit or (miss and held == transient)):
+            sizes.append(size)
+            size = held = 0
+        size += 1
+        held += miss
+    if size:
+        sizes.append(size)
+    return sizes

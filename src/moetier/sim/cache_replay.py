@@ -50,6 +50,7 @@ import numpy as np
 
 from moetier.errors import ConfigError, TraceError
 from moetier.policies import CACHE_POLICIES, make_cache_policy
+from moetier.policies.cache_base import admission_groups
 from moetier.traces import Call, Trace, iter_calls
 from moetier.types import ExpertKey
 
@@ -232,15 +233,11 @@ def _run_admitting(
         pol.on_route(layer, call_scores(call, num_experts))
         n_hit = 0
         in_call = set(keys)
-        groups: list[list[ExpertKey]] = [[]]
-        misses = 0
-        for key in keys:  # ExpertStore.pin_groups (the pool is never the limit here: a call fits the slots)
-            miss = key not in cached
-            if groups[-1] and miss and misses == transient:
-                groups.append([])
-                misses = 0
-            groups[-1].append(key)
-            misses += miss
+        groups: list[list[ExpertKey]] = []
+        at = 0  # ExpertStore.pin_groups' rule (the pool is never the limit here: a call fits the slots)
+        for size in admission_groups((key not in cached for key in keys), transient, len(keys) + 1):
+            groups.append(keys[at : at + size])
+            at += size
         for group in groups:
             held: list[ExpertKey] = []  # bypassed: in a transient slot until the group is computed
             for key in [k for k in group if k in cached] + [k for k in group if k not in cached]:

@@ -57,6 +57,7 @@ from numpy.typing import ArrayLike
 
 from moetier.errors import BudgetError, ExpertReadError
 from moetier.policies import LFUPolicy, LRUPolicy, make_cache_policy
+from moetier.policies.cache_base import admission_groups
 from moetier.store.mover import PrefetchLoads
 from moetier.store.source import ExpertSource, FaultLog, Pool, as_read_error
 from moetier.store.tier import TierState, available_bytes, slots_for_budget
@@ -280,18 +281,7 @@ class ExpertStore:
         with self._lock:
             self.compute.protect = frozenset(keys)
         cached, loading, n_slots = self.compute.slots, self.compute.inflight, self.compute.pool.n_slots
-        sizes: list[int] = []
-        size = misses = 0
-        for key in keys:
-            miss = key not in cached and key not in loading
-            if size and (size == n_slots or (miss and misses == transient)):
-                sizes.append(size)
-                size = misses = 0
-            size += 1
-            misses += miss
-        if size:
-            sizes.append(size)
-        return sizes
+        return admission_groups((key not in cached and key not in loading for key in keys), transient, n_slots)
 
     def preload(self) -> int:
         """Load experts into the compute tier until it is full (all of them when they fit), so

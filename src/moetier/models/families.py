@@ -66,6 +66,12 @@ class Family:
     ckpt_names: Mapping[str, str] = field(default_factory=dict)  # seam: non-expert model name -> checkpoint name
     conversions: Mapping[str, Any] = field(default_factory=dict)  # seam: non-expert tensors transformers converts
 
+    def renormalizes_topk(self, config: Any) -> bool:
+        """Whether the native router renormalises its top-k weights for this model's config (see native_router)."""
+        return self.native_router in ("softmax_topk_renorm", "topk_softmax") or bool(
+            getattr(config, "norm_topk_prob", False)
+        )
+
     def __post_init__(self) -> None:
         for piece, src in self.sources.items():
             if src.op not in OPS:

@@ -95,7 +95,7 @@ class NativeStep:
         info = loaded.info
         blocks = {b.layer: b for b in loaded.blocks if isinstance(b, TieredMoE)}
         router = fam.native_router
-        norm_topk = router in ("softmax_topk_renorm", "topk_softmax") or bool(getattr(cfg, "norm_topk_prob", False))
+        norm_topk = fam.renormalizes_topk(cfg)
         spec = AttnSpec(
             hidden=info.hidden_size, heads=lean.nh, kv_heads=lean.nkv, head_dim=lean.hd, eps=lean.eps,
             clip=float(lean.clip) if lean.clip is not None else 0.0,

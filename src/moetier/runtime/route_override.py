@@ -246,10 +246,8 @@ def build_override(cfg: RoutingConfig, info: Any, family: Any, config: Any) -> R
     """The model's RouteOverride, or None when RoutingConfig overrides nothing."""
     if not cfg.enabled:
         return None
-    router = family.native_router
-    norm_topk = router in ("softmax_topk_renorm", "topk_softmax") or bool(getattr(config, "norm_topk_prob", False))
     return RouteOverride(cfg, tuple(info.moe_layers), int(info.num_experts), int(info.top_k), int(info.hidden_size),
-                         router, norm_topk, str(info.path))  # fmt: skip
+                         family.native_router, family.renormalizes_topk(config), str(info.path))  # fmt: skip
 
 
 __all__ = ["PRUNE_FORMAT", "PruneFile", "RouteOverride", "TraceRoutes", "build_override"]

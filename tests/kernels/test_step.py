@@ -5,9 +5,10 @@ projection, clipping, RoPE at each row's position, the K/V cache write, GQA atte
 cache, the output projection with bias, the residual, the post-attention norm, the router's softmax top-k with
 or without renormalisation) for a prompt of several rows (causal through the cache) then single-row steps and a
 batch of rows on different caches; the MoE half (routed experts from slot descriptors, a gated shared expert,
-a dense MLP layer) and the head. The reference rounds where the kernels round (bf16 outputs of projections,
-q / k after RoPE, the attention output, each residual add), so the only differences are fp32 accumulation
-and the rounding that follows it."""
+a dense MLP layer, down rows of the sparse layout, pairs of id -1 skipped: bit for bit the routing written without
+them, any other negative id refused) and the head. The reference rounds where the kernels round (bf16 outputs of
+projections, q / k after RoPE, the attention output, each residual add), so the only differences are fp32
+accumulation and the rounding that follows it."""
 
 from __future__ import annotations
 
@@ -188,17 +189,17 @@ def _bf16_slot(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, SlotV
 
 def _moe_step(lib: ctypes.CDLL, moe: MoeLayer, h: int, e: int, ids: torch.Tensor, g: torch.Generator) -> tuple[
         Step, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A Step for the MoE half of 4 rows routed by ids [4, k]: (step, residual x0, input h, weights), random."""
-    k = ids.shape[1]
-    step = Step(lib, 4, h, 1, k, e, [], [moe], None, 0, 2)
+    """A Step for the MoE half of T rows routed by ids [T, k]: (step, residual x0, input h, weights), random."""
+    t, k = ids.shape
+    step = Step(lib, t, h, 1, k, e, [], [moe], None, 0, 2)
     step.layer(0)
-    step.s.nthreads, step.s.T = 2, 4
-    x0, hin = torch.randn(4, h, generator=g).to(BF16), torch.randn(4, h, generator=g).to(BF16)
-    wts = torch.rand(4, k, generator=g)
-    step.x[:4].copy_(x0)
-    step.h[:4].copy_(hin)
-    step.ids[0, :4].copy_(ids)
-    step.wts[0, :4].copy_(wts)
+    step.s.nthreads, step.s.T = 2, t
+    x0, hin = torch.randn(t, h, generator=g).to(BF16), torch.randn(t, h, generator=g).to(BF16)
+    wts = torch.rand(t, k, generator=g)
+    step.x[:t].copy_(x0)
+    step.h[:t].copy_(hin)
+    step.ids[0, :t].copy_(ids)
+    step.wts[0, :t].copy_(wts)
     return step, x0, hin, wts
 
 
@@ -346,15 +347,7 @@ def test_moe_half_reads_down_rows_as_the_standard_layout(lib: ctypes.CDLL) -> No
     assert int(table[1, 10]) == KIND_BF16 | ROWS and int(table[0, 10]) == KIND_BF16
     ids = torch.tensor([[1, 0], [1, 2], [3, 1], [1, 0], [1, 3], [2, 1]], dtype=torch.int32)
     moe = MoeLayer(h, inter, e, k)
-    step = Step(lib, 6, h, 1, k, e, [], [moe], None, 0, 2)
-    step.layer(0)
-    step.s.nthreads, step.s.T = 2, 6
-    x0, hin = torch.randn(6, h, generator=g).to(BF16), torch.randn(6, h, generator=g).to(BF16)
-    wts = torch.rand(6, k, generator=g)
-    step.x[:6].copy_(x0)
-    step.h[:6].copy_(hin)
-    step.ids[0, :6].copy_(ids)
-    step.wts[0, :6].copy_(wts)
+    step, x0, hin, wts = _moe_step(lib, moe, h, e, ids, g)
     for ex in range(e):
         moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
     step.moe(moe)
@@ -367,3 +360,79 @@ def test_moe_half_reads_down_rows_as_the_standard_layout(lib: ctypes.CDLL) -> No
             y[t] += float(wts[t, j]) * (r(a) @ w2.double().T)[0]
     want = r(x0.double() + r(y))
     assert float((step.x[:6].double() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+# --- a pair whose id is -1 (a routing override's "no expert"): skipped, its weight never read ----------------------
+
+
+def _run(lib: ctypes.CDLL, h: int, inter: int, e: int, ids: torch.Tensor, wts: torch.Tensor, x0: torch.Tensor,
+         hin: torch.Tensor, table: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """x0 + the MoE half of rows hin routed by ids / wts [T, k] (bf16 [T, H])."""
+    t, k = ids.shape
+    moe = MoeLayer(h, inter, e, k)
+    step = Step(lib, t, h, 1, k, e, [], [moe], None, 0, 2)
+    step.layer(0)
+    step.s.nthreads, step.s.T = 2, t
+    step.x[:t].copy_(x0)
+    step.h[:t].copy_(hin)
+    step.ids[0, :t].copy_(ids)
+    step.wts[0, :t].copy_(wts)
+    for ex in range(e):
+        moe.desc[ex] = None
+    for ex in set(ids.reshape(-1).tolist()) - {-1}:
+        moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
+    step.moe(moe)
+    return step.x[:t].clone()
+
+
+def test_skipped_pairs_equal_the_reduced_routing_bit_for_bit(lib: ctypes.CDLL) -> None:
+    h, inter, e = 64, 32, 6
+    g = torch.Generator().manual_seed(7)
+    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
+                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
+    slots = [_bf16_slot(*w) for w in experts]
+    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)  # [E, DESC]
+    x0, hin = torch.randn(4, h, generator=g).to(BF16), torch.randn(4, h, generator=g).to(BF16)
+    # top-2 routing with one pair per row skipped (its weight garbage: it must not be read)
+    ids = torch.tensor([[1, -1], [-1, 4], [0, -1], [5, -1]], dtype=torch.int32)
+    wts = torch.tensor([[0.7, 123.0], [float("nan"), 0.4], [1.0, -9.0], [0.25, 1e30]])
+    got = _run(lib, h, inter, e, ids, wts, x0, hin, table)
+    kept = ids >= 0
+    ids1 = ids[kept].reshape(4, 1)  # the same routing written with top-1: the pairs computed
+    wts1 = wts[kept].reshape(4, 1)
+    want = _run(lib, h, inter, e, ids1, wts1, x0, hin, table)
+    assert torch.equal(got, want)
+    # and against float64 by hand
+    for t in range(4):
+        ex = int(ids1[t, 0])
+        w13, w2 = (w.double() for w in experts[ex])
+        gu = hin[t : t + 1].double() @ w13.T
+        a = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = float(wts1[t, 0]) * (a.to(BF16).double() @ w2.T)[0]
+        ref = (x0[t].double() + y.to(BF16).double()).to(BF16).double()
+        assert float((got[t].double() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+
+
+def test_a_row_with_every_pair_skipped_adds_nothing(lib: ctypes.CDLL) -> None:
+    h, inter, e = 64, 32, 4
+    g = torch.Generator().manual_seed(8)
+    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
+                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
+    slots = [_bf16_slot(*w) for w in experts]
+    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)
+    x0, hin = torch.randn(2, h, generator=g).to(BF16), torch.randn(2, h, generator=g).to(BF16)
+    ids = torch.tensor([[-1, -1], [2, 3]], dtype=torch.int32)
+    got = _run(lib, h, inter, e, ids, torch.rand(2, 2, generator=g), x0, hin, table)
+    assert torch.equal(got[0], x0[0])
+
+
+def test_other_negative_ids_are_refused(lib: ctypes.CDLL) -> None:
+    h, inter, e = 64, 32, 4
+    g = torch.Generator().manual_seed(9)
+    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
+                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
+    slots = [_bf16_slot(*w) for w in experts]
+    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)
+    x0, hin = torch.randn(1, h, generator=g).to(BF16), torch.randn(1, h, generator=g).to(BF16)
+    with pytest.raises(Exception, match="MoE half"):
+        _run(lib, h, inter, e, torch.tensor([[-2, 1]], dtype=torch.int32), torch.rand(1, 2), x0, hin, table)

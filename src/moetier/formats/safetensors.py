@@ -191,6 +191,8 @@ class ExpertReader:
         for layer, prefix in prefixes.items():
             for e in range(num_experts):
                 self.plans[ExpertKey(layer, e)] = self._plan(prefix, e, sources)
+        # the bytes of the largest expert's reads (what a disk read of one expert spans: set_io, disk_io "auto")
+        self.largest_expert_bytes = max((sum(r.nbytes for r in plan) for plan in self.plans.values()), default=0)
         staged = [r for plan in self.plans.values() for r in plan if not self._direct(r)]
         self.staging_bytes = max((r.staging for r in staged), default=0)  # buffer + decode workspace
         self._staging = torch.empty(max((r.nbytes for r in staged), default=0), dtype=torch.uint8)
@@ -209,7 +211,7 @@ class ExpertReader:
             if self.io is not None:
                 self.staging_bytes -= self.io.staging_bytes
                 self.io.close()
-            io.fit(max((sum(r.nbytes for r in plan) for plan in self.plans.values()), default=1))  # one expert
+            io.fit(max(self.largest_expert_bytes, 1))  # one expert
             self.io = io
             self.staging_bytes += io.staging_bytes
 

@@ -104,7 +104,7 @@ def build_store(
     # "auto": O_DIRECT for experts of at least AUTO_DIRECT_BYTES, buffered for smaller ones (a tiny model's experts:
     # bounce buffers as large as several experts, and a page cache that costs little)
     mode = cfg.runtime.disk_io
-    largest = max((sum(r.nbytes for r in plan) for plan in reader.plans.values()), default=0)
+    largest = reader.largest_expert_bytes
     direct = mode == "direct" or (mode == "auto" and largest >= AUTO_DIRECT_BYTES)
     io = DiskIO(direct=direct, depth=cfg.runtime.io_depth)
     if mode == "auto" and not direct:

@@ -114,6 +114,14 @@ DensePrecision = Annotated[
                       "as llama.cpp's Q8_0 (int8) / Q4_0 (int4) files hold them (the output head at Q8_0 under "
                       "both); needs the native kernels."),
 ]  # fmt: skip
+Residual = Annotated[
+    str,
+    typer.Option("--residual", metavar="bf16|fp32", rich_help_panel="Precision",
+                 help="Numerics of the native decode step: bf16 (default) rounds the residual stream, projection "
+                      "outputs, attention and router to bf16 as transformers' bf16 model does; fp32 keeps them in "
+                      "fp32 and returns fp32 logits, as llama.cpp does (closer to the fp32 model; only what a matmul "
+                      "reads is rounded). fp32 needs the native decode step (a bf16 model on the CPU)."),
+]  # fmt: skip
 # SparsityConfig.scope / dense (the other sparsity flags are cli/options.py's)
 SparsityScope = Annotated[
     str,
@@ -297,6 +305,7 @@ class EngineFlags:
     native: Native = True
     kernel_cache: KernelCache = None
     dense_precision: DensePrecision = "full"
+    residual: Residual = "bf16"
     native_step: NativeStep = True
     step_rows: StepRows = 128
     disk_io: DiskIo = "auto"
@@ -335,7 +344,7 @@ class EngineFlags:
         runtime = replace(
             cfg.runtime, native_kernels=self.native, kernel_cache=cache, dense_precision=self.dense_precision,
             seam=self.seam, native_step=self.native_step, step_rows=self.step_rows, disk_io=self.disk_io,
-            io_depth=self.io_depth, preload=self.preload,
+            io_depth=self.io_depth, preload=self.preload, residual=self.residual,
         )
         return replace(cfg, runtime=runtime, routing=self.routing())
 

@@ -44,8 +44,9 @@ SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
 HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
 ABI = 5  # csrc/sparse_swiglu.c
 # csrc/step.c (5: kind 9, fp8 e4m3fn rows; 6: expert biases, the GPT-OSS activation; 7: sinks, window; 8: MT_FP4;
-# 9: id -1 skips a pair; 10: mt_w.rows, bf16 down rows [I, H] in slot descriptors, MT_ROWS)
-DECODE_ABI = 10
+# 9: id -1 skips a pair; 10: mt_w.rows, bf16 down rows [I, H] in slot descriptors, MT_ROWS; 12: mt_step.xw, the
+# wide (fp32) residual stream, and moetier_head's xw / fp32 logits arguments)
+DECODE_ABI = 12
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS: dict[str, tuple[str, ...]] = {  # csrc/mm.h: the path each build compiles
@@ -80,6 +81,7 @@ _DECODE_ARGTYPES: dict[str, list[Any]] = {
     # x, M, K, N, kind, q, scale, zero, group, y, scratch, nthreads
     "moetier_gemv": [_P, _I64, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _I],
     "moetier_rms_norm": [_P, _P, _I64, _I64, ctypes.c_float, _P],  # x, w, M, H, eps, y
+    "moetier_f16_roundtrip": [_P, _I64, _P, _P],  # x fp32, n, h fp16, back fp32 (tests)
     # x, T, H, I, n_exp, desc, start, tok, rw, out, accumulate, scratch, nthreads
     "moetier_moe": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I],
     # the decode step (csrc/step.h; structs by pointer, kernels/step.py)
@@ -89,11 +91,13 @@ _DECODE_ARGTYPES: dict[str, list[Any]] = {
     "moetier_moe_half_scratch_bytes": [_P, _I64],  # moe, T
     "moetier_moe_half": [_P, _P, _P, _I64],  # moe, step, desc pointers [E], mode
     "moetier_head_scratch_bytes": [_P, _I64],  # head, T
-    "moetier_head": [_P, _P, _I64, _P, _P, _I64, _I64],  # head, x, T, logits, scratch, bytes, nthreads
+    "moetier_head": [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64],  # head, x, xw, T, logits, logits_w, scratch, ...
     # ggml's block types (csrc/mm.h, kernels/ggml.py): type, vec_dot, blck, tsize, vec_dot_type, from_float, vblk, vsize
     "moetier_gg_register": [_I64, _P, _I64, _I64, _I64, _P, _I64, _I64],
 }
-_RESTYPES: dict[str, Any] = {"moetier_rms_norm": None, "moetier_isa_name": ctypes.c_char_p}
+_RESTYPES: dict[str, Any] = {
+    "moetier_rms_norm": None, "moetier_f16_roundtrip": None, "moetier_isa_name": ctypes.c_char_p,
+}  # fmt: skip
 _errors: dict[tuple[bool, Path, str], str] = {}  # (enabled, root, isa) -> why load() returned None
 
 

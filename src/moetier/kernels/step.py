@@ -51,7 +51,7 @@ class MtAttn(ctypes.Structure):
 class MtStep(ctypes.Structure):
     _fields_ = [
         ("T", I64), ("x", P), ("h", P), ("pos", P), ("kc", P), ("vc", P), ("cap", P), ("ids", P), ("wts", P),
-        ("logits", P), ("scratch", P), ("scratch_bytes", I64), ("nthreads", I64),
+        ("logits", P), ("scratch", P), ("scratch_bytes", I64), ("nthreads", I64), ("xw", P),
     ]  # fmt: skip
 
 
@@ -200,12 +200,15 @@ class Step:
 
     def __init__(self, lib: ctypes.CDLL, rows: int, hidden: int, layers: int, top_k: int, experts: int,
                  attn: Sequence[AttnLayer], moes: Sequence[MoeLayer], head: Head | None, max_len: int,
-                 nthreads: int) -> None:  # fmt: skip
+                 nthreads: int, wide: bool = False) -> None:  # fmt: skip
         """Buffers for `rows` rows of `layers` layers; the scratch is the most any of `attn`, `moes` and `head`
-        needs for that many rows (attention: for caches of up to `max_len` positions, `nthreads` threads)."""
-        self.lib, self.rows, self.hidden = lib, rows, hidden
+        needs for that many rows (attention: for caches of up to `max_len` positions, `nthreads` threads).
+        `wide`: the residual stream is fp32 (`xw`, csrc/step.h mt_step.xw) and the head returns fp32 logits."""
+        self.lib, self.rows, self.hidden, self.wide = lib, rows, hidden, wide
         e = max(experts, 1)
-        self.x = torch.empty((rows, hidden), dtype=_BF16)  # residual stream
+        # the residual stream: bf16 x, or (wide) fp32 xw with x a 0-row placeholder
+        self.x = torch.empty((0 if wide else rows, hidden), dtype=_BF16)
+        self.xw = torch.empty((rows if wide else 0, hidden), dtype=torch.float32)
         self.h = torch.empty((rows, hidden), dtype=_BF16)  # the MoE half's input
         self.pos = (ctypes.c_int64 * rows)()  # ctypes arrays: set per row from Python at ~50 ns an item
         self.cap = (ctypes.c_int64 * rows)()
@@ -215,7 +218,7 @@ class Step:
         self.ids = torch.zeros((layers, rows, max(top_k, 1)), dtype=torch.int32)
         self.wts = torch.zeros((layers, rows, max(top_k, 1)), dtype=torch.float32)
         self.logits = torch.zeros((layers, rows, e), dtype=_BF16)
-        self.out = torch.empty((rows, head.vocab if head is not None else 0), dtype=_BF16)
+        self.out = torch.empty((rows, head.vocab if head is not None else 0), dtype=torch.float32 if wide else _BF16)
         self.max_len = max_len
         need = max(
             [int(lib.moetier_attn_scratch_bytes(a.ref, rows, max_len, nthreads)) for a in attn]
@@ -229,6 +232,7 @@ class Step:
             kc=ctypes.addressof(self.kc), vc=ctypes.addressof(self.vc), cap=ctypes.addressof(self.cap), ids=0, wts=0,
             logits=0,
             scratch=self.scratch.data_ptr(), scratch_bytes=need, nthreads=nthreads,
+            xw=self.xw.data_ptr() if wide else None,
         )  # fmt: skip
         self.ref = ctypes.byref(self.s)
         self._layer_ptrs = [
@@ -247,7 +251,7 @@ class Step:
     @property
     def nbytes(self) -> int:
         """Bytes of every buffer the step holds (scratch included)."""
-        ts = (self.x, self.h, self.ids, self.wts, self.logits, self.out, self.scratch)
+        ts = (self.x, self.xw, self.h, self.ids, self.wts, self.logits, self.out, self.scratch)
         return sum(t.numel() * t.element_size() for t in ts) + 4 * 8 * self.rows
 
     def layer(self, i: int) -> None:
@@ -265,10 +269,17 @@ class Step:
         if rc:
             _check(rc, "MoE half")
 
+    @property
+    def stream(self) -> torch.Tensor:
+        """The residual stream [rows, H]: x (bf16) or, wide, xw (fp32)."""
+        return self.xw if self.wide else self.x
+
     def head(self, hd: Head, rows: int) -> tuple[torch.Tensor, int]:
-        """(logits [rows, V] bf16 of the step's first `rows` rows of x (a view of the step's buffer), how many of
-        them are NaN or Inf)."""
-        rc = int(self.lib.moetier_head(hd.ref, self.x.data_ptr(), rows, self.out.data_ptr(), self.scratch.data_ptr(),
+        """(logits [rows, V] of the step's first `rows` rows of the residual stream (bf16, or fp32 when wide; a view
+        of the step's buffer), how many of them are NaN or Inf)."""
+        x, xw = (None, self.xw.data_ptr()) if self.wide else (self.x.data_ptr(), None)
+        out16, out32 = (None, self.out.data_ptr()) if self.wide else (self.out.data_ptr(), None)
+        rc = int(self.lib.moetier_head(hd.ref, x, xw, rows, out16, out32, self.scratch.data_ptr(),
                                        self.s.scratch_bytes, self.s.nthreads))  # fmt: skip
         if rc < 0:
             _check(rc, "output head")

@@ -174,8 +174,8 @@ class SlotDecoder:
         cap = self.cap_for(tokens)
         self.release(slot)  # the old cache goes back to the allocator first
         shape = (len(lean.layers), lean.nkv, cap, lean.hd)
-        self.k[slot] = torch.empty(shape, dtype=lean.dtype, device=lean.device)
-        self.v[slot] = torch.empty(shape, dtype=lean.dtype, device=lean.device)
+        self.k[slot] = torch.empty(shape, dtype=lean.kv_dtype, device=lean.device)
+        self.v[slot] = torch.empty(shape, dtype=lean.kv_dtype, device=lean.device)
         self.cap[slot] = cap
 
     def release(self, slot: int) -> None:

@@ -60,6 +60,8 @@ class FusedStep(Protocol):
     def run_rows(self, tokens: torch.Tensor, pos: list[int], caches: list[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor: ...
 
+    def head(self, x: torch.Tensor) -> torch.Tensor: ...
+
     def stats(self) -> dict[str, Any]: ...
 
     @property
@@ -155,11 +157,17 @@ class LeanDecoder:
             cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         self.cos, self.sin = cos[0], sin[0]
         # 2. KV cache, allocated once: [L][nkv, max_len, hd]
-        shape = (len(self.layers), self.nkv, self.max_len, self.hd)
-        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)  # untouched pages cost no RSS
-        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_dtype = self.dtype  # the native step's wide mode keeps fp16 caches (`set_kv_dtype`)
+        self.set_kv_dtype(self.dtype)
         self.pos = 0
         self.fused: FusedStep | None = None  # the native step, when the wiring gives one (bf16 CPU models)
+
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        """(Re)allocate the decoder's KV cache [L][nkv, max_len, hd] in `dtype` (batch slots take it too)."""
+        shape = (len(self.layers), self.nkv, self.max_len, self.hd)
+        self.kv_dtype = dtype
+        self.k_cache = torch.empty(shape, dtype=dtype, device=self.device)  # untouched pages cost no RSS
+        self.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
 
     def _dense(self, w: torch.Tensor, bits: int | None = None) -> torch.Tensor | QDense:
         """A projection's weight as the decoder reads it: quantised to `bits` (default dense_bits) when set."""
@@ -316,7 +324,10 @@ class LeanDecoder:
         return x + (y[0] if isinstance(y, tuple) else y)[0]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: x [T, H] -> logits [T, V]."""
+        """Final norm and LM head: x [T, H] -> logits [T, V] (rows of the native step's residual stream, fp32 when
+        it is wide, through its own head)."""
+        if self.fused is not None and x.dtype == torch.float32 and self.embed.dtype != torch.float32:
+            return self.fused.head(x)
         return decode.dense_linear(self.norm(x, self.final_norm), self.lm_head, None, self.native)
 
 

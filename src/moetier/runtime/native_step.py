@@ -85,9 +85,11 @@ class NativeStep:
     """The lean decoder's layers and head as native calls; see the module docstring."""
 
     def __init__(self, lean: LeanDecoder, loaded: LoadedModel, lib: ctypes.CDLL, state: NativeState | None,
-                 rows: int) -> None:  # fmt: skip
+                 rows: int, wide: bool = False) -> None:  # fmt: skip
         """`state`: the native executor's (its slot table, its counters), or None when the model runs another
-        executor (sparse, dense): the attention half stays native and each MoE half is that executor's call."""
+        executor (sparse, dense): the attention half stays native and each MoE half is that executor's call.
+        `wide` (RuntimeConfig.residual "fp32"): the residual stream in fp32 and nothing rounded to bf16 but what a
+        matmul reads (csrc/step.h mt_step.xw); the logits are then fp32."""
         cfg, fam = loaded.config, loaded.family
         self.lean, self.loaded, self.store = lean, loaded, loaded.store
         self.state = state
@@ -114,7 +116,11 @@ class NativeStep:
         nthreads = max(os.cpu_count() or 1, torch.get_num_threads())
         self.step = Step(lib, rows, info.hidden_size, len(lean.layers), info.top_k, info.num_experts,
                          [s.attn for s in self.sites], [s.moe for s in self.sites if s.moe is not None], self.head_,
-                         lean.max_len, nthreads)  # fmt: skip
+                         lean.max_len, nthreads, wide)  # fmt: skip
+        self.wide = wide
+        self.kv_dtype = torch.float16 if wide else torch.bfloat16  # what the attention half reads and writes
+        if lean.kv_dtype != self.kv_dtype:
+            lean.set_kv_dtype(self.kv_dtype)
         self.torch_moe_calls = 0  # MoE halves run in torch (swapped pipeline, unreadable slot)
         self._wts_np = self.step.wts.numpy()  # the routing weights' memory, for a routing override (in place)
         self.calls = 0
@@ -199,8 +205,13 @@ class NativeStep:
         st = self.step
         T = ids.shape[0]
         # 1. the rows: embeddings, positions, caches
-        torch.index_select(self.embed, 0, ids.to(torch.int64), out=st.x[:T])
+        if self.wide:
+            st.xw[:T].copy_(self.embed.index_select(0, ids.to(torch.int64)))
+        else:
+            torch.index_select(self.embed, 0, ids.to(torch.int64), out=st.x[:T])
         for t, (p, (kc, vc)) in enumerate(zip(pos, caches, strict=True)):
+            if kc.dtype != self.kv_dtype or vc.dtype != self.kv_dtype:
+                raise ValueError(f"the native step reads {self.kv_dtype} KV caches, got {kc.dtype} / {vc.dtype}")
             st.pos[t] = p
             st.cap[t] = kc.shape[2]
             st.kc[t] = kc.data_ptr()
@@ -214,13 +225,14 @@ class NativeStep:
             attn(site.attn)
             mlp(i, site, T)
         self.calls += 1
+        x = st.stream
         if want == "hidden":
-            return st.x[:T].clone()
+            return x[:T].clone()
         if want == "none":
-            return st.x[:0]
+            return x[:0]
         rows = T if want == "all" else 1
         if rows != T:  # the last row only: move it to row 0 of the head's input
-            st.x[0].copy_(st.x[T - 1])
+            x[0].copy_(x[T - 1])
         logits, bad = st.head(self.head_, rows)
         out = logits.clone()
         self.checked = out if bad == 0 else None  # Engine.step skips its own scan of these (csrc/step.c counted)
@@ -278,10 +290,21 @@ class NativeStep:
         return w.to(torch.bfloat16) if self.sites[0].attn.s.round_w else w.clone()
 
     def _torch_residual(self, T: int, y: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
-        """x += the MLP's output (bf16, rounded as the reference adds it)."""
+        """x += the MLP's output (bf16, rounded as the reference adds it; wide: added in fp32)."""
         out = y[0] if isinstance(y, tuple) else y
-        x = self.step.x[:T]
+        x = self.step.stream[:T]
         x.copy_(x + out.reshape(T, -1).to(x.dtype))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of rows x [n, H] of a residual stream `run_sequence(hidden=True)` returned (the batch
+        runner's echo), through the native head `rows` rows at a time."""
+        st, n = self.step, x.shape[0]
+        outs = []
+        for r0 in range(0, n, self.rows):
+            r1 = min(n, r0 + self.rows)
+            st.stream[: r1 - r0].copy_(x[r0:r1])
+            outs.append(st.head(self.head_, r1 - r0)[0].clone())
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 __all__ = ["NativeStep"]

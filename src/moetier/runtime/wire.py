@@ -291,10 +291,16 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
                 # the attention half native for every executor; the MoE half the native executor's routed call, or
                 # the chosen executor's own (sparse, dense) on the same routing
                 state = built.state if isinstance(built.state, NativeState) else None
-                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows)
+                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows, cfg.runtime.residual == "fp32")
             decoder = lean
         else:
             decoder = HFDecoder(loaded.model, loaded.config)
+        if cfg.runtime.residual == "fp32" and loaded.dtype != torch.float32 and getattr(decoder, "fused", None) is None:
+            raise ConfigError(
+                "--residual fp32 needs the native decode step: a bf16 model on the CPU, the lean decoder (a family "
+                "with lean attention, no --no-lean), the native kernels and the native step (this model runs "
+                f"{type(decoder).__name__} on {loaded.device.type} in {loaded.dtype})"
+            )  # an fp32 model keeps its residual stream in fp32 anyway
     except BaseException:  # stop what steps 4-5 started (the mover thread, the hybrid worker); load closes the store
         if switching is not None:
             switching.close()

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 10
+#define ABI 12
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -57,10 +57,19 @@ static void rms_row(const uint16_t* x, const uint16_t* w, int64_t H, float eps, 
     for (int64_t j = 0; j < H; j++) y[j] = f2bf(tmp[j] * r * bf2f(w[j]));
 }
 
-/* the same on fp32 values in place, rounded to bf16 values */
-static void rms_f32(float* x, const uint16_t* w, int64_t n, float eps) {
+/* y [H] bf16 = rmsnorm(x) * w of an fp32 row (the wide residual stream), fp32 math, rounded once */
+static void rms_rowf(const float* x, const uint16_t* w, int64_t H, float eps, uint16_t* y) {
+    const float r = 1.0f / sqrtf(mt_sumsq(x, H) / (float)H + eps);
+    for (int64_t j = 0; j < H; j++) y[j] = f2bf(x[j] * r * bf2f(w[j]));
+}
+
+/* the same on fp32 values in place, rounded to bf16 values (wide: kept in fp32) */
+static void rms_f32(float* x, const uint16_t* w, int64_t n, float eps, int wide) {
     const float r = 1.0f / sqrtf(mt_sumsq(x, n) / (float)n + eps);
-    for (int64_t j = 0; j < n; j++) x[j] = round_bf(x[j] * r * bf2f(w[j]));
+    if (wide)
+        for (int64_t j = 0; j < n; j++) x[j] = x[j] * r * bf2f(w[j]);
+    else
+        for (int64_t j = 0; j < n; j++) x[j] = round_bf(x[j] * r * bf2f(w[j]));
 }
 
 /* ============================================================================ the MoE core */
@@ -327,12 +336,16 @@ int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const
             if (M->sh_gate) { /* the gate's linear output rounded to bf16, its sigmoid too, as the reference */
                 float g = 0.0f;
                 for (int64_t j = 0; j < H; j++) g += bf2f(S->h[t * H + j]) * bf2f(M->sh_gate[j]);
-                rw[t] = round_bf(1.0f / (1.0f + expf(-round_bf(g))));
+                rw[t] = S->xw ? 1.0f / (1.0f + expf(-g)) : round_bf(1.0f / (1.0f + expf(-round_bf(g))));
             }
         }
         moe_call c = {T, H, M->Is, 1, &M->sh13, &M->sh2, st, tok, rw, NULL, NULL, 0, 0.0f, 0.0f};
         const int64_t rc = moe_core(&c, S->h, ys, core, core_bytes, (int)S->nthreads);
         if (rc) return rc;
+    }
+    if (S->xw) { /* the wide residual stream: x += the block's output in fp32, nothing rounded */
+        for (int64_t i = 0; i < T * H; i++) S->xw[i] += ys[i];
+        return 0;
     }
     /* x += the block's output, rounded to bf16 first, then the sum rounded (the reference's two roundings) */
     for (int64_t i = 0; i < T * H; i++) S->x[i] = f2bf(bf2f(S->x[i]) + round_bf(ys[i]));
@@ -348,7 +361,7 @@ int64_t moetier_attn_scratch_bytes(const mt_attn* L, int64_t T, int64_t max_len,
     int64_t b = 0;
     b += al64(mt_act_rec_bytes(mt_form_of(L->wqkv.kind), H, MT_QB) * T); /* normed x */
     b += al64(T * N * 4);                                                 /* qkv fp32 */
-    b += al64(T * D * 2);                                                 /* q bf16 */
+    b += al64(T * D * 4);                                                 /* q bf16, or fp32 (wide) */
     b += al64(T * D * 4);                                                 /* attention output fp32 */
     b += al64(mt_act_rec_bytes(mt_form_of(L->wo.kind), D, MT_QB) * T);   /* its activation */
     b += al64(T * H * 4);                                                 /* projection out */
@@ -371,6 +384,44 @@ static inline float dot_bf16_row(const uint16_t* a, const uint16_t* b, int64_t n
 #endif
     for (; j < n; j++) s += bf2f(a[j]) * bf2f(b[j]);
     return s;
+}
+
+/* a [n] fp32 . b [n] fp16 (the wide step's q against its fp16 K cache) */
+static inline float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
+    int64_t j = 0;
+    float s = 0.0f;
+#if MT_ISA == 3
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + j))), acc);
+    s = _mm512_reduce_add_ps(acc);
+#elif MT_ISA == 2 && defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + j))), acc);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+#endif
+    for (; j < n; j++) s += a[j] * h2f(b[j]);
+    return s;
+}
+
+/* o [hd] += p * v [hd] (fp16 v: the wide step's V cache) */
+static inline void axpy_f16(float* o, float p, const uint16_t* v, int64_t n) {
+    int64_t j = 0;
+#if MT_ISA == 3
+    const __m512 pv = _mm512_set1_ps(p);
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(o + j, _mm512_fmadd_ps(pv, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v + j))),
+                                                _mm512_loadu_ps(o + j)));
+#elif MT_ISA == 2 && defined(__F16C__)
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v + j))),
+                                                _mm256_loadu_ps(o + j)));
+#endif
+    for (; j < n; j++) o[j] += p * h2f(v[j]);
 }
 
 /* o [hd] += p * v [hd] (bf16 v) */
@@ -416,6 +467,7 @@ static void topk(const float* pr, int64_t E, int64_t k, int32_t* ids, float* val
 int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
     const int64_t T = S->T, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, N = att_rows_n(L), D = nh * hd;
     const int64_t G = nh / nkv, half = hd / 2, E = L->E;
+    const int wide = S->xw != NULL; /* the fp32 residual stream: nothing rounded to bf16 but matmul inputs */
     if (!kind_ok(L->wqkv.kind, H, L->wqkv.group) || !kind_ok(L->wo.kind, D, L->wo.group) || nh % nkv || hd % 2)
         return -1;
     int64_t max_len = 0;
@@ -428,7 +480,8 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
     mt_act ax, ao, ar;
     take(&cur, mt_act_init(&ax, mt_form_of(L->wqkv.kind), H, L->wqkv.kind == 16 ? 0 : L->wqkv.group, cur, T));
     float* qkv = (float*)take(&cur, T * N * 4);
-    uint16_t* qb = (uint16_t*)take(&cur, T * D * 2);
+    uint16_t* qb = (uint16_t*)take(&cur, T * D * 4); /* [T, D] bf16, or (wide) fp32 */
+    float* qf = (float*)qb;
     float* att = (float*)take(&cur, T * D * 4);
     take(&cur, mt_act_init(&ao, mt_form_of(L->wo.kind), D, L->wo.kind == 16 ? 0 : L->wo.group, cur, T));
     float* yo = (float*)take(&cur, T * H * 4);
@@ -457,7 +510,10 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
         /* 1. input RMSNorm -> the QKV projection's activation */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            rms_row(S->x + t * H, L->in_norm, H, L->eps, hn, tmp);
+            if (wide)
+                rms_rowf(S->xw + t * H, L->in_norm, H, L->eps, hn);
+            else
+                rms_row(S->x + t * H, L->in_norm, H, L->eps, hn, tmp);
             mt_act_prep_bf16(&ax, t, hn);
         }
         /* 2. QKV projection */
@@ -469,17 +525,17 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
             float* r = qkv + t * N;
             if (L->bqkv)
                 for (int64_t j = 0; j < N; j++) r[j] += bf2f(L->bqkv[j]);
-            mt_round_bf16(r, N);
+            if (!wide) mt_round_bf16(r, N);
             float *q = r, *k = r + D, *v = r + D + nkv * hd;
             if (L->qk_norm == 2) {
-                rms_f32(q, L->q_norm, D, L->eps);
-                rms_f32(k, L->k_norm, nkv * hd, L->eps);
+                rms_f32(q, L->q_norm, D, L->eps, wide);
+                rms_f32(k, L->k_norm, nkv * hd, L->eps, wide);
             }
             if (L->clip > 0.0f)
                 for (int64_t j = 0; j < N; j++) r[j] = r[j] > L->clip ? L->clip : (r[j] < -L->clip ? -L->clip : r[j]);
             if (L->qk_norm == 1) {
-                for (int64_t h = 0; h < nh; h++) rms_f32(q + h * hd, L->q_norm, hd, L->eps);
-                for (int64_t h = 0; h < nkv; h++) rms_f32(k + h * hd, L->k_norm, hd, L->eps);
+                for (int64_t h = 0; h < nh; h++) rms_f32(q + h * hd, L->q_norm, hd, L->eps, wide);
+                for (int64_t h = 0; h < nkv; h++) rms_f32(k + h * hd, L->k_norm, hd, L->eps, wide);
             }
             const uint16_t* cs = L->cos + S->pos[t] * hd;
             const uint16_t* sn = L->sin + S->pos[t] * hd;
@@ -490,16 +546,24 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                     tmp[j] = a * bf2f(cs[j]) - b * bf2f(sn[j]);
                     tmp[j + half] = b * bf2f(cs[j + half]) + a * bf2f(sn[j + half]);
                 }
-                if (h < nh)
+                if (h < nh && wide)
+                    for (int64_t j = 0; j < hd; j++) qf[t * D + h * hd + j] = tmp[j];
+                else if (h < nh)
                     for (int64_t j = 0; j < hd; j++) qb[t * D + h * hd + j] = f2bf(tmp[j]);
                 else {
                     uint16_t* kc = S->kc[t] + ((L->layer * nkv + (h - nh)) * S->cap[t] + S->pos[t]) * hd;
-                    for (int64_t j = 0; j < hd; j++) kc[j] = f2bf(tmp[j]);
+                    if (wide)
+                        for (int64_t j = 0; j < hd; j++) kc[j] = f2h(tmp[j]);
+                    else
+                        for (int64_t j = 0; j < hd; j++) kc[j] = f2bf(tmp[j]);
                 }
             }
             for (int64_t h = 0; h < nkv; h++) {
                 uint16_t* vc = S->vc[t] + ((L->layer * nkv + h) * S->cap[t] + S->pos[t]) * hd;
-                for (int64_t j = 0; j < hd; j++) vc[j] = f2bf(v[h * hd + j]);
+                if (wide)
+                    for (int64_t j = 0; j < hd; j++) vc[j] = f2h(v[h * hd + j]);
+                else
+                    for (int64_t j = 0; j < hd; j++) vc[j] = f2bf(v[h * hd + j]);
             }
         }
         /* 4. attention: each (row, kv head) over the row's positions 0..pos */
@@ -512,10 +576,11 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
             const uint16_t* vc = S->vc[t] + ((L->layer * nkv + g) * S->cap[t] + lo) * hd;
             for (int64_t i = 0; i < G; i++) {
                 const uint16_t* qh = qb + t * D + (g * G + i) * hd;
+                const float* qw = qf + t * D + (g * G + i) * hd;
                 float* s = sc + i * max_len;
                 float m = -INFINITY;
                 for (int64_t p = 0; p < n; p++) {
-                    s[p] = dot_bf16_row(qh, kc + p * hd, hd) * L->scale;
+                    s[p] = (wide ? dot_f32_f16(qw, kc + p * hd, hd) : dot_bf16_row(qh, kc + p * hd, hd)) * L->scale;
                     m = s[p] > m ? s[p] : m;
                 }
                 const float sink = L->sinks ? bf2f(L->sinks[g * G + i]) : -INFINITY;
@@ -526,10 +591,13 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                 for (int64_t p = 0; p < n; p++) z += s[p];
                 float* o = att + t * D + (g * G + i) * hd;
                 for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-                for (int64_t p = 0; p < n; p++) axpy_bf16(o, s[p], vc + p * hd, hd);
+                if (wide)
+                    for (int64_t p = 0; p < n; p++) axpy_f16(o, s[p], vc + p * hd, hd);
+                else
+                    for (int64_t p = 0; p < n; p++) axpy_bf16(o, s[p], vc + p * hd, hd);
                 const float iz = 1.0f / z;
                 for (int64_t j = 0; j < hd; j++) o[j] *= iz;
-                mt_round_bf16(o, hd);
+                if (!wide) mt_round_bf16(o, hd);
             }
         }
         /* 5. the output projection's activation */
@@ -540,10 +608,16 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
         /* 6. residual, post-attention norm, the router's activation */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            uint16_t* x = S->x + t * H;
-            for (int64_t j = 0; j < H; j++)
-                x[j] = f2bf(bf2f(x[j]) + round_bf(yo[t * H + j] + (L->bo ? bf2f(L->bo[j]) : 0.0f)));
-            rms_row(x, L->post_norm, H, L->eps, S->h + t * H, tmp);
+            if (wide) {
+                float* x = S->xw + t * H;
+                for (int64_t j = 0; j < H; j++) x[j] += yo[t * H + j] + (L->bo ? bf2f(L->bo[j]) : 0.0f);
+                rms_rowf(x, L->post_norm, H, L->eps, S->h + t * H);
+            } else {
+                uint16_t* x = S->x + t * H;
+                for (int64_t j = 0; j < H; j++)
+                    x[j] = f2bf(bf2f(x[j]) + round_bf(yo[t * H + j] + (L->bo ? bf2f(L->bo[j]) : 0.0f)));
+                rms_row(x, L->post_norm, H, L->eps, S->h + t * H, tmp);
+            }
             if (L->router) mt_act_prep_bf16(&ar, t, S->h + t * H);
         }
         /* 7. router logits, then softmax, top-k, renormalisation per row */
@@ -558,7 +632,7 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                 for (int64_t e = 0; e < E; e++) {
                     if (L->router_b) l[e] += bf2f(L->router_b[e]); /* one rounding of the biased linear, as torch's */
                     S->logits[t * E + e] = f2bf(l[e]);
-                    l[e] = round_bf(l[e]);
+                    if (!wide) l[e] = round_bf(l[e]);
                     m = l[e] > m ? l[e] : m;
                 }
                 if (m != m || m == -INFINITY) m = 0.0f;
@@ -574,7 +648,7 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
                     for (int64_t i = 0; i < L->topk; i++) s += wv[i];
                     for (int64_t i = 0; i < L->topk; i++) wv[i] /= s;
                 }
-                if (L->round_w)
+                if (L->round_w && !wide)
                     for (int64_t i = 0; i < L->topk; i++) wv[i] = round_bf(wv[i]);
             }
         }
@@ -589,8 +663,8 @@ int64_t moetier_head_scratch_bytes(const mt_head* Hd, int64_t T) {
            al64(T * (Hd->H * 6 + 16)) + 64 * 4;
 }
 
-int64_t moetier_head(const mt_head* Hd, const uint16_t* x, int64_t T, uint16_t* logits, void* scratch,
-                     int64_t scratch_bytes, int64_t nthreads) {
+int64_t moetier_head(const mt_head* Hd, const uint16_t* x, const float* xw, int64_t T, uint16_t* logits,
+                     float* logits_w, void* scratch, int64_t scratch_bytes, int64_t nthreads) {
     const int64_t H = Hd->H, V = Hd->V;
     if (!kind_ok(Hd->w.kind, H, Hd->w.group)) return -1;
     if (moetier_head_scratch_bytes(Hd, T) > scratch_bytes) return -2;
@@ -604,9 +678,12 @@ int64_t moetier_head(const mt_head* Hd, const uint16_t* x, int64_t T, uint16_t* 
     uint16_t* hn = (uint16_t*)(rowbuf + T * 12);
     float* tmp = (float*)(rowbuf + T * 12 + T * H * 2 + 16);
     for (int64_t t = 0; t < T; t++) {
-        yr[t] = y + t * V;
+        yr[t] = logits_w ? logits_w + t * V : y + t * V;
         ident[t] = (int32_t)t;
-        rms_row(x + t * H, Hd->norm, H, Hd->eps, hn + t * H, tmp);
+        if (xw)
+            rms_rowf(xw + t * H, Hd->norm, H, Hd->eps, hn + t * H);
+        else
+            rms_row(x + t * H, Hd->norm, H, Hd->eps, hn + t * H, tmp);
         mt_act_prep_bf16(&a, t, hn + t * H);
     }
     int64_t bad = 0; /* logits that are NaN or Inf: the caller's finite check, for free */
@@ -618,6 +695,10 @@ int64_t moetier_head(const mt_head* Hd, const uint16_t* x, int64_t T, uint16_t* 
             mt_mm(&Hd->w, H, lo, hi, &a, ident, T, yr, NULL);
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = lo; j < hi; j++) {
+                    if (logits_w) { /* fp32 logits, written by mt_mm in place */
+                        bad += !isfinite(logits_w[t * V + j]);
+                        continue;
+                    }
                     const uint16_t b = f2bf(y[t * V + j]);
                     logits[t * V + j] = b;
                     bad += (b & 0x7f80) == 0x7f80; /* exponent all ones: Inf or NaN */
@@ -702,6 +783,14 @@ int64_t moetier_moe(const uint16_t* x, int64_t T, int64_t H, int64_t I, int64_t 
     if (accumulate != 2)
         for (int64_t i = 0; i < T * H; i++) out[i] = f2bf(ys[i]);
     return 0;
+}
+
+/* h [n] = fp16 of x [n], back [n] = fp32 of h (the wide caches' conversions, bf16.h; for tests) */
+void moetier_f16_roundtrip(const float* x, int64_t n, uint16_t* h, float* back) {
+    for (int64_t i = 0; i < n; i++) {
+        h[i] = f2h(x[i]);
+        back[i] = h2f(h[i]);
+    }
 }
 
 /* y [M, H] bf16 = rmsnorm(x) * w per row, fp32 math, rounded once */

@@ -21,11 +21,14 @@
  *   call; a call whose experts do not fit the compute tier's slots at once runs as groups of them in
  *   ascending id, the first with bit 1 (start the fp32 sum), the last with bit 2 (shared expert, residual),
  *   each with desc set for its own experts only (NULL: skipped), so the result has the bits of one call.
- * moetier_head(Hd, x, T, logits, ...): final RMSNorm and the output head -> logits [T, V] bf16; returns the
+ * moetier_head(Hd, x, xw, T, logits, logits_w, ...): final RMSNorm of x (bf16) or, where xw is not NULL, of xw
+ *   (fp32) and the output head -> logits [T, V] bf16, or fp32 into logits_w where it is not NULL; returns the
  *   number of logits that are NaN or Inf (>= 0), so the caller's finite check costs nothing more.
  *
  * Rounding follows the bf16 reference where it rounds a tensor (projection outputs, q/k after RoPE, the
  * attention output, each residual add, the router logits and weights); inside a step everything is fp32.
+ * With S->xw (the wide residual stream, llama.cpp's numerics) none of those is rounded: only what a matmul reads
+ * (the normed rows, q for the bf16 K cache, the K/V cache, the experts' activations) takes the weights' form.
  * Scratch: every call gets one caller-owned buffer and its size; `*_scratch_bytes` give the exact need for
  * T rows (and, for attention, the longest position), and a call with less returns -2 instead of writing
  * past it. Return codes: 0 ok (the head: >= 0), -1 a shape or kind the kernels refuse, -2 scratch too small.
@@ -67,6 +70,10 @@ typedef struct {
     uint16_t* logits;   /* [T, E] */
     void* scratch;
     int64_t scratch_bytes, nthreads;
+    float* xw; /* [T, H] fp32: the wide residual stream (read and updated instead of x; nothing is rounded to bf16
+                * but what a matmul reads: no rounding of projection outputs, q/k, attention, router logits and
+                * weights, the shared gate, or the residual adds), and the K/V caches hold fp16 (llama.cpp's
+                * default cache type: 3 more mantissa bits than bf16); NULL: x, rounded as the bf16 reference */
 } mt_step;
 
 typedef struct {
@@ -90,6 +97,6 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S);
 int64_t moetier_moe_half_scratch_bytes(const mt_moe* M, int64_t T);
 int64_t moetier_moe_half(const mt_moe* M, const mt_step* S, const int64_t* const* desc, int64_t mode);
 int64_t moetier_head_scratch_bytes(const mt_head* Hd, int64_t T);
-int64_t moetier_head(const mt_head* Hd, const uint16_t* x, int64_t T, uint16_t* logits, void* scratch,
-                     int64_t scratch_bytes, int64_t nthreads);
+int64_t moetier_head(const mt_head* Hd, const uint16_t* x, const float* xw, int64_t T, uint16_t* logits,
+                     float* logits_w, void* scratch, int64_t scratch_bytes, int64_t nthreads);
 #endif

@@ -188,19 +188,77 @@ def test_fp8_nan_reaches_the_output(lib):
     assert torch.equal(got[:, 0].float(), ones) and torch.equal(got[:, 2].float(), ones)
 
 
+def _mxfp4_w(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """W float64 [N, K] of nibbles v [N, K] (indexes of the e2m1 values doubled) and e8m0 exponents e [N, K / 32]:
+    value * 2^(e - 128) per block of 32, NaN for e = 255."""
+    scale = torch.exp2(e.double() - 128).masked_fill(e == 255, float("nan"))  # exact: powers of two, 2^-128 too
+    return torch.tensor(decode.FP4_VALUES, dtype=torch.float64)[v.long()] * scale.repeat_interleave(32, 1)
+
+
+MXFP4_SHAPES = ((1, 9), (2, 8), (4, 12), (6, 13))  # activation rows: the decode, short-row, block and tail paths
+
+
 @pytest.mark.parametrize("k", [1024, 160, 96, 512])  # 4-block steps, tails; 512: the short-row path at 1-2 rows
 def test_mxfp4_rows_match_float64(lib: ctypes.CDLL, k: int) -> None:
     """kind 4 | MT_FP4 (an MXFP4 matrix re-laid for our kernels, kernels/stored.py): each nibble one of the 16 e2m1
-    values (doubled) times a bf16 scale 2^(e - 128) per block of 32 (every exponent a block may have in a real
-    checkpoint's range), 1, 2, 4 and 6 activation rows (the decode, short-row, block and tail paths)."""
+    values (doubled) times 2^(e - 128) per block of 32, e the block's e8m0 exponent byte as the file stores it
+    (uint8 [N, K / 32], widened in the kernel; every exponent a block may have in a real checkpoint's range), 1, 2,
+    4 and 6 activation rows."""
     g = torch.Generator().manual_seed(k)
-    for m, n in ((1, 9), (2, 8), (4, 12), (6, 13)):
+    for m, n in MXFP4_SHAPES:
         v = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        e = torch.randint(110, 136, (n, k // 32), generator=g)  # e8m0 exponents
-        scale = torch.exp2(e.double() - 128).to(BF16)  # exact: powers of two
-        assert torch.equal(scale.double(), torch.exp2(e.double() - 128))
-        lut = torch.tensor(decode.FP4_VALUES, dtype=torch.float64)
-        w = lut[v.long()] * scale.double().repeat_interleave(32, 1)  # [N, K]
+        e = torch.randint(110, 136, (n, k // 32), generator=g, dtype=torch.uint8)  # e8m0 exponents
+        w = _mxfp4_w(v, e)  # [N, K]
         x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 3, k)).to(BF16)
-        y = gemv(lib, x, decode.pack_nibbles(v).contiguous(), scale, None, 4 | decode.FP4, 32, n)
+        y = gemv(lib, x, decode.pack_nibbles(v).contiguous(), e, None, 4 | decode.FP4, 32, n)
         check(y, quantise_act(x).double() @ w.T, x.double().abs() @ w.abs().T)
+
+
+def _int_act(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """x [M, K] bf16 of integers in [-127, 127] with 127 in every block of 32: the kernel's int8 activation is x
+    itself (d = 1 exactly), so with power-of-two scales every product and sum is exact in fp32 and the output is
+    the float64 reference rounded once to bf16."""
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, ::32] = 127.0
+    return x.to(BF16)
+
+
+@pytest.mark.parametrize("k", [1024, 160, 512])
+def test_mxfp4_subnormal_scales_are_exact(lib: ctypes.CDLL, k: int) -> None:
+    """e = 0 and 1 are the fp32 subnormals 2^-128 and 2^-127, widened exactly (neither flushed to zero nor rounded):
+    rows of such blocks (and of the smallest normal scales, e = 2, 3) against integer activations give exactly the
+    float64 reference rounded to bf16, on every path and row count."""
+    g = torch.Generator().manual_seed(k + 1)
+    for m, n in MXFP4_SHAPES:
+        v = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        e = torch.randint(0, 2, (n, k // 32), generator=g, dtype=torch.uint8)  # 2^-128 or 2^-127 per block
+        e[0], e[n - 1] = 0, 1  # a row of each alone
+        e[1] = torch.randint(0, 4, (k // 32,), generator=g, dtype=torch.uint8)  # subnormal and normal blocks mixed
+        x = _int_act(m, k, g)
+        assert torch.equal(quantise_act(x), x.float())
+        y = gemv(lib, x, decode.pack_nibbles(v).contiguous(), e, None, 4 | decode.FP4, 32, n)
+        ref = x.double() @ _mxfp4_w(v, e).T  # [M, N]: multiples of 2^-128 below 2^-104, exact in fp32
+        assert torch.equal(ref.float().double(), ref)
+        assert torch.equal(y, ref.float().to(BF16)), (y, ref)
+        assert (ref.abs() < 2.0**-100).all() and (y[:, [0, n - 1]] != 0).any()  # tiny, and not flushed
+
+
+@pytest.mark.parametrize("k", [1024, 160, 512])
+def test_mxfp4_nan_exponent_reaches_the_output(lib: ctypes.CDLL, k: int) -> None:
+    """e = 255 is NaN (OCP MX): a row with such a block gives NaN against every activation row (a zero one too), as
+    the float64 reference does; the other rows are finite and exactly the reference rounded to bf16."""
+    g = torch.Generator().manual_seed(k + 2)
+    for m, n in MXFP4_SHAPES:
+        v = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        e = torch.randint(126, 130, (n, k // 32), generator=g, dtype=torch.uint8)
+        nan_rows = [1, n - 1]
+        e[1, 0] = 255  # the first block of a row
+        e[n - 1, k // 32 - 1] = 255  # the last block (a tail block where K / 32 is not a multiple of 4)
+        x = _int_act(m, k, g)
+        x[0] = 0.0  # NaN * 0 is NaN
+        y = gemv(lib, x, decode.pack_nibbles(v).contiguous(), e, None, 4 | decode.FP4, 32, n)
+        ref = x.double() @ _mxfp4_w(v, e).T
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), (y, ref)
+        assert torch.isnan(y[:, nan_rows]).all()
+        ok = [r for r in range(n) if r not in nan_rows]
+        assert torch.equal(y[:, ok], ref[:, ok].float().to(BF16))

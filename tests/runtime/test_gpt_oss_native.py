@@ -26,7 +26,7 @@ import moetier
 from gguf_ref import dequantized_twin, write_gguf
 from moetier import EngineConfig, PrecisionConfig, RuntimeConfig
 from moetier.kernels import decode, ggml, native
-from moetier.kernels.stored import StoredExpertViews
+from moetier.kernels.stored import MXFP4_BLOCK, StoredExpertViews, StoredFormat
 from moetier.models.tiny import build_tiny_checkpoint
 from moetier.types import ExpertKey
 
@@ -90,15 +90,15 @@ def test_mxfp4_safetensors_run_as_stored(src: Path, tmp_path: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     held = st["precision"]["stored"]
-    # the file's 17 bytes a block of 32 plus one (the exponent widened to a bf16 scale), parts 64-byte aligned, biases
-    assert held["bytes"] / held["experts"] <= 3 * h * i // 32 * 18 + 3 * 64 + (2 * i + h) * 2 + 64
+    # the file's 17 bytes a block of 32 (the kernel widens the exponent byte), parts 64-byte aligned, biases
+    assert held["bytes"] / held["experts"] <= 3 * h * i // 32 * 17 + 3 * 64 + (2 * i + h) * 2 + 64
     want = _twin_logits(twin)
     assert want.abs().max().item() > 1.0
     assert _token_err(got, want) <= 3.0 * _token_err(full, want), (_token_err(got, want), _token_err(full, want))
 
 
 def test_mxfp4_relay_decodes_to_the_files_values(src: Path, tmp_path: Path) -> None:
-    """Each slot, re-laid for our kernels (quants, then bf16 scales 2^(e - 128)), decodes to exactly the file's values
+    """Each slot, re-laid for our kernels (quants, then the e8m0 exponent bytes), decodes to exactly the file's values
     in the matrix's row order (gate rows first: GPT-OSS interleaves them with up's)."""
     quant, twin = tmp_path / "mxfp4", tmp_path / "twin"
     convert(src, quant, twin, "mxfp4")
@@ -121,6 +121,34 @@ def test_mxfp4_relay_decodes_to_the_files_values(src: Path, tmp_path: Path) -> N
     gate_up, down = sd[pre + "gate_up_proj"][key.expert], sd[pre + "down_proj"][key.expert]  # [H, 2I], [I, H]
     assert torch.equal(w13, torch.cat([gate_up.t()[0::2], gate_up.t()[1::2]]))
     assert torch.equal(w2, down.t())
+
+
+@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+def test_mxfp4_slots_hold_the_files_bytes(src: Path, tmp_path: Path, form: str) -> None:
+    """Issue 28: a slot re-laid for our kernel keeps the file's 17 bytes a block of 32 (16 of quants, the e8m0
+    exponent byte the kernel widens), so the store's slot, and the budget that counts it, is the stored bytes: the
+    same size as the slot of the raw parts unchanged, each matrix's region exactly its tensors' bytes."""
+    cfg = json.loads((src / "config.json").read_text())
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    if form == "safetensors":
+        path, codec = tmp_path / "mxfp4", "mxfp4"
+        convert(src, path, tmp_path / "twin", "mxfp4")
+    else:
+        types = {f"blk.{n}.ffn_{p}_exps.weight": "MXFP4" for n in range(layers) for p in ("gate", "up", "down")}
+        path, codec = write_gguf(src, tmp_path / "m.gguf", "gpt_oss", "Q8_0", types=types), "gguf:MXFP4"
+    with moetier.load(path, EngineConfig(runtime=RuntimeConfig(device="cpu", dtype="bf16"),
+                                         precision=PrecisionConfig(mode="stored"))) as engine:  # fmt: skip
+        fmt = engine.store.source.fmt
+        assert isinstance(fmt, StoredFormat)
+        raw = StoredFormat(fmt.layout, fmt.tensors, fmt.dtype, relay=False)  # the file's parts as read, no relay
+        assert engine.store.slot_bytes == engine.store.stats()["slot_bytes"] == fmt.slot_bytes == raw.slot_bytes
+        assert MXFP4_BLOCK == 17
+        file_bytes = sum(n for t in fmt.tensors if t.codec == codec for n in t.part_bytes)
+        assert file_bytes == 3 * h * i // 32 * 17  # gate, up and down: 17 bytes a block of 32 in the file
+        regions = {m: (name, b - a) for m, (name, a, b) in fmt.relaid.items()}
+        assert regions == {"w13": ("MXFP4", 2 * i * h // 32 * 17), "w2": ("MXFP4", h * i // 32 * 17)}
+        stored = 3 * h * i // 32 * 17 + (2 * i + h) * 2  # the matrices' and the bf16 biases' bytes
+        assert stored <= fmt.slot_bytes <= stored + 6 * 64  # and no more than each part's 64-byte alignment
 
 
 def test_gguf_mxfp4_experts_run_as_stored(src: Path, tmp_path: Path) -> None:

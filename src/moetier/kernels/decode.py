@@ -6,8 +6,8 @@ matmuls of qformat.linear, the float64-reference tests); the decode step itself 
 through kernels/step.py:
 - `moetier::rms_norm(x, w, eps) -> y`: RMSNorm of bf16 rows in fp32, rounded once;
 - `moetier::gemv(x, q, scale, zero, kind, group) -> y`: x [M, K] bf16 @ W[N, K].T -> [M, N] bf16, for a
-  bf16 weight (kind 16), a quantised one (kind 8 / 4 / 2) or fp8 e4m3fn rows with fp32 scales (kind 9);
-  csrc/mm.h gives the byte layouts;
+  bf16 weight (kind 16), a quantised one (kind 8 / 4 / 2), MXFP4 rows with their e8m0 exponent bytes (4 | FP4)
+  or fp8 e4m3fn rows with fp32 scales (kind 9); csrc/mm.h gives the byte layouts;
 - `moetier::moe(x, slots, layout, start, tok, rw, inter) -> out`: every active expert of one MoE layer
   call in one call: x [T, H] bf16, the experts' pool slots (one tensor each, the slot's memory), per
   expert its format row (`layout`: kind, then per matrix group, q / scale / zero byte offsets in the
@@ -46,7 +46,8 @@ KIND_BF16 = 16
 KIND_F8 = 9  # csrc/mm.h MT_KIND_F8: fp8 e4m3fn rows, fp32 scales per group (a block-scaled FP8 checkpoint)
 SF16 = 256  # csrc/mm.h MT_SF16: a kind whose scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out)
 ROWS = 2048  # csrc/mm.h MT_ROWS: a bf16 down matrix stored as rows of its neurons [I, H] (the sparse layout)
-FP4 = 512  # csrc/mm.h MT_FP4: kind 4 whose nibbles are MXFP4 values (bf16 scales 2^(e - 128), symmetric)
+FP4 = 512  # csrc/mm.h MT_FP4: kind 4 whose nibbles are MXFP4 values, scales e8m0 exponent bytes (uint8 [N, K / 32],
+# 2^(e - 128) each, 255 NaN), symmetric, group 32
 FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # a nibble's MXFP4 value, doubled
 QBLOCK = 32  # activation (and dense weight) quantisation block
 DESC = 13  # int64 per expert of the C descriptor: address, kind, then 4 per matrix, w2's kind, 2 bias offsets
@@ -148,13 +149,15 @@ def _gemv_impl(
 ) -> torch.Tensor:
     fp4 = FP4 if kind < ggml.KIND_BASE and kind & FP4 else 0
     kind &= ~fp4
-    if fp4 and (kind != 4 or zero is not None):
-        raise ValueError("gemv: MXFP4 values (FP4) are kind 4 without zeros")
+    if fp4 and (kind != 4 or zero is not None or group != QBLOCK):
+        raise ValueError("gemv: MXFP4 values (FP4) are kind 4 without zeros, group 32")
     m, k, n = _check_gemv(x, q, kind, group)
     scaled = kind < ggml.KIND_BASE and kind != KIND_BF16
     sdt = (_BF16, torch.float16) if kind in (8, 4) else (_BF16,)  # fp16: a GGUF file's Q8_0 / Q4_0 scales
     if kind == KIND_F8:
         sdt = (torch.float32,)  # an FP8 checkpoint's scale grid, one row of it per weight row
+    if fp4:
+        sdt = (torch.uint8,)  # each MXFP4 block's e8m0 exponent byte, as the checkpoint stores it
     if scaled and (scale is None or scale.numel() != n * (k // group) or scale.dtype not in sdt):
         raise ValueError(f"gemv: scale must be {' or '.join(map(str, sdt))} [{n}, {k // group}]")
     if zero is not None and (zero.numel() != n * (k // group) or zero.dtype != _BF16):
@@ -162,7 +165,7 @@ def _gemv_impl(
     lib = _lib()
     y = torch.empty((m, n), dtype=_BF16)  # [M, N]
     scratch = _scratch.get(lib.moetier_gemv_scratch_bytes(m, k, kind))
-    flag = SF16 if scaled and scale is not None and scale.dtype == torch.float16 else 0
+    flag = SF16 if scaled and not fp4 and scale is not None and scale.dtype == torch.float16 else 0
     rc = lib.moetier_gemv(
         x.data_ptr(), m, k, n, kind | flag | fp4, q.data_ptr(), scale.data_ptr() if scale is not None else None,
         zero.data_ptr() if zero is not None else None, group, y.data_ptr(), scratch, torch.get_num_threads(),

@@ -44,8 +44,9 @@ SOURCES = (_CSRC / "sparse_swiglu.c", _CSRC / "mm.c", _CSRC / "step.c")
 HEADERS = (_CSRC / "bf16.h", _CSRC / "mm.h", _CSRC / "step.h")  # included by the sources: part of the build key
 ABI = 5  # csrc/sparse_swiglu.c
 # csrc/step.c (5: kind 9, fp8 e4m3fn rows; 6: expert biases, the GPT-OSS activation; 7: sinks, window; 8: MT_FP4;
-# 9: id -1 skips a pair; 10: mt_w.rows, bf16 down rows [I, H] in slot descriptors, MT_ROWS; 12: mt_step.xw, the
-# wide (fp32) residual stream, and moetier_head's xw / fp32 logits arguments)
+# 9: id -1 skips a pair; 10: mt_w.rows, bf16 down rows [I, H] in slot descriptors, MT_ROWS; 11: MT_FP4's scales are
+# the blocks' e8m0 exponent bytes uint8 [N, K / 32], widened in the kernels, not bf16 scales; group 32 only; 12:
+# mt_step.xw, the wide (fp32) residual stream, and moetier_head's xw / fp32 logits arguments)
 DECODE_ABI = 12
 LIB_PREFIX = "moetier-kernels-"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")

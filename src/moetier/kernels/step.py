@@ -34,8 +34,7 @@ _BF16 = torch.bfloat16
 
 
 class MtW(ctypes.Structure):
-    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64), ("fp4", I64),
-                ("rows", I64)]
+    _fields_ = [("kind", I64), ("q", P), ("s", P), ("z", P), ("group", I64), ("sf16", I64), ("fp4", I64), ("rows", I64)]
 
 
 class MtAttn(ctypes.Structure):
@@ -351,10 +350,10 @@ def _matrices_row(views: Any, lib: ctypes.CDLL | None) -> list[int] | None:
 
 def stored_kind(w: StoredWeight, lib: ctypes.CDLL) -> tuple[int, int, int, int] | None:
     """(kernel kind, group, address of its first row, address of its scales or -1) of a stored matrix: a re-laid
-    GGUF Q4_0 / Q8_0 matrix (our kernels, fp16 scales: kind | SF16, group 32), an MXFP4 safetensors matrix re-laid
-    for our kernels (kind 4 | FP4, bf16 scales per block), or rows of one GGUF block type ggml computes laid out as
+    GGUF Q4_0 / Q8_0 matrix (our kernels, fp16 scales: kind | SF16, group 32), an MXFP4 matrix re-laid for our
+    kernels (kind 4 | FP4, an e8m0 exponent byte per block), or rows of one GGUF block type ggml computes laid out as
     one [N, K] run (gate then up adjacent); None otherwise."""
-    if w.relaid == "MXFP4":  # quants then bf16 scales: kind 4 | MT_FP4, a scale per block of 32
+    if w.relaid == "MXFP4":  # quants then the blocks' e8m0 exponent bytes: kind 4 | MT_FP4, one per block of 32
         q, sc = w.mxfp4_split()
         return 4 | FP4, QBLOCK, q.data_ptr(), sc.data_ptr()
     if w.relaid is not None:

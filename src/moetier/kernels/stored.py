@@ -11,12 +11,13 @@ Two refinements on that layout:
 - GGUF Q4_0 / Q8_0 matrices our own kernels read (`relay`): after each read the matrix's blocks are split in
   place into all their quants, then their fp16 scales, in the same bytes (`StoredWeight.relay`); the descriptor
   gives the kernels kind | MT_SF16 (kernels/step.py), and `decode` puts the blocks back together for the codec.
-- MXFP4 safetensors matrices (GPT-OSS's `*_blocks` + `*_scales`, one tensor a matrix): after each read they are
-  re-laid in place for our kernels' kind 4 | MT_FP4 (csrc/mm.h): the quants [N, K / 2] (element j in the low and
-  j + 16 in the high nibble of byte j of a block, where the file holds 2j low and 2j + 1 high), then each block's
-  e8m0 exponent e widened to the bf16 scale 2^(e - 128) (exact; the kernel's values are the e2m1 values doubled),
-  rows in the matrix's order (GPT-OSS interleaves gate and up rows: gate first after the relay). The slot keeps
-  18 bytes a block of 32 where the file has 17: the exponents' part is laid out twice its size for the widening.
+- MXFP4 matrices (GPT-OSS's safetensors `*_blocks` + `*_scales`, one tensor a matrix, or a GGUF file's MXFP4 rows):
+  after each read they are re-laid in place for our kernels' kind 4 | MT_FP4 (csrc/mm.h): the quants [N, K / 2]
+  (element j in the low and j + 16 in the high nibble of byte j of a block, where the safetensors file holds 2j low
+  and 2j + 1 high), then each block's e8m0 exponent byte e as stored, uint8 [N, K / 32] (the kernels widen it to
+  2^(e - 128), exact: their values are the e2m1 values doubled), rows in the matrix's order (GPT-OSS interleaves
+  gate and up rows: gate first after the relay). The slot keeps the file's 17 bytes a block of 32, so the budget
+  counts the stored bytes.
 - A checkpoint whose MoE layers store their experts differently (a Q4_K_M GGUF file) gets `MixedStoredFormat`:
   one StoredFormat per layout on slots of the largest, each slot read as `StoredVariants`; whoever knows the
   layer takes its variant (`for_layer`).
@@ -59,13 +60,13 @@ class StoredWeight:
     segments: tuple[StoredSegment, ...]
     # a GGUF Q4_0 / Q8_0 matrix our own kernels read (decode.OWN_KERNEL_TYPES): its type, and the slot bytes of
     # its rows, re-laid out in place after each read as [quants of every block][their fp16 scales] (`relay`);
-    # "MXFP4": an MXFP4 safetensors matrix re-laid as quants then bf16 scales for kind 4 | MT_FP4 (`mxfp4_relay`)
+    # "MXFP4": an MXFP4 matrix re-laid as quants then e8m0 exponent bytes for kind 4 | MT_FP4 (`mxfp4_relay`)
     relaid: str | None = None
     region: torch.Tensor | None = None  # uint8 [N * row bytes]
 
     def relay(self) -> None:
         """The matrix's blocks, as read, -> [quants][fp16 scales] in the same bytes (kernels: kind | MT_SF16); an
-        MXFP4 matrix -> GGUF MXFP4 rows (`mxfp4_relay`)."""
+        MXFP4 matrix -> [quants][e8m0 exponent bytes] (kernels: 4 | MT_FP4, `mxfp4_relay`)."""
         assert self.relaid is not None and self.region is not None
         if self.relaid == "MXFP4":
             self.mxfp4_relay()
@@ -76,15 +77,15 @@ class StoredWeight:
         d.copy_(blocks[:, :, :2].reshape(-1))
 
     def mxfp4_relay(self) -> None:
-        """The file's MXFP4 blocks [R, G, 16] and exponents [R, G] (one segment) -> quants [N, G * 16] then bf16
-        scales [N, G] from the start of the region, rows in the matrix's order (an interleaved gate/up tensor: even
-        rows first)."""
+        """The file's MXFP4 blocks [R, G, 16] and exponents [R, G] (one segment), or GGUF MXFP4 rows [R, G, 17] (an
+        exponent byte, then 16 of quants, a block) -> quants [N, G * 16] then the exponent bytes [N, G] from the start
+        of the region, rows in the matrix's order (an interleaved gate/up tensor: even rows first)."""
         q, s = self.mxfp4_split()
         if all(seg.tensor.codec == "gguf:MXFP4" for seg in self.segments):  # GGUF rows: exponent byte, then qs
             segs = sorted(self.segments, key=lambda seg: seg.rows[0][1])
             raw = torch.cat([seg.parts[0].reshape(-1) for seg in segs]).view(self.n, -1, 17)  # a copy: [N, G, 17]
             q.copy_(raw[..., 1:].reshape(q.shape))  # ggml's nibble order is the kernel's
-            s.copy_(_e8m0_bf16(raw[..., 0]).reshape(s.shape))
+            s.copy_(raw[..., 0].reshape(s.shape))
             return
         (seg,) = self.segments
         blocks, scales = (p.clone() for p in seg.parts)  # [R, G, 16], [R, G]: the region overlaps them
@@ -93,14 +94,14 @@ class StoredWeight:
             blocks, scales = blocks[order], scales[order]
         nib = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).flatten(-2)  # [N, G, 32]: element order
         q.copy_((nib[..., :16] | (nib[..., 16:] << 4)).reshape(q.shape))  # byte j: elements j and j + 16
-        s.copy_(_e8m0_bf16(scales).reshape(s.shape))
+        s.copy_(scales.reshape(s.shape))
 
     def mxfp4_split(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(quants uint8 [N, K / 2], bf16 scales [N, K / 32]): views of a re-laid MXFP4 matrix's region."""
+        """(quants uint8 [N, K / 2], e8m0 exponent bytes uint8 [N, K / 32]): views of a re-laid MXFP4 matrix's
+        region."""
         assert self.region is not None
         nq = self.n * self.k // 2
-        scales = self.region[nq : nq + self.n * self.k // 16].view(torch.bfloat16)
-        return self.region[:nq].view(self.n, -1), scales.view(self.n, -1)
+        return self.region[:nq].view(self.n, -1), self.region[nq : nq + self.n * self.k // 32].view(self.n, -1)
 
     def relay_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(quants uint8 [N, nb * qb], scale bytes uint8 [N * nb * 2]): views of a re-laid matrix's region."""
@@ -112,12 +113,12 @@ class StoredWeight:
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The matrix [N, K] in `dtype` (allocated per call; the codecs' float32 temporaries are transient)."""
         device = self.segments[0].parts[0].device
-        if self.relaid == "MXFP4":  # quants and bf16 scales now, rows in the matrix's order
-            q, s = self.mxfp4_split()
+        if self.relaid == "MXFP4":  # quants and exponent bytes now, rows in the matrix's order
+            q, e = self.mxfp4_split()
             blk = q.view(self.n, -1, 16)  # [N, G, 16]
             v = torch.cat([blk & 15, blk >> 4], dim=-1).reshape(self.n, self.k)  # [N, K], element order
             vals = torch.tensor(FP4_VALUES, dtype=torch.float32)[v.long()]  # the e2m1 values doubled
-            return (vals * s.float().repeat_interleave(32, dim=1)).to(dtype)
+            return (vals * e8m0_scale(e).repeat_interleave(32, dim=1)).to(dtype)
         if self.relaid is not None:  # back to the file's blocks, then its codec
             q, d = self.relay_split()
             blocks = torch.cat([d.view(self.n, -1, 2), q.view(self.n, -1, _block_bytes(self.relaid) - 2)], dim=2)
@@ -142,14 +143,15 @@ class StoredExpertViews:
     pieces: dict[str, torch.Tensor]  # gate_bias / up_bias / down_bias views of b13, b2
 
 
-def _e8m0_bf16(e: torch.Tensor) -> torch.Tensor:
-    """MXFP4 e8m0 exponents (uint8) -> the kernels' bf16 scales 2^(e - 128) (exact; 255 is NaN)."""
-    return torch.exp2(e.double() - 128).masked_fill(e == 255, float("nan")).to(torch.bfloat16)
+def e8m0_scale(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4 e8m0 exponents (uint8) -> float32 2^(e - 128), the scale of the e2m1 values doubled (exact, as the
+    kernels widen them: e = 0 and 1 are float32 subnormals; 255 is NaN)."""
+    return torch.exp2(e.double() - 128).masked_fill(e == 255, float("nan")).float()
 
 
 _MATRIX_ROWS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}  # piece -> (matrix, block of I rows)
 RELAID = {"Q4_0": 18, "Q8_0": 34}  # GGUF types a slot re-lays out for our own kernels: bytes a block of 32
-MXFP4_BLOCK = 18  # slot bytes of a block of 32 MXFP4 values re-laid for our kernels: 16 of quants, a bf16 scale
+MXFP4_BLOCK = 17  # slot bytes of a block of 32 MXFP4 values re-laid for our kernels: 16 of quants, its exponent byte
 _MXFP4_ROWS = {"w13": (("T_even", "T_odd"), ("T",)), "w2": (("T",),)}  # the ops a matrix's one MXFP4 tensor may feed
 
 
@@ -183,13 +185,9 @@ class StoredFormat:
             if kinds != {True} or len({_MATRIX_ROWS[p][0] for p, _ in t.pieces}) != 1:
                 raise CheckpointError(f"stored tensor feeding {[p for p, _ in t.pieces]} mixes matrices and biases")
             slices = []
-            for j, nbytes in enumerate(t.part_bytes):
+            for nbytes in t.part_bytes:
                 slices.append(Slice(align(off), torch.uint8, (nbytes,)))
-                # an MXFP4 tensor re-laid for our kernels: a byte more a block of 32 for its bf16 scales (after the
-                # exponents' part of a safetensors one; after each GGUF one's 17-byte blocks)
-                extra = nbytes if relay and t.codec == "mxfp4" and len(t.part_bytes) == 2 and j == 1 else (
-                    nbytes // 17 if relay and t.codec == "gguf:MXFP4" and len(t.part_bytes) == 1 else 0)  # fmt: skip
-                off = slices[-1].offset + nbytes + extra
+                off = slices[-1].offset + nbytes
             self.part_slices.append(slices)
             matrix = _MATRIX_ROWS[t.pieces[0][0]][0]
             size = i if matrix == "w13" else h
@@ -228,8 +226,13 @@ class StoredFormat:
                 continue
             codec = next(iter(codecs)) or ""
             name = codec.removeprefix("gguf:")
-            if name == "MXFP4" and sum(b - a for _, _, a, b in spans) == n * (k // 32) * 17:  # GGUF MXFP4 rows
-                out[m] = ("MXFP4", spans[0][2], spans[0][2] + n * (k // 32) * MXFP4_BLOCK)  # over the reserved bytes
+            nbytes = n * (k // 32) * MXFP4_BLOCK
+            if name == "MXFP4" and sum(b - a for _, _, a, b in spans) == nbytes:  # GGUF MXFP4 rows
+                lo = min(a for _, _, a, _ in spans)  # re-laid over the rows' own bytes: no other tensor's among them
+                others = [sl for sls, rows in zip(self.part_slices, self.rows, strict=True)
+                          if sls is not None and rows is not None and rows[0] != m for sl in sls]  # fmt: skip
+                if all(sl.offset + sl.nbytes <= lo or sl.offset >= lo + nbytes for sl in others):
+                    out[m] = ("MXFP4", lo, lo + nbytes)
                 continue
             contiguous = all(a[3] == b[2] for a, b in itertools.pairwise(spans))
             if name in RELAID and contiguous and spans[-1][3] - spans[0][2] == n * (k // 32) * RELAID[name]:
@@ -237,7 +240,8 @@ class StoredFormat:
         return out
 
     def _mxfp4_span(self, m: str, n: int, k: int) -> tuple[int, int] | None:
-        """(first, end byte) of matrix m's GGUF MXFP4 rows when one MXFP4 tensor feeds all of it, else None."""
+        """(first, end byte) of matrix m's region when one MXFP4 safetensors tensor (blocks, then exponents) feeds all
+        of it, else None."""
         feeding = [(t, sl, rows) for t, sl, rows in zip(self.tensors, self.part_slices, self.rows, strict=True)
                    if rows is not None and rows[0] == m]  # fmt: skip
         if len(feeding) != 1 or feeding[0][0].codec != "mxfp4" or k % 32:
@@ -247,7 +251,7 @@ class StoredFormat:
             return None
         if t.part_bytes != (n * k // 2, n * k // 32):
             return None
-        start = slices[0].offset  # the blocks, then the exponents' part laid out twice its size: 18 bytes a block
+        start = slices[0].offset  # the blocks, then (64-byte aligned) the exponents: the file's 17 bytes a block
         return start, start + n * (k // 32) * MXFP4_BLOCK
 
     def views(self, row: torch.Tensor) -> StoredExpertViews:

@@ -19,41 +19,48 @@ static inline gdiv_t gdiv(int64_t per) {
 }
 static inline int64_t gof(gdiv_t g, int64_t b) { return g.shift >= 0 ? b >> g.shift : b / g.per; }
 
-/* fp16 -> fp32, exact (GGUF blocks' own scales) */
-static inline float f16f(uint16_t h) {
-#if defined(__F16C__) && MT_ISA > 0
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t u;
-    if (e == 0x1f)
-        u = sign | 0x7f800000u | (m << 13); /* Inf / NaN */
-    else if (e != 0)
-        u = sign | ((e + 112) << 23) | (m << 13);
-    else if (m == 0)
-        u = sign;
-    else { /* subnormal: normalise */
-        int sh = 0;
-        uint32_t mm = m;
-        while (!(mm & 0x400u)) mm <<= 1, sh++;
-        u = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#endif
-}
+/* fp16 -> fp32, exact (GGUF blocks' own scales; bf16.h) */
+static inline float f16f(uint16_t h) { return h2f(h); }
 
-/* one weight scale as fp32: bf16, or fp16 where the weight says so (mt_w.sf16) */
-#define SCL(w, p) ((w)->sf16 ? f16f(*(p)) : bf2f(*(p)))
+/* kind 4 with fp4 (mm.h): an MXFP4 block's e8m0 exponent e -> 2^(e - 128) in fp32, built from its bits (exact:
+ * e >= 2 normal, biased exponent e - 1; e = 1, 0 the subnormals 2^-127, 2^-128; 255 NaN) */
+static float E8F[256];
+__attribute__((constructor)) static void e8_table(void) {
+    for (uint32_t e = 0; e < 256; e++) {
+        const uint32_t u = e >= 2 ? (e - 1) << 23 : 0x00200000u << e;
+        memcpy(&E8F[e], &u, 4);
+    }
+    E8F[255] = NAN;
+}
+float mt_e8_to_f32(uint8_t e) { return E8F[e]; }
+
+/* bytes of one weight scale: a bf16 / fp16 one, or an e8m0 exponent byte (fp4) */
+static inline int64_t sbytes(const mt_w* w) { return w->fp4 ? 1 : 2; }
+/* the scales of weight row r (G a row), and the address of the i-th scale after s */
+static inline const void* srow(const mt_w* w, int64_t r, int64_t G) { return (const char*)w->s + r * G * sbytes(w); }
+static inline const void* sat(const mt_w* w, const void* s, int64_t i) { return (const char*)s + i * sbytes(w); }
+/* scale i after s as fp32: bf16, fp16 where the weight says so (mt_w.sf16), or an e8m0 exponent (mt_w.fp4) */
+static inline float scl(const mt_w* w, const void* s, int64_t i) {
+    if (w->fp4) return E8F[((const uint8_t*)s)[i]];
+    const uint16_t h = ((const uint16_t*)s)[i];
+    return w->sf16 ? f16f(h) : bf2f(h);
+}
 
 /* kind 4 with fp4 (mm.h): a nibble's MXFP4 value doubled (FP4S), and that plus 12 for the unsigned paths (FP4U) */
 static const int8_t FP4S[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const int8_t FP4U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 #if MT_ISA == 3
+/* 16 e8m0 exponent bytes (the low 16 bytes of e) as fp32 2^(e - 128): 1.0 scaled by e - 128 (vscalef: exact, and
+ * subnormal for e = 0, 1 with the default MXCSR), NaN where e = 255 */
+static inline __m512 e8x16(__m128i e) {
+    const __m512i v = _mm512_cvtepu8_epi32(e);
+    const __m512 f = _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(128))));
+    return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255)), f, _mm512_set1_ps(NAN));
+}
 /* 16 weight scales (masked) as fp32 */
-static inline __m512 sv16(const mt_w* w, __mmask16 m, const uint16_t* p) {
+static inline __m512 sv16(const mt_w* w, __mmask16 m, const void* p) {
+    if (w->fp4) return e8x16(_mm_maskz_loadu_epi8(m, p));
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
     if (w->sf16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -366,7 +373,7 @@ static inline float group_sum(const mt_act* A, int64_t r, int64_t group, int64_t
 /* sum over groups of s_g * z_g * gs_g for one weight row (z NULL: the constant zc) */
 static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_t ar, float zc) {
     const int64_t G = K / w->group;
-    const uint16_t* s = w->s + r * G;
+    const void* s = srow(w, r, G);
     const uint16_t* z = w->z ? w->z + r * G : NULL;
     float t = 0.0f;
     int64_t g = 0;
@@ -376,7 +383,7 @@ static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act*
         __m512 acc = _mm512_setzero_ps();
         for (; g < G; g += 16) {
             const __mmask16 m = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);
-            const __m512 sv = sv16(w, m, s + g);
+            const __m512 sv = sv16(w, m, sat(w, s, g));
             const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, z + g)), 16));
             acc = _mm512_fmadd_ps(_mm512_mul_ps(sv, zv), _mm512_maskz_loadu_ps(m, gs + g), acc);
         }
@@ -385,10 +392,10 @@ static inline float zero_term(const mt_w* w, int64_t K, int64_t r, const mt_act*
 #endif
     if (A->gsz == w->group) { /* a few groups (short rows, per-row int8): scalar, the record's group sums */
         const float* gs = rec_gs(A, ar);
-        for (; g < G; g++) t += SCL(w, s + (g)) * (z ? bf2f(z[g]) : zc) * gs[g];
+        for (; g < G; g++) t += scl(w, s, g) * (z ? bf2f(z[g]) : zc) * gs[g];
         return t;
     }
-    for (; g < G; g++) t += SCL(w, s + (g)) * (z ? bf2f(z[g]) : zc) * group_sum(A, ar, w->group, g);
+    for (; g < G; g++) t += scl(w, s, g) * (z ? bf2f(z[g]) : zc) * group_sum(A, ar, w->group, g);
     return t;
 }
 
@@ -431,12 +438,12 @@ static float dot_q_c(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64
     const uint8_t* row = (const uint8_t*)w->q + r * mt_row_bytes(w->kind, K);
     const int8_t* a = (const int8_t*)rec_of(A, ar);
     const float* d = rec_d(A, ar);
-    const uint16_t* s = w->s + r * G;
+    const void* s = srow(w, r, G);
     float acc = 0.0f;
     const gdiv_t gd = gdiv(per);
     for (int64_t b = 0; b < nb; b++)
-        acc += d[b] * SCL(w, s + (gof(gd, b))) * (float)block_isum_c(w->kind, w->fp4, row, a, b);
-    return acc - zero_term(w, K, r, A, ar, w->fp4 ? 0.0f : zc_of(w->kind));
+        acc += d[b] * scl(w, s, gof(gd, b)) * (float)block_isum_c(w->kind, w->fp4, row, a, b);
+    return w->fp4 ? acc : acc - zero_term(w, K, r, A, ar, zc_of(w->kind)); /* MXFP4 values are signed: no zero */
 }
 
 static void mm_c(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, const int32_t* arow, int64_t nt,
@@ -567,7 +574,7 @@ static float q_row2(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_
     const int64_t nb = K / MT_QB, G = K / w->group, per = w->group / MT_QB, rb = mt_row_bytes(w->kind, K);
     const int sym = w->z == NULL;
     const uint8_t* row = (const uint8_t*)w->q + r * rb;
-    const uint16_t* s = w->s + r * G;
+    const void* s = srow(w, r, G);
     const int8_t* a = (const int8_t*)rec_of(A, ar);
     const float* d = rec_d(A, ar);
     const int32_t* init = rec_init(A, ar);
@@ -577,18 +584,18 @@ static float q_row2(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64_
     for (; b + 2 <= nb; b += 2) {
         const __m256i i0 = block_isum2(w->kind, sym, w->fp4, row, a, init, b);
         const __m256i i1 = block_isum2(w->kind, sym, w->fp4, row, a, init, b + 1);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d[b] * SCL(w, s + (gof(gd, b)))), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d[b + 1] * SCL(w, s + (gof(gd, b + 1)))), a1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d[b] * scl(w, s, gof(gd, b))), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d[b + 1] * scl(w, s, gof(gd, b + 1))), a1);
     }
     if (b < nb)
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_isum2(w->kind, sym, w->fp4, row, a, init, b)),
-                             _mm256_set1_ps(d[b] * SCL(w, s + (gof(gd, b)))), a0);
+                             _mm256_set1_ps(d[b] * scl(w, s, gof(gd, b))), a0);
     float v = hsum8(_mm256_add_ps(a0, a1));
     const float zs = zshift2(w->kind, sym);
     if (!sym) {
-        for (int64_t g = 0; g < G; g++) v -= SCL(w, s + (g)) * (bf2f(w->z[r * G + g]) + zs) * group_sum(A, ar, w->group, g);
+        for (int64_t g = 0; g < G; g++) v -= scl(w, s, g) * (bf2f(w->z[r * G + g]) + zs) * group_sum(A, ar, w->group, g);
     } else if (zs != 0.0f) {
-        for (int64_t g = 0; g < G; g++) v -= SCL(w, s + (g)) * zs * group_sum(A, ar, w->group, g);
+        for (int64_t g = 0; g < G; g++) v -= scl(w, s, g) * zs * group_sum(A, ar, w->group, g);
     }
     return v;
 }
@@ -655,17 +662,24 @@ static const int32_t IDX4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}
  * block for 2 blocks, 4 for 4) */
 static const int32_t IDX2[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 
-static inline __m512 wscale(const mt_w* w, const uint16_t* s, int64_t b, gdiv_t gd, int nblk) {
+static inline __m512 wscale(const mt_w* w, const void* s, int64_t b, gdiv_t gd, int nblk) {
+    const __m512i idx = _mm512_loadu_si512((const void*)(nblk == 4 ? IDX4 : IDX2));
+    if (gd.per == 1 && w->fp4) { /* MXFP4: nblk consecutive e8m0 exponent bytes, widened in one go */
+        int32_t e4 = 0;
+        memcpy(&e4, (const uint8_t*)s + b, (size_t)nblk);
+        return _mm512_permutexvar_ps(idx, e8x16(_mm_cvtsi32_si128(e4)));
+    }
     if (gd.per == 1) { /* a scale per block (Q8_0 / Q4_0): nblk consecutive bf16 scales, widened in one go */
-        const __m128i raw = nblk == 4 ? _mm_loadl_epi64((const __m128i*)(s + b)) : _mm_cvtsi32_si128(*(const int32_t*)(s + b));
+        const uint16_t* h = (const uint16_t*)s + b;
+        const __m128i raw = nblk == 4 ? _mm_loadl_epi64((const __m128i*)h) : _mm_cvtsi32_si128(*(const int32_t*)h);
         const __m128 f = w->sf16 ? _mm_cvtph_ps(raw) : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
-        return _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)(nblk == 4 ? IDX4 : IDX2)), _mm512_castps128_ps512(f));
+        return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
     }
     const int64_t g0 = gof(gd, b), g1 = gof(gd, b + nblk - 1);
-    if (g0 == g1) return _mm512_set1_ps(SCL(w, s + (g0)));
+    if (g0 == g1) return _mm512_set1_ps(scl(w, s, g0));
     if (nblk == 2)
-        return _mm512_insertf32x8(_mm512_set1_ps(SCL(w, s + (g0))), _mm256_set1_ps(SCL(w, s + (g1))), 1);
-    const __m128 v = _mm_setr_ps(SCL(w, s + (g0)), SCL(w, s + (gof(gd, b + 1))), SCL(w, s + (gof(gd, b + 2))), SCL(w, s + (g1)));
+        return _mm512_insertf32x8(_mm512_set1_ps(scl(w, s, g0)), _mm256_set1_ps(scl(w, s, g1)), 1);
+    const __m128 v = _mm_setr_ps(scl(w, s, g0), scl(w, s, gof(gd, b + 1)), scl(w, s, gof(gd, b + 2)), scl(w, s, g1));
     return _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)IDX4), _mm512_castps128_ps512(v));
 }
 
@@ -677,7 +691,7 @@ static inline __attribute__((always_inline)) void q8_row3(const mt_w* w, int64_t
     const int sym = w->z == NULL;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const int8_t* q = (const int8_t*)w->q + r * K;
-    const uint16_t* s = w->s + r * G;
+    const void* s = srow(w, r, G);
     __m512 a0[MAXT], a1[MAXT];
     const int8_t* a[MAXT];
     const int32_t* init[MAXT];
@@ -708,7 +722,7 @@ static inline __attribute__((always_inline)) void q8_row3(const mt_w* w, int64_t
         const __mmask64 mb = one ? 0xffffffffull : ~0ull;
         const __mmask16 ml = one ? 0xff : 0xffff;
         const __m512i w0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mb, q + b * MT_QB), _mm512_maskz_mov_epi8(mb, flip));
-        const __m512 s0 = one ? _mm512_set1_ps(SCL(w, s + (gof(gd, b)))) : wscale(w, s, b, gd, 2);
+        const __m512 s0 = one ? _mm512_set1_ps(scl(w, s, gof(gd, b))) : wscale(w, s, b, gd, 2);
         for (int t = 0; t < TB; t++) {
             const __m512i i0 = sym ? _mm512_maskz_loadu_epi32(ml, init[t] + b * 8) : _mm512_setzero_si512();
             const __m512i p0 = _mm512_dpbusd_epi32(i0, w0, _mm512_maskz_loadu_epi8(mb, a[t] + b * MT_QB));
@@ -732,7 +746,7 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
     const int sym = w->z == NULL;
     const __m512i lo4 = _mm512_set1_epi8(15);
     const uint8_t* q = (const uint8_t*)w->q + r * (K / 2);
-    const uint16_t* s = w->s + r * G;
+    const void* s = srow(w, r, G);
     __m512 a0[MAXT], a1[MAXT];
     const int8_t* a[MAXT];
     const int32_t* init[MAXT];
@@ -779,7 +793,7 @@ static inline __attribute__((always_inline)) void q4_row3(const mt_w* w, int64_t
     for (; b < nb; b++) { /* natural-order tail blocks */
         const int64_t o = full / 4 * 16 + (b - full) * 8;
         const __m512i v = fp4n(w, _mm512_zextsi256_si512(nib32(q, b)));
-        const __m512 sv = _mm512_set1_ps(SCL(w, s + (gof(gd, b))));
+        const __m512 sv = _mm512_set1_ps(scl(w, s, gof(gd, b)));
         for (int t = 0; t < TB; t++) {
             const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a[t] + b * MT_QB);
             const __m512i iv = fp4i(w, sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512());
@@ -810,7 +824,7 @@ static inline void zero_terms4(const mt_w* w, int64_t G, int64_t r, const mt_act
     static const int32_t TILE[4][16] = {{0}, {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
                                         {0}, {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}};
     const __mmask16 m = (__mmask16)((1u << (4 * G)) - 1);
-    const __m512 sv = sv16(w, m, w->s + r * G);
+    const __m512 sv = sv16(w, m, srow(w, r, G));
     const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w->z + r * G)), 16));
     const __m512 g = _mm512_maskz_loadu_ps((__mmask16)((1u << G) - 1), rec_gs(A, ar));
     const __m512 gt = G == 1 ? _mm512_set1_ps(_mm512_cvtss_f32(g)) : _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)TILE[G - 1]), g);
@@ -836,7 +850,7 @@ static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
     const float* dx = rec_dx(A, ar);
     __m512 svall = _mm512_setzero_ps();
     if (fast)
-        svall = sv16(w, (__mmask16)((1u << (4 * G)) - 1), w->s + r * G);
+        svall = sv16(w, (__mmask16)((1u << (4 * G)) - 1), srow(w, r, G));
     __m512 acc[4];
     for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / MT_QB; b += 4) {
@@ -850,7 +864,7 @@ static inline void q4_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
             const __m512i l = fp4n(w, _mm512_and_si512(raw, lo4)), h = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
             const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv, l, alo), h, ahi);
             const __m512 sc = fast ? _mm512_permutexvar_ps(_mm512_set1_epi32((int)(i * G + gi)), svall)
-                                   : wscale(w, w->s + (r + i) * G, b, gd, 4);
+                                   : wscale(w, srow(w, r + i, G), b, gd, 4);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sc, dv), acc[i]);
         }
     }
@@ -883,11 +897,11 @@ static inline void q8_rows4_short3(const mt_w* w, int64_t K, int64_t r, const mt
             const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void*)((const int8_t*)w->q + (r + i) * K + b * MT_QB)), flip);
             const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, wv, av));
             acc[i] = one ? _mm512_fmadd_ps(p, dv, acc[i])
-                         : _mm512_fmadd_ps(p, _mm512_mul_ps(wscale(w, w->s + (r + i) * G, b, gd, 2), dv), acc[i]);
+                         : _mm512_fmadd_ps(p, _mm512_mul_ps(wscale(w, srow(w, r + i, G), b, gd, 2), dv), acc[i]);
         }
     }
     __m128 v = hsum4x16(acc[0], acc[1], acc[2], acc[3]);
-    if (one) v = _mm_mul_ps(v, _mm_setr_ps(SCL(w, w->s + (r)), SCL(w, w->s + (r + 1)), SCL(w, w->s + (r + 2)), SCL(w, w->s + (r + 3))));
+    if (one) v = _mm_mul_ps(v, _mm_setr_ps(scl(w, w->s, r), scl(w, w->s, r + 1), scl(w, w->s, r + 2), scl(w, w->s, r + 3)));
     _mm_storeu_ps(out, v);
     if (!sym) {
         if (4 * G <= 16 && A->gsz == w->group && (G == 1 || G == 2 || G == 4))
@@ -960,7 +974,7 @@ static inline __attribute__((always_inline)) void q8_blk3(const mt_w* w, int64_t
         for (int i = 0; i < R; i++) {
             const __m512i wv = _mm512_xor_si512(
                 _mm512_loadu_si512((const void*)((const int8_t*)w->q + (r + i) * K + b * MT_QB)), flip);
-            const __m512 sv = wscale(w, w->s + (r + i) * G, b, gd, 2);
+            const __m512 sv = wscale(w, srow(w, r + i, G), b, gd, 2);
             for (int t = 0; t < TB; t++)
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv[t], wv, av[t])),
                                             _mm512_mul_ps(sv, dv[t]), acc[i][t]);
@@ -977,7 +991,7 @@ static inline __attribute__((always_inline)) void q8_blk3(const mt_w* w, int64_t
         for (int i = 0; i < R; i++) {
             const __m512i wv = _mm512_xor_si512(
                 _mm512_maskz_loadu_epi8(0xffffffffull, (const int8_t*)w->q + (r + i) * K + b * MT_QB), flip);
-            const __m512 sv = _mm512_set1_ps(SCL(w, w->s + ((r + i) * G + gof(gd, b))));
+            const __m512 sv = _mm512_set1_ps(scl(w, w->s, (r + i) * G + gof(gd, b)));
             for (int t = 0; t < TB; t++)
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv[t], wv, av[t])),
                                             _mm512_mul_ps(sv, dv[t]), acc[i][t]);
@@ -1022,7 +1036,7 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
         for (int i = 0; i < R; i++) {
             const __m512i raw = _mm512_loadu_si512((const void*)((const uint8_t*)w->q + (r + i) * rb + b * 16));
             const __m512i vlo = fp4n(w, _mm512_and_si512(raw, lo4)), vhi = fp4n(w, _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
-            const __m512 sv = wscale(w, w->s + (r + i) * G, b, gd, 4);
+            const __m512 sv = wscale(w, srow(w, r + i, G), b, gd, 4);
             for (int t = 0; t < TB; t++) {
                 const __m512i is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iv[t], vlo, alo[t]), vhi, ahi[t]);
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(sv, dv[t]), acc[i][t]);
@@ -1033,7 +1047,7 @@ static inline __attribute__((always_inline)) void q4_blk3(const mt_w* w, int64_t
         const int64_t o = full / 4 * 16 + (b - full) * 8;
         for (int i = 0; i < R; i++) {
             const __m512i v = fp4n(w, _mm512_zextsi256_si512(nib32((const uint8_t*)w->q + (r + i) * rb, b)));
-            const __m512 sv = _mm512_set1_ps(SCL(w, w->s + ((r + i) * G + gof(gd, b))));
+            const __m512 sv = _mm512_set1_ps(scl(w, w->s, (r + i) * G + gof(gd, b)));
             for (int t = 0; t < TB; t++) {
                 const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a[t] + b * MT_QB);
                 const __m512i iv = fp4i(w, sym ? _mm512_maskz_loadu_epi32(0xff, init[t] + o) : _mm512_setzero_si512());
@@ -1060,7 +1074,7 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
     const int sym = w->z == NULL;
     const __m512i lo4 = _mm512_set1_epi8(15);
     const uint8_t* q = (const uint8_t*)w->q + r * (K / 2);
-    const uint16_t* s = w->s + r * G;
+    const void* s = srow(w, r, G);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= full; b += 8) {
@@ -1094,7 +1108,7 @@ static inline __m512 q4_acc1(const mt_w* w, int64_t K, int64_t r, const int8_t* 
         const __m512i iv = fp4i(w, sym ? _mm512_maskz_loadu_epi32(0xff, init + o) : _mm512_setzero_si512());
         const __m512i av = _mm512_maskz_loadu_epi8(0xffffffffull, a + b * MT_QB);
         a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(iv, v, av)),
-                             _mm512_mul_ps(_mm512_set1_ps(SCL(w, s + (gof(gd, b)))), _mm512_maskz_loadu_ps(0xff, dx + o)), a0);
+                             _mm512_mul_ps(_mm512_set1_ps(scl(w, s, gof(gd, b))), _mm512_maskz_loadu_ps(0xff, dx + o)), a0);
     }
     return _mm512_add_ps(a0, a1);
 }
@@ -1122,7 +1136,7 @@ static float q2_row3(const mt_w* w, int64_t K, int64_t r, const mt_act* A, int64
     for (int64_t b = 0; b < nb; b++) {
         const __m256i is = _mm256_dpbusd_epi32(_mm256_setzero_si256(), crumb32(row, b),
                                                _mm256_loadu_si256((const __m256i*)(a + b * MT_QB)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d[b] * SCL(w, w->s + (r * G + gof(gd, b)))), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d[b] * scl(w, w->s, r * G + gof(gd, b))), acc);
     }
     return hsum8(acc) - zero_term(w, K, r, A, ar, 2.0f);
 }

@@ -19,9 +19,12 @@
  *   sf16: the scales are fp16 instead (a GGUF file's Q8_0 / Q4_0 blocks split into their quants and their
  *   own fp16 scales, exact); callers pass kind | MT_SF16.
  *   fp4 (kind 4 only): each nibble indexes the MXFP4 (e2m1) values doubled, {0, 1, 2, 3, 4, 6, 8, 12} and their
- *   negatives, W = value * scale with bf16 scales 2^(e - 128) per block of 32 (an MXFP4 block's e8m0 exponent e,
- *   exact; zero NULL); the integer paths read value + 12 (0..24) and shift the zero by 12 instead of 8; callers
- *   pass 4 | MT_FP4.
+ *   negatives, W = value * 2^(e - 128) per block of 32 (group 32, zero NULL), `s` pointing at the blocks' e8m0
+ *   exponent bytes e as the checkpoint stores them, uint8 [N, K / 32] (cast): the slot keeps the file's 17 bytes a
+ *   block. The kernels widen e exactly: e = 0 and 1 give the fp32 subnormals 2^-128 and 2^-127, e = 255 is NaN (the
+ *   outputs that read the block are NaN); ISA 3 by vscalef (1.0 scaled by e - 128, NaN blended in), ISA 2 and 0 by
+ *   a 256-entry fp32 table (mt_e8_to_f32). The integer paths read value + 12 (0..24) and shift the zero by 12
+ *   instead of 8; callers pass 4 | MT_FP4.
  *   9   fp8 e4m3fn (MT_KIND_F8): one byte a value as the checkpoint stores it; `s` points at fp32 scales
  *       [N, K / group] (a block-scaled FP8 checkpoint's grid, one row of it per weight row), W = fp8 * scale;
  *       zero NULL; group a multiple of 32 dividing K. Reads the MT_F_BF16 activation form: each 32 values are
@@ -118,17 +121,18 @@ static inline int mt_gg_ok(int64_t kind, int64_t K) {
 typedef struct {
     int64_t kind; /* 16, 8, 4, 2, or MT_KIND_GG + a ggml type */
     const void* q;
-    const uint16_t* s; /* bf16 [N, K / group]; NULL for kind 16; kind 9: fp32 [N, K / group] (cast) */
+    const void* s;     /* bf16 [N, K / group] (fp16 with sf16); NULL for kind 16; kind 9: fp32 [N, K / group];
+                          fp4: uint8 e8m0 exponents [N, K / 32] */
     const uint16_t* z; /* bf16 [N, K / group] or NULL (symmetric) */
     int64_t group;
     int64_t sf16; /* 1: the scales are fp16 (a GGUF file's Q8_0 / Q4_0 blocks, re-laid out), not bf16 */
-    int64_t fp4;  /* kind 4: the nibbles are MXFP4 values (see the kinds above) */
+    int64_t fp4;  /* kind 4: the nibbles are MXFP4 values, the scales e8m0 exponent bytes (see the kinds above) */
     int64_t rows; /* an expert's down matrix stored as rows of its neurons, [I, H] (the sparse layout), not [H, I];
                      kind 16 only (step.c moe_core) */
 } mt_w;
 /* a kind as callers pass it (gemv, slot descriptors): | MT_SF16 for fp16 scales */
 #define MT_SF16 256
-#define MT_FP4 512 /* kind 4 as MXFP4 values (mt_w.fp4) */
+#define MT_FP4 512 /* kind 4 as MXFP4 values with e8m0 exponent bytes as scales, group 32 (mt_w.fp4) */
 #define MT_ROWS 2048 /* (above the ggml kinds 1000..1063) kind 16 stored as down rows [I, H] (mt_w.rows): a slot descriptor's w2 kind only */
 
 typedef struct {
@@ -164,6 +168,8 @@ void mt_mm(const mt_w* w, int64_t K, int64_t r0, int64_t r1, const mt_act* A, co
 
 /* one fp8 e4m3fn value as fp32 (NaN for 0x7f / 0xff) */
 float mt_f8_to_f32(uint8_t b);
+/* one MXFP4 block's e8m0 exponent e as the kernels' fp32 scale 2^(e - 128) (exact: e = 0, 1 subnormal; 255 NaN) */
+float mt_e8_to_f32(uint8_t e);
 
 /* elementwise helpers on fp32 rows */
 float mt_sumsq(const float* x, int64_t n);

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <string.h>
 
-#define ABI 12
+#define ABI 12 /* kernels/native.py DECODE_ABI */
 
 int64_t moetier_decode_abi(void) { return ABI; }
 int64_t moetier_decode_isa(void) { return MT_ISA * 10 + MT_VNNI256; } /* 30, 21, 20, 0 */
@@ -47,6 +47,9 @@ static inline int kind_ok(int64_t kind, int64_t K, int64_t group) {
     if (K % MT_QB || group <= 0 || group % MT_QB || K % group) return 0;
     return kind != 2 || K % 128 == 0;
 }
+
+/* a weight's MXFP4 form (mt_w.fp4) is kind 4, symmetric, with an e8m0 exponent byte per block of 32 */
+static inline int fp4_ok(const mt_w* w) { return !w->fp4 || (w->kind == 4 && w->z == NULL && w->group == MT_QB); }
 
 static inline float round_bf(float v) { return bf2f(f2bf(v)); }
 
@@ -144,8 +147,7 @@ static int64_t moe_core(const moe_call* c, const uint16_t* x, float* ys, char* s
     for (int64_t j = 0; j < n; j++) {
         if (!kind_ok(c->w13[j].kind, H, c->w13[j].group) || !kind_ok(c->w2[j].kind, I, c->w2[j].group)) return -1;
         if (c->w2[j].rows && c->w2[j].kind != 16) return -1; /* down rows: bf16 only */
-        if ((c->w13[j].fp4 && (c->w13[j].kind != 4 || c->w13[j].z)) || (c->w2[j].fp4 && (c->w2[j].kind != 4 || c->w2[j].z)))
-            return -1; /* MXFP4 values are kind 4, symmetric */
+        if (!fp4_ok(&c->w13[j]) || !fp4_ok(&c->w2[j])) return -1;
         const int f13 = mt_form_of(c->w13[j].kind), f2 = mt_form_of(c->w2[j].kind);
         if (!used13[f13]) g13[f13] = c->w13[j].group;
         if (!used2[f2]) g2[f2] = c->w2[j].group;
@@ -468,7 +470,8 @@ int64_t moetier_attn_half(const mt_attn* L, const mt_step* S) {
     const int64_t T = S->T, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, N = att_rows_n(L), D = nh * hd;
     const int64_t G = nh / nkv, half = hd / 2, E = L->E;
     const int wide = S->xw != NULL; /* the fp32 residual stream: nothing rounded to bf16 but matmul inputs */
-    if (!kind_ok(L->wqkv.kind, H, L->wqkv.group) || !kind_ok(L->wo.kind, D, L->wo.group) || nh % nkv || hd % 2)
+    if (!kind_ok(L->wqkv.kind, H, L->wqkv.group) || !kind_ok(L->wo.kind, D, L->wo.group) || !fp4_ok(&L->wqkv) ||
+        !fp4_ok(&L->wo) || nh % nkv || hd % 2)
         return -1;
     int64_t max_len = 0;
     for (int64_t t = 0; t < T; t++) {
@@ -666,7 +669,7 @@ int64_t moetier_head_scratch_bytes(const mt_head* Hd, int64_t T) {
 int64_t moetier_head(const mt_head* Hd, const uint16_t* x, const float* xw, int64_t T, uint16_t* logits,
                      float* logits_w, void* scratch, int64_t scratch_bytes, int64_t nthreads) {
     const int64_t H = Hd->H, V = Hd->V;
-    if (!kind_ok(Hd->w.kind, H, Hd->w.group)) return -1;
+    if (!kind_ok(Hd->w.kind, H, Hd->w.group) || !fp4_ok(&Hd->w)) return -1;
     if (moetier_head_scratch_bytes(Hd, T) > scratch_bytes) return -2;
     char* cur = (char*)scratch;
     mt_act a;
@@ -716,13 +719,13 @@ int64_t moetier_gemv_scratch_bytes(int64_t M, int64_t K, int kind) {
 }
 
 /* y [M, N] bf16 = x [M, K] bf16 @ W.T */
-int64_t moetier_gemv(const uint16_t* x, int64_t M, int64_t K, int64_t N, int kind, const void* q, const uint16_t* s,
+int64_t moetier_gemv(const uint16_t* x, int64_t M, int64_t K, int64_t N, int kind, const void* q, const void* s,
                      const uint16_t* z, int64_t group, uint16_t* y, void* scratch, int nthreads) {
     const int sf = !mt_is_gg(kind) && (kind & MT_SF16), fp4 = !mt_is_gg(kind) && (kind & MT_FP4);
     if (!mt_is_gg(kind)) kind &= ~(MT_SF16 | MT_FP4);
-    if (!kind_ok(kind, K, kind == 16 ? 1 : group) || (fp4 && (kind != 4 || z != NULL))) return -1;
-    (void)N;
     mt_w w = {kind, q, s, z, kind == 16 ? 0 : group, sf, fp4};
+    if (!kind_ok(kind, K, kind == 16 ? 1 : group) || !fp4_ok(&w)) return -1;
+    (void)N;
     char* cur = (char*)scratch;
     mt_act a;
     take(&cur, mt_act_init(&a, mt_form_of(kind), K, kind == 16 ? 0 : group, cur, M));

@@ -22,10 +22,11 @@ exists):
      `Budgets(memory_bytes=limit)` (the engine fits itself: no hand-set expert budget) and the variant's settings,
      generates N tokens after a P-token prompt of random ids, and prints prefill (P / time to first token) and
      decode tok/s, the engine's disk bytes, host hit rate and memory plan. A variant (`--only moetier-VARIANT`) is
-     `PRECISION[+prefetch][+preload][+dint8|+dint4][+POLICY]`: PRECISION `bf16`, `int4` (the int4 tier of `moetier
-     quantize`, made when missing) or `dynamic` (bf16 hot / int4 cold); `+prefetch` turns on the gate predictor's
-     prefetch; `+preload` fills the expert tier at load (`--preload`, load time not counted, as llama.cpp's);
-     `+dint8` / `+dint4` quantise the dense weights (`--dense-precision`); `+POLICY` names the cache policy (default
+     `PRECISION[+prefetch][+preload][+dint8|+dint4][+wide][+POLICY]`: PRECISION `bf16`, `int4` (the int4 tier of
+     `moetier quantize`, made when missing) or `dynamic` (bf16 hot / int4 cold); `+prefetch` turns on the gate
+     predictor's prefetch; `+preload` fills the expert tier at load (`--preload`, load time not counted, as
+     llama.cpp's); `+dint8` / `+dint4` quantise the dense weights (`--dense-precision`); `+wide` runs the native
+     step's wide mode (`--residual fp32`, llama.cpp's numerics); `+POLICY` names the cache policy (default
      LRU), e.g. `moetier-int4+dint4`, `moetier-bf16+prefetch+mrs`.
 3. **Table**: medians per candidate and limit: decode and prefill tok/s, the ratio to llama.cpp bf16 at the same
    limit, GB read from disk over the whole run (load included), moetier's own expert reads per prompt or generated
@@ -71,8 +72,10 @@ def child(args: argparse.Namespace) -> None:
     base, *levers = args.variant.split("+")
     dense = next((lv.removeprefix("d") for lv in levers if lv in ("dint8", "dint4")), "full")
     preload = "preload" in levers
-    levers = [lv for lv in levers if lv not in ("dint8", "dint4", "preload")]
-    rt = RuntimeConfig(device="cpu", max_seq_len=args.max_seq_len, dense_precision=dense, preload=preload)
+    residual = "fp32" if "wide" in levers else "bf16"
+    levers = [lv for lv in levers if lv not in ("dint8", "dint4", "preload", "wide")]
+    rt = RuntimeConfig(device="cpu", max_seq_len=args.max_seq_len, dense_precision=dense, preload=preload,
+                       residual=residual)
     precision = {"bf16": PrecisionConfig(mode="full"), "int4": PrecisionConfig(mode="int4"),
                  "dynamic": PrecisionConfig(mode="dynamic", hi="full", lo="int4")}[base]  # fmt: skip
     prefetch = PrefetchConfig(enabled="prefetch" in levers)
@@ -182,7 +185,8 @@ def main() -> None:
     c = sub.add_parser("child")
     c.add_argument("--model", required=True)
     c.add_argument("--memory", type=int, required=True)
-    c.add_argument("--variant", required=True, help=f"PRECISION[+prefetch][+dint4][+POLICY]; {'/'.join(PRECISIONS)}")
+    c.add_argument("--variant", required=True,
+                   help=f"PRECISION[+prefetch][+preload][+dint8|+dint4][+wide][+POLICY]; {'/'.join(PRECISIONS)}")
     c.add_argument("--prompt-tokens", type=int, default=32)
     c.add_argument("--tokens", type=int, default=16)
     c.add_argument("--threads", type=int, default=2)

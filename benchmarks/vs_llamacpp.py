@@ -611,11 +611,13 @@ def moetier_bytes_per_token(s: Setup, experts: str, dense: str, slot_bytes: int 
     return expert + dense_b + rest
 
 
-def moetier_config(s: Setup, experts: str, dense: str, budget: int | None = None) -> moetier.EngineConfig:
+def moetier_config(s: Setup, experts: str, dense: str, budget: int | None = None,
+                   residual: str = "bf16") -> moetier.EngineConfig:  # fmt: skip
     return moetier.EngineConfig(
         budgets=moetier.Budgets(host_expert_bytes=budget),
         precision=moetier.PrecisionConfig(mode=experts, quant_dir=s.quant_dir),
-        runtime=moetier.RuntimeConfig(device="cpu", dtype="bf16", dense_precision=dense, max_seq_len=s.max_seq_len),
+        runtime=moetier.RuntimeConfig(device="cpu", dtype="bf16", dense_precision=dense, max_seq_len=s.max_seq_len,
+                                      residual=residual),
     )
 
 
@@ -673,10 +675,12 @@ class DecodeSplit:
         self.kernel_s, self.kernel_calls, self.forwards = 0.0, 0, 0
 
 
-def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: str | None = None) -> Result:
+def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: str | None = None,
+                residual: str = "bf16") -> Result:  # fmt: skip
     """One moetier candidate: the benchmark checkpoint at `experts` / `dense` precision, or (`gguf`) llama.cpp's own
     GGUF file of that type, opened with the default precision ("auto": computed as stored where the native kernels
-    can) and dense weights as the engine holds them by default."""
+    can) and dense weights as the engine holds them by default; `residual` "fp32": the native step's wide mode
+    (llama.cpp's numerics, the `-wide` rows)."""
     torch.set_num_threads(s.threads)
     if gguf is not None and gguf not in s.ggufs:
         raise RuntimeError(f"no {gguf} GGUF file (conversion failed, see setup errors)")
@@ -686,13 +690,13 @@ def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: st
     if disk:
         key = f"expert_bytes_{experts}"
         if key not in s.cached:
-            with moetier.load(model, moetier_config(s, experts, dense)) as info:
+            with moetier.load(model, moetier_config(s, experts, dense, residual=residual)) as info:
                 s.cached[key] = expert_pool_bytes(info)[1]
         if s.cached[key] is None:
             raise RuntimeError("the engine's store exposes no slot_bytes/keys: cannot size a 25% budget")
         budget = s.cached[key] // 4
         note.append(f"host budget {budget / 2**20:.0f} MiB")
-    with moetier.load(model, moetier_config(s, experts, dense, budget)) as engine:
+    with moetier.load(model, moetier_config(s, experts, dense, budget, residual)) as engine:
         slot, _ = expert_pool_bytes(engine)
         head = getattr(getattr(engine, "decoder", None), "lm_head", None)
         head_bytes = head.nbytes if isinstance(head, QDense) else None  # a quantised head: its real bytes
@@ -770,8 +774,11 @@ def candidates(disk: bool) -> dict[str, Callable[[Setup], Result]]:
     for e in ("full", "int8", "int4"):
         for d in ("full", "int8", "int4"):
             out[f"moetier-e{e}-d{d}"] = partial(moetier_row, experts=e, dense=d)
+    for e in ("full", "int8", "int4"):  # the wide step (--residual fp32) of the rows matched to llama.cpp's files
+        out[f"moetier-e{e}-d{e}-wide"] = partial(moetier_row, experts=e, dense=e, residual="fp32")
     for t in GGUF_TYPES[1:]:
         out[f"moetier-gguf-{t}"] = partial(moetier_row, experts="auto", dense="full", gguf=t)
+        out[f"moetier-gguf-{t}-wide"] = partial(moetier_row, experts="auto", dense="full", gguf=t, residual="fp32")
     if disk:
         out["llamacpp-bf16-cold-mmap"] = partial(llamacpp_row, gtype="bf16", cold=True)
         out["moetier-efull-dfull-disk25"] = partial(moetier_row, experts="full", dense="full", disk=True)
@@ -982,7 +989,7 @@ def parse_depths(text: str) -> list[int]:
 def anchor_of(name: str) -> str | None:
     """The llama.cpp row a candidate is compared with: the same expert precision."""
     if name.startswith("moetier-gguf-"):
-        return "llamacpp-" + name.removeprefix("moetier-gguf-")
+        return "llamacpp-" + name.removeprefix("moetier-gguf-").removesuffix("-wide")
     m = re.match(r"moetier-e(\w+?)-d", name)
     anchor = MATCH.get(m.group(1)) if m else ("llamacpp-bf16" if name.startswith("transformers") else None)
     if anchor and "disk25" in name and "efull" in name:

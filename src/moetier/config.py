@@ -311,8 +311,10 @@ class RuntimeConfig:
     preload: bool = False  # fill the host expert tier at load (as llama.cpp populates its mapping), not on first use
     # the native decode step's numerics (runtime/native_step.py, csrc/step.h mt_step.xw): "bf16" rounds the residual
     # stream, projection outputs, attention and router as transformers' bf16 model does; "fp32" keeps them in fp32
-    # and returns fp32 logits, as llama.cpp does (only what a matmul reads takes the weights' activation form)
-    residual: str = "bf16"
+    # with fp16 KV caches and returns fp32 logits, as llama.cpp does (only what a matmul reads takes the weights'
+    # activation form); "auto": fp32 for a GGUF file (llama.cpp's own format and reference) where the native step
+    # runs, bf16 otherwise
+    residual: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dense_precision not in DENSE_PRECISIONS:
@@ -325,8 +327,8 @@ class RuntimeConfig:
             raise ConfigError(f"dtype must be auto, bf16, fp32 or fp16, got {self.dtype!r}")
         if self.max_seq_len < 0:
             raise ConfigError(f"max_seq_len must not be negative, got {self.max_seq_len}")
-        if self.residual not in ("bf16", "fp32"):
-            raise ConfigError(f"residual must be bf16 or fp32, got {self.residual!r}")
+        if self.residual not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"residual must be auto, bf16 or fp32, got {self.residual!r}")
         if self.disk_io not in ("auto", "direct", "buffered"):
             raise ConfigError(f"disk_io must be auto, direct or buffered, got {self.disk_io!r}")
         if not 1 <= self.io_depth <= 64:

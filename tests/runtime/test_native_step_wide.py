@@ -122,7 +122,7 @@ def test_batched_rows_and_echo_take_the_wide_numerics() -> None:
 def test_wide_mode_refusals() -> None:
     """A bad value, a decoder without the native step, and a bf16 cache handed to the wide step are refused by
     name; an fp32 model (already wide) runs."""
-    with pytest.raises(ConfigError, match="residual must be bf16 or fp32"):
+    with pytest.raises(ConfigError, match="residual must be auto, bf16 or fp32"):
         moetier.RuntimeConfig(residual="fp16")
     with pytest.raises(ConfigError, match="--residual fp32 needs the native decode step"):
         _engine(MODEL, residual="fp32", native_step=False)

@@ -116,11 +116,12 @@ DensePrecision = Annotated[
 ]  # fmt: skip
 Residual = Annotated[
     str,
-    typer.Option("--residual", metavar="bf16|fp32", rich_help_panel="Precision",
-                 help="Numerics of the native decode step: bf16 (default) rounds the residual stream, projection "
-                      "outputs, attention and router to bf16 as transformers' bf16 model does; fp32 keeps them in "
-                      "fp32 and returns fp32 logits, as llama.cpp does (closer to the fp32 model; only what a matmul "
-                      "reads is rounded). fp32 needs the native decode step (a bf16 model on the CPU)."),
+    typer.Option("--residual", metavar="auto|bf16|fp32", rich_help_panel="Precision",
+                 help="Numerics of the native decode step: bf16 rounds the residual stream, projection outputs, "
+                      "attention and router to bf16 as transformers' bf16 model does; fp32 keeps them in fp32, the KV "
+                      "cache in fp16, and returns fp32 logits, as llama.cpp does (closer to the fp32 model at the same "
+                      "speed; only what a matmul reads is rounded), and needs the native decode step (a bf16 model on "
+                      "the CPU); auto (default): fp32 for a GGUF file where the native step runs, else bf16."),
 ]  # fmt: skip
 # SparsityConfig.scope / dense (the other sparsity flags are cli/options.py's)
 SparsityScope = Annotated[
@@ -305,7 +306,7 @@ class EngineFlags:
     native: Native = True
     kernel_cache: KernelCache = None
     dense_precision: DensePrecision = "full"
-    residual: Residual = "bf16"
+    residual: Residual = "auto"
     native_step: NativeStep = True
     step_rows: StepRows = 128
     disk_io: DiskIo = "auto"

@@ -174,7 +174,8 @@ class NativeStep:
                 "torch_moe_calls": self.torch_moe_calls, "torch_mlp_layers": self.torch_mlp_layers,
                 "native_router": self.sites[0].attn.native_router if self.sites else False,
                 "unreadable_slots": self.state.table.unreadable if self.state is not None else 0,
-                "moe": "native" if self.state is not None else "executor"}  # fmt: skip
+                "moe": "native" if self.state is not None else "executor",
+                "residual": "fp32" if self.wide else "bf16"}  # fmt: skip
 
     def run_sequence(self, ids: torch.Tensor, p0: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      all_logits: bool, hidden: bool) -> torch.Tensor:  # fmt: skip

@@ -43,7 +43,7 @@ import torch
 from moetier.config import EngineConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.formats.codecs_quant import INT4_INTS
-from moetier.formats.gguf import read_blocks
+from moetier.formats.gguf import is_gguf, read_blocks
 from moetier.formats.safetensors import read_parts
 from moetier.kernels import decode, ggml, native
 from moetier.kernels.decode import QDense
@@ -102,7 +102,7 @@ def load(path: str | os.PathLike[str], config: EngineConfig | None = None) -> En
     if needs is not None:  # the dense weights' pages the load read leave the page cache (charged to us otherwise)
         memory.drop_page_cache(memory.checkpoint_files(path))
     try:
-        engine = Engine(wire(loaded, cfg, spec, prepared))
+        engine = Engine(wire(loaded, cfg, spec, prepared, is_gguf(path)))
     except BaseException:
         loaded.store.close()
         raise
@@ -248,8 +248,8 @@ def refuse(cfg: EngineConfig, spec: ExecutorSpec, capabilities: frozenset[str], 
     refuse_missing(spec.needs, capabilities)
 
 
-def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: object) -> Wired:
-    """Steps 4-6 of `load` on a built model."""
+def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: object, gguf: bool = False) -> Wired:
+    """Steps 4-6 of `load` on a built model (`gguf`: the checkpoint is a GGUF file, which residual "auto" runs wide)."""
     store, caps = loaded.store, type(loaded.store).capabilities
     switching: Switching | None = None
     built: Built | None = None
@@ -291,7 +291,9 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
                 # the attention half native for every executor; the MoE half the native executor's routed call, or
                 # the chosen executor's own (sparse, dense) on the same routing
                 state = built.state if isinstance(built.state, NativeState) else None
-                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows, cfg.runtime.residual == "fp32")
+                # the wide step (fp32 residual, llama.cpp's numerics) when asked, and by default for a GGUF file
+                wide = cfg.runtime.residual == "fp32" or (cfg.runtime.residual == "auto" and gguf)
+                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows, wide)
             decoder = lean
         else:
             decoder = HFDecoder(loaded.model, loaded.config)

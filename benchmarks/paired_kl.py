@@ -71,6 +71,7 @@ CONFIGS = (
     Config("bf16", "bf16"),
     Config("wide-bf16", "bf16", residual="fp32"),
     Config("gguf-bf16", "bf16", precision="auto", residual="auto", gguf="bf16"),  # a GGUF file's default: wide
+    Config("wide-bf16-vs-Q8_0", "Q8_0", residual="fp32"),  # bf16 experts at Q8_0's memory limits (bigger_than_memory)
     Config("int8-dint8", "Q8_0", "int8", "int8"),
     Config("wide-int8-dint8", "Q8_0", "int8", "int8", "fp32"),
     Config("wide-int8g32-dint8", "Q8_0", "int8", "int8", "fp32", groups=(("int8", 32),), quant="quant-g32"),

@@ -256,6 +256,10 @@ def moetier_points(ggufs: dict[str, Path]) -> list[Point]:
     for thr in (0.15, 0.25):
         pts.append(Point(f"moetier-full-threshold{thr}", "moetier", "fewer experts",
                          ["--precision", "full", "--expert-threshold", str(thr)]))  # fmt: skip
+    for p, d in (("full", "full"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4")):  # llama.cpp's numerics
+        name = "moetier-full-wide" if p == "full" else f"moetier-{p}-d{d}-wide"
+        pts.append(Point(name, "moetier", "wide", ["--precision", p, "--dense-precision", d, "--residual", "fp32"],
+                         precision=p, dense=d))  # fmt: skip
     for prec in ("full", "int8", "int4"):  # diagnostic: the weights' own error without bf16 activations
         pts.append(Point(f"moetier-{prec}-fp32", "moetier", "fp32 compute", ["--precision", prec, "--dtype", "fp32"],
                          precision=prec))  # fmt: skip
@@ -489,9 +493,9 @@ def short_label(r: dict[str, Any]) -> str:
     m = re.match(r"moetier-dyn-(\w+)-(\w+)-hot([\d.]+)(?:-d(\w+))?$", name)
     if m:
         return f"{m[1]}/{m[2]} {m[3]}%" + (f" d{m[4][3:]}" if m[4] else "")
-    m = re.match(r"moetier-(\w+)-d(int\d)$", name)
+    m = re.match(r"moetier-(\w+)-d(int\d)(-wide)?$", name)
     if m:
-        return f"{m[1]} d{m[2][3:]}"
+        return f"{m[1]} d{m[2][3:]}" + (" wide" if m[3] else "")
     short = name.removeprefix("moetier-").replace("full", "bf16")
     short = re.sub(r"max(\d)experts", r"top-\1", short).replace("threshold", "thr ").replace("sparsity", "s")
     return short.replace("-", " ")
@@ -500,10 +504,12 @@ def short_label(r: dict[str, Any]) -> str:
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 7.5))
-    styles = {"llama.cpp": ("s", "tab:red"), "static": ("o", "tab:blue"), "dynamic": ("^", "tab:green"),
+    styles = {"llama.cpp": ("s", "tab:red"), "static": ("o", "tab:blue"), "wide": ("P", "tab:cyan"),
+              "dynamic": ("^", "tab:green"),
               "sparsity": ("D", "tab:purple"), "fewer experts": ("v", "tab:orange"),
               "gguf": ("x", "tab:gray"), "fp32 compute": ("o", "none")}  # fmt: skip
     labels = {"llama.cpp": "llama.cpp files", "static": "moetier static precision",
+              "wide": "moetier static, wide step (--residual fp32)",
               "dynamic": "moetier dynamic precision", "sparsity": "moetier sparsity (bf16)",
               "fewer experts": "moetier fewer experts (bf16)",
               "gguf": "moetier on the GGUF files", "fp32 compute": "moetier, fp32 compute (diagnostic)"}  # fmt: skip

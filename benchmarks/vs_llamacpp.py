@@ -59,11 +59,14 @@ The benchmark makes its anchor itself, so anyone can rerun it (everything lands 
      (bf16), int8 or int4 (`PrecisionConfig(mode=...)`, from the quantized tiers that
      `moetier quantize MODEL --precisions int8,int4` writes, run here if missing) and the
      non-expert weights at `RuntimeConfig(dense_precision="full"|"int8"|"int4")`, with
-     `RuntimeConfig(max_seq_len=...)` the deepest measurement's length;
+     `RuntimeConfig(max_seq_len=...)` the deepest measurement's length; `moetier-e<P>-d<P>-wide` (P full,
+     int8, int4): the same on the native step's wide mode (`RuntimeConfig(residual="fp32")`, llama.cpp's
+     numerics);
    - `moetier-gguf-<TYPE>` (Q8_0, Q4_0, Q4_K_M, IQ4_XS; in `--only '*'`, not the defaults): llama.cpp's own
      GGUF file of that type opened by moetier with the default configuration (precision "auto": the
-     experts, attention projections and head computed as stored on ggml's dot products where they can be),
-     compared with `llamacpp-<TYPE>`: the same file in both engines.
+     experts, attention projections and head computed as stored on ggml's dot products where they can be;
+     residual "auto": the wide step), compared with `llamacpp-<TYPE>`: the same file in both engines;
+     `moetier-gguf-<TYPE>-bf16step` runs it on the bf16 step.
    transformers and moetier run in this process: a fresh load per round (the compiled model
    excepted), one untimed generate of the P-token prompt and N new tokens, then the timed
    measurements, each after a `gc.collect()`. moetier loads experts on first use: outside
@@ -612,7 +615,7 @@ def moetier_bytes_per_token(s: Setup, experts: str, dense: str, slot_bytes: int 
 
 
 def moetier_config(s: Setup, experts: str, dense: str, budget: int | None = None,
-                   residual: str = "bf16") -> moetier.EngineConfig:  # fmt: skip
+                   residual: str = "auto") -> moetier.EngineConfig:  # fmt: skip
     return moetier.EngineConfig(
         budgets=moetier.Budgets(host_expert_bytes=budget),
         precision=moetier.PrecisionConfig(mode=experts, quant_dir=s.quant_dir),
@@ -676,11 +679,12 @@ class DecodeSplit:
 
 
 def moetier_row(s: Setup, experts: str, dense: str, disk: bool = False, gguf: str | None = None,
-                residual: str = "bf16") -> Result:  # fmt: skip
+                residual: str = "auto") -> Result:  # fmt: skip
     """One moetier candidate: the benchmark checkpoint at `experts` / `dense` precision, or (`gguf`) llama.cpp's own
     GGUF file of that type, opened with the default precision ("auto": computed as stored where the native kernels
-    can) and dense weights as the engine holds them by default; `residual` "fp32": the native step's wide mode
-    (llama.cpp's numerics, the `-wide` rows)."""
+    can) and dense weights as the engine holds them by default; `residual` as RuntimeConfig.residual: "auto" (the
+    default: the wide step for the GGUF files, the bf16 step for the checkpoint), "fp32" (the `-wide` rows), "bf16"
+    (the GGUF files' `-bf16step` rows)."""
     torch.set_num_threads(s.threads)
     if gguf is not None and gguf not in s.ggufs:
         raise RuntimeError(f"no {gguf} GGUF file (conversion failed, see setup errors)")
@@ -778,7 +782,7 @@ def candidates(disk: bool) -> dict[str, Callable[[Setup], Result]]:
         out[f"moetier-e{e}-d{e}-wide"] = partial(moetier_row, experts=e, dense=e, residual="fp32")
     for t in GGUF_TYPES[1:]:
         out[f"moetier-gguf-{t}"] = partial(moetier_row, experts="auto", dense="full", gguf=t)
-        out[f"moetier-gguf-{t}-wide"] = partial(moetier_row, experts="auto", dense="full", gguf=t, residual="fp32")
+        out[f"moetier-gguf-{t}-bf16step"] = partial(moetier_row, experts="auto", dense="full", gguf=t, residual="bf16")
     if disk:
         out["llamacpp-bf16-cold-mmap"] = partial(llamacpp_row, gtype="bf16", cold=True)
         out["moetier-efull-dfull-disk25"] = partial(moetier_row, experts="full", dense="full", disk=True)
@@ -989,7 +993,7 @@ def parse_depths(text: str) -> list[int]:
 def anchor_of(name: str) -> str | None:
     """The llama.cpp row a candidate is compared with: the same expert precision."""
     if name.startswith("moetier-gguf-"):
-        return "llamacpp-" + name.removeprefix("moetier-gguf-").removesuffix("-wide")
+        return "llamacpp-" + name.removeprefix("moetier-gguf-").removesuffix("-bf16step")
     m = re.match(r"moetier-e(\w+?)-d", name)
     anchor = MATCH.get(m.group(1)) if m else ("llamacpp-bf16" if name.startswith("transformers") else None)
     if anchor and "disk25" in name and "efull" in name:

@@ -1,5 +1,5 @@
 """Sparsity policy over plain numbers: LogHistogram quantiles, table interpolation, the dense/sparse
-tipping point, use_sparse, and plan_layer carrying the target on tasks below the tipping point."""
+tipping point, use_sparse, call_sparse, and plan_layer carrying the target on every task of a call below it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from moetier.policies.sparsity import (
     N_BINS,
     TARGETS,
     LogHistogram,
+    call_sparse,
     interpolate,
     thresholds_for,
     tipping_point,
@@ -183,12 +184,23 @@ def test_use_sparse() -> None:
 # --- plan_layer ----------------------------------------------------------------------------------
 
 
-def test_plan_marks_tasks_below_tipping() -> None:
-    counts = {0: 1, 1: 5, 2: 6, 3: 40}
-    plan = plan_layer(2, counts, {ExpertKey(2, 3)}, sparsity=0.5, tipping=6)
+def test_plan_puts_the_whole_call_on_one_path() -> None:
+    """The switch by batch size (paper 4.1): every task of a call whose mean tokens per expert is below the tipping
+    point carries the target, whatever its own count; at or above it, none does."""
+    counts = {0: 1, 1: 5, 2: 6, 3: 40}  # mean 13
+    plan = plan_layer(2, counts, {ExpertKey(2, 3)}, sparsity=0.5, tipping=14)
     assert [t.key.expert for t in plan.tasks] == [3, 0, 1, 2]  # resident first, unchanged by sparsity
-    assert {t.key.expert: t.sparsity for t in plan.tasks} == {0: 0.5, 1: 0.5, 2: 0.0, 3: 0.0}
+    assert {t.key.expert: t.sparsity for t in plan.tasks} == {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}  # 40 >= 14 too
     assert [t.tokens for t in plan.tasks] == [40, 1, 5, 6]
+    plan = plan_layer(2, counts, {ExpertKey(2, 3)}, sparsity=0.5, tipping=13)  # mean 13: dense, 1 < 13 too
+    assert [t.sparsity for t in plan.tasks] == [0.0] * 4
+
+
+def test_call_sparse() -> None:
+    assert call_sparse([1, 1, 1], 2) and not call_sparse([2, 2], 2)
+    assert call_sparse([1, 3], 3)  # mean 2
+    assert not call_sparse([], 5) and not call_sparse([0, 0], 5)  # no routed expert
+    assert not call_sparse([1], 0) and not call_sparse([1, 1], 1)  # never sparse / dense from 1 token
 
 
 @pytest.mark.parametrize(("sparsity", "tipping"), [(0.0, 100), (0.5, 0), (0.5, 1)])

@@ -188,8 +188,9 @@ def test_blocks_paths_agree(engines: Callable[..., moetier.Engine], block: int) 
 
 class HandMasked:
     """Executor of one MoE layer on the dense store: per token and routed expert, in float64,
-    a = silu(x Wg^T); y = ((|a| >= thr) * a * (x Wu^T)) Wd^T; out = sum w * y. With `tipping`, only
-    experts given fewer tokens than it in the call are masked (the others are the original expert)."""
+    a = silu(x Wg^T); y = ((|a| >= thr) * a * (x Wu^T)) Wd^T; out = sum w * y. With `tipping`, a call is masked
+    only when its mean tokens per routed expert is below it (the switch by batch size); else every expert of it is
+    the original expert."""
 
     def __init__(self, threshold: float, moe: Any = None, tipping: int | None = None) -> None:
         self.threshold, self.moe, self.tipping = threshold, moe, tipping
@@ -211,7 +212,7 @@ class HandMasked:
             xt = x[t].double()
             for e, w in zip(ids[t].tolist(), weights[t].tolist(), strict=True):
                 key = ExpertKey(moe.layer, e)
-                masked = self.tipping is None or int((ids == e).sum()) < self.tipping
+                masked = self.tipping is None or ids.numel() < self.tipping * len(set(ids.flatten().tolist()))
                 v = moe.store.acquire(key)
                 try:
                     gate, up = (v.w13.double() @ xt).chunk(2)
@@ -244,14 +245,18 @@ def test_matches_hand_masked_dense_engine(
     assert dense.generate(prompt, max_new_tokens=6, stop_at_eos=False).token_ids == want_gen
 
 
-def test_mixed_paths_in_one_call(engines: Callable[..., moetier.Engine]) -> None:
-    """A tipping point between the experts' token counts: small calls gather, big ones run dense,
-    in the same layer call."""
-    mixed = engines(0.5, 14)
-    got = mixed.logits(PROBE)
-    layers = mixed.stats()["sparsity"]["layers"]
-    assert all(ls["sparse_calls"] > 0 and ls["dense_calls"] > 0 for ls in layers.values())
-    assert all(ls["sparse_tokens"] + ls["dense_tokens"] == 2 * PROBE.shape[1] for ls in layers.values())
+@pytest.mark.parametrize("tipping", [2, 14, 1000])
+def test_one_path_per_call(engines: Callable[..., moetier.Engine], tipping: int) -> None:
+    """The switch by batch size (policies.sparsity.call_sparse): each layer call runs wholly on the gather path
+    when its mean tokens per expert is below the tipping point, else wholly dense, whatever each expert's own
+    count (the prefill of 40 tokens routes 80 pairs; tipping 14 lies among the experts' counts)."""
+    eng = engines(0.5, tipping)
+    got = eng.logits(PROBE)
+    for layer, ls in eng.stats()["sparsity"]["layers"].items():
+        assert ls["sparse_tokens"] + ls["dense_tokens"] == 2 * PROBE.shape[1]
+        assert (ls["sparse_calls"] == 0) != (ls["dense_calls"] == 0), (layer, ls)  # one path, never both
+        experts = ls["sparse_calls"] + ls["dense_calls"]
+        assert (ls["sparse_calls"] > 0) == (2 * PROBE.shape[1] < tipping * experts), (layer, ls)
     torch.testing.assert_close(got, engines(0.5, 0).logits(PROBE), **CLOSE)
 
 
@@ -301,21 +306,32 @@ def test_routed_gather_path_matches_the_planned_one(engines: Callable[..., moeti
         assert ls["sparse_calls"] == b["layers"][layer]["sparse_calls"] > 0 and ls["dense_calls"] == 0
 
 
-def test_mixed_paths_with_the_original_dense_expert(model: Path, engines: Callable[..., moetier.Engine]) -> None:
-    """Tipping point 14: experts given fewer tokens are masked (gather path), the others run unmasked; a
-    float64 reference that masks exactly those experts agrees; the achieved sparsity counts the unmasked
-    calls as fully active, and `achieved_masked` (the masked calls alone) stays near the target."""
-    mixed = engines(0.5, 14, dense="original")
-    got = mixed.logits(PROBE)
-    s = mixed.stats()["sparsity"]
+def _prefill_then_decode(engine: moetier.Engine, n: int) -> torch.Tensor:
+    """Logits [T, V] of PROBE: its first n tokens as one prefill call, the rest one decode step each."""
+    engine.decoder.reset()
+    with torch.inference_mode():
+        out = [engine.step(PROBE[:, :n], all_logits=True)]
+        out += [engine.step(PROBE[:, t : t + 1])[-1:] for t in range(n, PROBE.shape[1])]
+    return torch.cat(out).float()
+
+
+def test_both_paths_with_the_original_dense_expert(model: Path, engines: Callable[..., moetier.Engine]) -> None:
+    """Tipping point 2: the prefill's calls (mean tokens per expert above 2) run the original, unmasked experts,
+    every decode step's (one token each) the gather path; a float64 reference that masks exactly those calls
+    agrees; the achieved sparsity counts the unmasked calls as fully active, and `achieved_masked` (the masked
+    calls alone) stays near the target."""
+    both = engines(0.5, 2, dense="original")
+    got = _prefill_then_decode(both, 30)
+    s = both.stats()["sparsity"]
     assert all(ls["sparse_calls"] > 0 and ls["dense_calls"] > 0 for ls in s["layers"].values())
+    assert all(ls["sparse_tokens"] == 2 * 10 for ls in s["layers"].values())  # the 10 decode steps' pairs
     thresholds = {layer: ls["threshold"] for layer, ls in s["layers"].items()}
     with moetier.load(model, EngineConfig(runtime=CPU)) as ref:
         for b in ref.loaded.blocks:
             assert b.pipeline is not None
-            b.attach(Pipeline(ResidentFirst(b.store), HandMasked(thresholds[b.layer], b, tipping=14),
+            b.attach(Pipeline(ResidentFirst(b.store), HandMasked(thresholds[b.layer], b, tipping=2),
                               b.pipeline.observers))  # fmt: skip
-        want = ref.logits(PROBE)
+        want = _prefill_then_decode(ref, 30)
     torch.testing.assert_close(got, want, **CLOSE)
     assert 0 < s["achieved"] < s["achieved_masked"]
     assert abs(s["achieved_masked"] - 0.5) < 0.1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from moetier.policies.sparsity import use_sparse
+from moetier.policies.sparsity import call_sparse
 from moetier.types import Domain, ExpertKey, ExpertTask, Plan
 
 
@@ -23,16 +23,11 @@ def plan_layer(
     tipping: int = 0,
 ) -> Plan:
     """token_counts: expert id -> number of tokens routed to it in this call (> 0). With a
-    sparsity target, tasks of fewer tokens than `tipping` carry it (they run the gather path)."""
+    sparsity target, every task carries it when the call's mean tokens per expert is below `tipping`
+    (`call_sparse`: the whole call on the gather path, or none of it)."""
     keys = [ExpertKey(layer, e) for e in sorted(token_counts)]
     hits = [k for k in keys if k in resident]
     misses = [k for k in keys if k not in resident]
-    tasks = tuple(
-        ExpertTask(
-            key=k,
-            tokens=token_counts[k.expert],
-            sparsity=sparsity if sparsity > 0 and use_sparse(token_counts[k.expert], tipping) else 0.0,
-        )
-        for k in hits + misses
-    )
+    target = sparsity if sparsity > 0 and call_sparse(token_counts.values(), tipping) else 0.0
+    tasks = tuple(ExpertTask(key=k, tokens=token_counts[k.expert], sparsity=target) for k in hits + misses)
     return Plan(tasks, dict.fromkeys((t.key for t in tasks), domain))

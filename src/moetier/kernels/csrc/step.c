@@ -110,8 +110,79 @@ static int64_t moe_core_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
 /* y[p][lo:hi] += rw[p] * sum_i h[p][i] * Wd[i, lo:hi] for cnt pairs, Wd bf16 down rows [I, H] (the sparse layout):
  * every neuron's row slice read once for all pairs, in ascending neuron order; sums in fp32 per pair, the whole
  * expert's sum scaled by rw[p] once at the end (as mt_mm scales a dot product) */
+#if MT_ISA == 3
+#define DR_MAXI 8192 /* intermediate sizes the paired path packs on the stack (larger: the generic loop) */
+/* The same with AVX512-BF16 (h holds bf16 values: mt_round_bf16): neurons i, i + 1 interleaved per column into bf16
+ * pairs (unpacklo / unpackhi of the two rows), each pair's (h_i, h_i+1) broadcast, vdpbf16ps: every weight read
+ * once per 4 pairs, no conversion, the 4 pairs' sums of 32 columns in registers over all neurons. */
+static void down_rows_bf16(const uint16_t* wd, int64_t H, int64_t I, int64_t lo, int64_t hi, float* const* h,
+                           int64_t cnt, float* const* y, const float* rw) {
+    uint32_t hp[4][DR_MAXI / 2]; /* each pair's (h_i, h_i+1) bf16 bits, packed */
+    /* acc[0] lanes hold columns 0-3, 8-11, 16-19, 24-27 of the chunk; acc[1] 4-7, 12-15, 20-23, 28-31 */
+    const __m512i ix0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i ix1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t p0 = 0; p0 < cnt; p0 += 4) {
+        const int np = cnt - p0 < 4 ? (int)(cnt - p0) : 4;
+        for (int q = 0; q < np; q++) {
+            const float* hq = h[p0 + q];
+            for (int64_t i = 0; i < I / 2; i++) {
+                uint32_t a, b;
+                memcpy(&a, hq + 2 * i, 4);
+                memcpy(&b, hq + 2 * i + 1, 4);
+                hp[q][i] = (a >> 16) | (b & 0xffff0000u);
+            }
+        }
+        for (int64_t c = lo; c < hi; c += 64) { /* 64 columns a pass: two 32-column halves per row pair */
+            const int64_t m = hi - c < 64 ? hi - c : 64;
+            const int64_t ma = m < 32 ? m : 32, mb = m - ma;
+            const __mmask32 ka = ma == 32 ? 0xffffffffu : (__mmask32)((1ull << ma) - 1);
+            const __mmask32 kb = mb == 32 ? 0xffffffffu : (__mmask32)((1ull << mb) - 1);
+            __m512 acc[4][4];
+            for (int q = 0; q < 4; q++) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < I; i += 2) {
+                const uint16_t* w0 = wd + i * H + c;
+                const uint16_t* w1 = w0 + H;
+                const __m512i a0 = _mm512_maskz_loadu_epi16(ka, w0), a1 = _mm512_maskz_loadu_epi16(ka, w1);
+                const __m512i b0 = _mm512_maskz_loadu_epi16(kb, w0 + 32), b1 = _mm512_maskz_loadu_epi16(kb, w1 + 32);
+                const __m512bh al = (__m512bh)_mm512_unpacklo_epi16(a0, a1), ah = (__m512bh)_mm512_unpackhi_epi16(a0, a1);
+                const __m512bh bl = (__m512bh)_mm512_unpacklo_epi16(b0, b1), bh = (__m512bh)_mm512_unpackhi_epi16(b0, b1);
+                for (int q = 0; q < np; q++) {
+                    const __m512bh hv = (__m512bh)_mm512_set1_epi32((int)hp[q][i / 2]);
+                    acc[q][0] = _mm512_dpbf16_ps(acc[q][0], al, hv);
+                    acc[q][1] = _mm512_dpbf16_ps(acc[q][1], ah, hv);
+                    acc[q][2] = _mm512_dpbf16_ps(acc[q][2], bl, hv);
+                    acc[q][3] = _mm512_dpbf16_ps(acc[q][3], bh, hv);
+                }
+            }
+            for (int q = 0; q < np; q++) {
+                float* o = y[p0 + q] + c;
+                const __m512 s = _mm512_set1_ps(rw[p0 + q]);
+                for (int half = 0; half < 2; half++) {
+                    const int64_t mh = half ? mb : ma; /* columns of this half */
+                    if (mh <= 0) break;
+                    const __m512 x0 = acc[q][2 * half], x1 = acc[q][2 * half + 1];
+                    const __mmask16 m0 = mh >= 16 ? 0xffff : (__mmask16)((1u << mh) - 1);
+                    const __mmask16 m1 = mh >= 32 ? 0xffff : (mh > 16 ? (__mmask16)((1u << (mh - 16)) - 1) : 0);
+                    float* oh = o + 32 * half;
+                    const __m512 c0 = _mm512_permutex2var_ps(x0, ix0, x1); /* columns 0-15 of the half */
+                    const __m512 c1 = _mm512_permutex2var_ps(x0, ix1, x1); /* columns 16-31 */
+                    _mm512_mask_storeu_ps(oh, m0, _mm512_fmadd_ps(s, c0, _mm512_maskz_loadu_ps(m0, oh)));
+                    if (m1) _mm512_mask_storeu_ps(oh + 16, m1, _mm512_fmadd_ps(s, c1, _mm512_maskz_loadu_ps(m1, oh + 16)));
+                }
+            }
+        }
+    }
+}
+#endif
+
 static void down_rows(const uint16_t* wd, int64_t H, int64_t I, int64_t lo, int64_t hi, float* const* h, int64_t cnt,
                       float* const* y, const float* rw) {
+#if MT_ISA == 3
+    if (I % 2 == 0 && I <= DR_MAXI) {
+        down_rows_bf16(wd, H, I, lo, hi, h, cnt, y, rw);
+        return;
+    }
+#endif
     const int64_t n = hi - lo;
     float acc[4][512];
     for (int64_t c0 = 0; c0 < n; c0 += 512) {

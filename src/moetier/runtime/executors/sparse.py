@@ -2,9 +2,10 @@
 
 `SparseExecutor` runs steps 3-5 of one TieredMoE block: it groups the call's tokens by expert,
 takes the plan of the resident-first scheduler with the sparsity target and tipping point
-(policies.plan), runs every task below the tipping point through one native gather call per
+(policies.plan: the whole call on one path, sparse when its mean tokens per expert is below the tipping point,
+the paper's switch by batch size), runs a sparse call's tasks through one native gather call per
 chunk of experts the compute tier can pin at once (kernels/sparse.py; torch ops where the kernel is
-missing) and the others through the dense path: by default the layer's original, unmasked expert
+missing) and a dense call's through the dense path: by default the layer's original, unmasked expert
 function (the paper's switch to "the original dense expert execution", 4.1), or with
 SparsityConfig.dense "masked" the dense matmuls with the same mask. A call whose tasks all take the
 original dense path is the dense executor's computation (base.execute_per_expert), bit for bit.
@@ -48,7 +49,7 @@ from moetier.kernels.sparse import (
 )
 from moetier.models.families import Family
 from moetier.policies.costmodel import HardwareProfile, load_profile
-from moetier.policies.sparsity import roofline_profile, routed_target, tipping_point, total_sparsity, use_sparse
+from moetier.policies.sparsity import call_sparse, roofline_profile, routed_target, tipping_point, total_sparsity
 from moetier.runtime.calibrate import model_identity
 from moetier.runtime.executors.base import STATIC_PRECISION, Grouped, ResidentFirst, execute_per_expert, group_by_expert
 from moetier.runtime.executors.native import NativeExecutor, NativeState, is_silu
@@ -221,25 +222,24 @@ class SparseExecutor:
         return Grouped({e: len(g[0]) for e, g in groups.items()}, _Call(groups, ids, weights))
 
     def execute_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        """The call on its routing as is (Pipeline.routed), without a Plan: when every expert of the call is below
-        the tipping point (a decode step, small batches), one gather call per chunk of experts the store can pin
-        (`acquire_many` pins the resident first), experts in ascending id; when every one is at or above it, the
-        native MoE half (`native`). None (the block groups, plans and runs `execute`) for a mixed call, the masked
-        dense path, or without the native kernels. The same tasks and counters as the planned path."""
+        """The call on its routing as is (Pipeline.routed), without a Plan: when the call's mean tokens per expert
+        is below the tipping point (`call_sparse`: a decode step, small batches), one gather call per chunk of
+        experts the store can pin (`acquire_many` pins the resident first), experts in ascending id; else the
+        native MoE half (`native`). None (the block groups, plans and runs `execute`) for the masked dense path,
+        quantized rows (their dense side is the planned path's), or without the native kernels. The same tasks and
+        counters as the planned path."""
         if self.masked or self.kernel is None or self.tipping is None or x.shape[0] == 0:
             return None
         groups = group_tokens(ids, weights)
-        tip = self.tipping
-        below = [e for e, g in groups.items() if use_sparse(len(g[0]), tip)]
-        if len(below) == len(groups):  # every expert on the gather path
-            tasks = [ExpertTask(ExpertKey(self.layer, e), len(groups[e][0]), self.sparsity) for e in sorted(below)]
+        if call_sparse((len(g[0]) for g in groups.values()), self.tipping):  # the whole call on the gather path
+            tasks = [ExpertTask(ExpertKey(self.layer, e), len(groups[e][0]), self.sparsity) for e in sorted(groups)]
             xc = x.contiguous()
             out = torch.zeros_like(xc)
             self.counts.shared += x.shape[0] * self.shared
             self._sparse(self.store, xc, out, tasks, groups, self.threshold, accumulate=False, dense=False)
             return out
-        if below or self.native is None or isinstance(self.kernel, NativeSparseQuant):
-            return None  # mixed paths, or no native dense path: the planned path
+        if self.native is None or isinstance(self.kernel, NativeSparseQuant):
+            return None  # no native dense path: the planned path (its dense side)
         y = self.native.execute_routed(x, ids, weights)
         if y is not None:
             self.counts.shared += x.shape[0] * self.shared

@@ -22,8 +22,8 @@ exists):
      `Budgets(memory_bytes=limit)` (the engine fits itself: no hand-set expert budget) and the variant's settings,
      generates N tokens after a P-token prompt of random ids, and prints prefill (P / time to first token) and
      decode tok/s, the engine's disk bytes, host hit rate and memory plan. A variant (`--only moetier-VARIANT`) is
-     `PRECISION[+prefetch][+preload][+dint8|+dint4][+wide][+POLICY]`: PRECISION `bf16`, `int4` (the int4 tier of
-     `moetier quantize`, made when missing) or `dynamic` (bf16 hot / int4 cold); `+prefetch` turns on the gate
+     `PRECISION[+prefetch][+preload][+dint8|+dint4][+wide][+POLICY]`: PRECISION `bf16`, `int8` or `int4` (the tier
+     of `moetier quantize`, made when missing) or `dynamic` (bf16 hot / int4 cold); `+prefetch` turns on the gate
      predictor's prefetch; `+preload` fills the expert tier at load (`--preload`, load time not counted, as
      llama.cpp's); `+dint8` / `+dint4` quantise the dense weights (`--dense-precision`); `+wide` runs the native
      step's wide mode (`--residual fp32`, llama.cpp's numerics); `+POLICY` names the cache policy (default
@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(REPO / "benchmarks"))
 
 CGROUP = Path("/sys/fs/cgroup/memory")
-PRECISIONS = ("bf16", "int4", "dynamic")
+PRECISIONS = ("bf16", "int8", "int4", "dynamic")
 
 
 # ---------------------------------------------------------------- the child: one moetier run
@@ -76,7 +76,8 @@ def child(args: argparse.Namespace) -> None:
     levers = [lv for lv in levers if lv not in ("dint8", "dint4", "preload", "wide")]
     rt = RuntimeConfig(device="cpu", max_seq_len=args.max_seq_len, dense_precision=dense, preload=preload,
                        residual=residual)
-    precision = {"bf16": PrecisionConfig(mode="full"), "int4": PrecisionConfig(mode="int4"),
+    precision = {"bf16": PrecisionConfig(mode="full"), "int8": PrecisionConfig(mode="int8"),
+                 "int4": PrecisionConfig(mode="int4"),
                  "dynamic": PrecisionConfig(mode="dynamic", hi="full", lo="int4")}[base]  # fmt: skip
     prefetch = PrefetchConfig(enabled="prefetch" in levers)
     policies = [lv for lv in levers if lv != "prefetch"]
@@ -172,11 +173,11 @@ def run_one(name: str, limit: int, a: argparse.Namespace, model: Path, ggufs: di
     return out
 
 
-def ensure_int4(model: Path) -> None:
-    """The int4 tier `moetier quantize` writes, made when missing."""
+def ensure_tier(model: Path, precision: str) -> None:
+    """The int8 or int4 tier `moetier quantize` writes, made when missing."""
     from vs_llamacpp import ensure_tiers
 
-    ensure_tiers(model, ["int4"], None, "search")
+    ensure_tiers(model, [precision], None, "search")
 
 
 def main() -> None:
@@ -222,7 +223,9 @@ def main() -> None:
     lc = get_llamacpp(cache, "0.3.36", a.skip_build)
     ggufs, _ = make_ggufs(cache, lc, model, [t for t in [*a.gguf_types.split(","), *types] if t])
     if any(n.startswith(("moetier-int4", "moetier-dynamic")) for n in names):
-        ensure_int4(model)
+        ensure_tier(model, "int4")
+    if any(n.startswith("moetier-int8") for n in names):
+        ensure_tier(model, "int8")
     model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     limits = {float(sh): int(float(sh) * model_bytes) + a.overhead for sh in a.shares.split(",")}
     machine = cpu_isa()

@@ -196,6 +196,13 @@ def llama_logprobs(cache: Path, gguf: Path, text: Path, ctx: int, chunks: int, t
     dump = gguf.with_suffix(".kld")
     run([str(lc.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
          "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(dump)])  # fmt: skip
+    return read_logits_dump(dump)
+
+
+def read_logits_dump(dump: Path) -> dict[str, Any]:
+    """A llama-perplexity `--kl-divergence-base` file: {"tokens": [chunks, n_ctx] int32, "data": [chunks, rows, nv]
+    uint16 (per row: float32 scale and minimum log-probability, then the 16-bit codes), "first": the first scored
+    position of each chunk (n_ctx / 2), "n_vocab"}."""
     raw = dump.read_bytes()
     if raw[:8] != b"_logits_":
         raise RuntimeError(f"{dump}: not a llama-perplexity logits file")

@@ -33,7 +33,6 @@ import argparse
 import fnmatch
 import json
 import math
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moetier
+from benchmarks.gguf_vs_llamacpp import read_logits_dump
 from benchmarks.vs_llamacpp import LLAMACPP_VERSION, cpu_isa, get_llamacpp, log, run
 from moetier.runtime.quality import RefLogprobs, compare
 
@@ -106,19 +106,12 @@ def llama_kl(cache: Path, lc: Any, t: str, text: Path, window: int, chunks: int,
     if not dump.exists():
         run([str(lc.tool("llama-perplexity")), "-m", str(gguf_path(cache, t)), "-f", str(text), "-c", str(window),
              "-b", str(window), "--chunks", str(chunks), "-t", str(threads), "--kl-divergence-base", str(dump)])
-    raw = dump.read_bytes()
-    if raw[:8] != b"_logits_":
-        raise RuntimeError(f"{dump}: not a llama-perplexity logits file")
-    n_ctx, n_vocab, n_chunk = struct.unpack_from("<iii", raw, 8)
-    at = 20
-    tokens = np.frombuffer(raw, dtype="<i4", count=n_chunk * n_ctx, offset=at).reshape(n_chunk, n_ctx)
-    at += 4 * n_chunk * n_ctx
+    got = read_logits_dump(dump)
+    tokens, data, first, n_vocab = got["tokens"], got["data"], got["first"], got["n_vocab"]
+    n_chunk, n_ctx = tokens.shape
+    rows = data.shape[1]
     if tokens.reshape(-1).tolist() != ids[: n_chunk * n_ctx]:
         raise RuntimeError(f"llama.cpp tokenized {t}'s text differently from moetier: positions cannot pair")
-    nv = 2 * ((n_vocab + 1) // 2) + 4
-    first = n_ctx // 2
-    rows = n_ctx - 1 - first
-    data = np.frombuffer(raw, dtype="<u2", count=n_chunk * rows * nv, offset=at).reshape(n_chunk, rows, nv)
     where = {s: off for s, _, off in positions(rec)}
     out: dict[int, tuple[float, bool]] = {}
     for c in range(n_chunk):

@@ -108,6 +108,9 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # Qwen3-Next-80B-A3B's layout: MoE on every layer (llama.cpp's converter maps no dense one), linear attention on
     # three layers of four; its MTP layer (mtp.*, which the converter requires) is added by _add_qwen3next_mtp
     "qwen3_next": {"mlp_only_layers": [], "num_hidden_layers": 4, "layer_types": None},
+    # Sarvam-MoE / Ling 2.0 (llama.cpp's bailingmoe2): one expert group (the converter writes no group count, so
+    # llama.cpp would not limit the top-k to groups); its config.json in the published form: `_sarvam_published`
+    "sarvam_moe": {"n_group": 1, "topk_group": 1},
 }
 # run llama.cpp's converter with every model class's own vocabulary code replaced by the plain GPT-2 BPE one
 CONVERT = """
@@ -150,6 +153,25 @@ def _add_qwen3next_mtp(src: Path, cfg: Any) -> None:
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
 
 
+def _sarvam_published(src: Path) -> Path:
+    """A copy of a tiny sarvam_moe checkpoint with its config.json in the form the published Sarvam-MoE checkpoints
+    hold (remote code: a model type transformers does not know, so llama.cpp's converter reads the file's own keys
+    rather than AutoConfig's renamed ones), as SarvamMoEModel over BailingMoeV2Model reads it: the architecture name
+    and the Bailing keys of the expert counts and the router's scoring. The weights already carry the Bailing names.
+    -> the copy's folder."""
+    out = src.parent / "published"
+    out.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg |= {"architectures": ["SarvamMoEForCausalLM"], "model_type": "sarvam_moe_remote",
+            "num_experts": cfg["n_routed_experts"], "num_shared_experts": cfg["n_shared_experts"],
+            "score_function": "sigmoid"}  # fmt: skip  # transformers' sarvam_moe routes as DeepSeek-V3: sigmoid
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str, Path]:
     """F32 and `types` GGUFs of a tiny random `model_type` checkpoint, by llama.cpp's own converter and quantiser."""
     from transformers import AutoModelForCausalLM
@@ -170,9 +192,10 @@ def make_arch_ggufs(cache: Path, model_type: str, types: list[str]) -> dict[str,
             _add_qwen3next_mtp(src, cfg)
         for name in TOKENIZER_FILES:
             shutil.copy2(TOKENIZER_SRC / name, src / name)
-    patch_pretokenizer(lc.tree, src)
+    conv = _sarvam_published(src) if model_type == "sarvam_moe" else src  # what llama.cpp's converter reads
+    patch_pretokenizer(lc.tree, conv)
     files = {"F32": out / "F32.gguf", **{t: out / f"{t}.gguf" for t in types}}
-    return convert_and_quantize(lc, ["-c", CONVERT, str(lc.tree)], src, files)
+    return convert_and_quantize(lc, ["-c", CONVERT, str(lc.tree)], conv, files)
 
 
 def vs_transformers(gguf: Path, src: Path) -> float:

@@ -80,6 +80,10 @@ CONFIGS = (
     Config("wide-int4-dint8", "Q4_K_M", "int4", "int8", "fp32"),
     Config("gguf-Q4_K_M", "Q4_K_M", precision="auto", residual="auto", gguf="Q4_K_M"),
     Config("wide-int4-dint4", "Q2_K", "int4", "int4", "fp32"),
+    Config("gguf-Q6_K", "Q6_K", precision="auto", residual="auto", gguf="Q6_K"),  # the rest of the files, same-file
+    Config("gguf-Q4_0", "Q4_0", precision="auto", residual="auto", gguf="Q4_0"),
+    Config("gguf-Q3_K_M", "Q3_K_M", precision="auto", residual="auto", gguf="Q3_K_M"),
+    Config("gguf-Q2_K", "Q2_K", precision="auto", residual="auto", gguf="Q2_K"),
 )
 
 

@@ -47,6 +47,7 @@ from moetier.formats.codecs import CODECS
 from moetier.formats.diskio import EOF, DiskIO, Span, pread_exact
 from moetier.formats.layout import ExpertLayout, ExpertSource
 from moetier.formats.location import read_bytes
+from moetier.store import hostmem
 from moetier.types import ExpertKey
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -579,7 +580,7 @@ def read_tensor(loc: TensorLocation) -> torch.Tensor:
     dtype = STORED_DTYPES.get(loc.dtype)
     if dtype is None:
         raise CheckpointError(f"{loc.file}: tensor {loc.name!r} has dtype {loc.dtype}, which moetier cannot read")
-    out = torch.empty(loc.nbytes, dtype=torch.uint8)  # [nbytes]
+    out = hostmem.empty((loc.nbytes,), torch.uint8)  # [nbytes]; a large one on transparent huge pages
     fd = os.open(loc.file, os.O_RDONLY)
     try:
         pread_exact(fd, [byte_view(out)], loc.offset, f"{loc.file}: unexpected end of file reading tensor {loc.name!r}")

@@ -31,6 +31,7 @@ from moetier.formats.checkpoint import CheckpointIndex
 from moetier.formats.location import TensorLocation
 from moetier.formats.safetensors import read_tensor
 from moetier.models.families import Family
+from moetier.store import hostmem
 
 
 @contextlib.contextmanager
@@ -140,8 +141,8 @@ def load_non_experts(
                     f"{file}: tensor {ckpt!r} is stored as {tensor.dtype}, but the model expects "
                     f"{'a floating-point' if current.is_floating_point() else 'an integer'} tensor"
                 )
-            if tensor.is_floating_point():
-                tensor = tensor.to(torch.float32 if any(k in name for k in keep_fp32) else dtype)
+            if tensor.is_floating_point():  # converted into a buffer on huge pages where large (store/hostmem.py)
+                tensor = hostmem.to(tensor, torch.float32 if any(k in name for k in keep_fp32) else dtype)
             assign(model, name, tensor)
             consumed.add(ckpt)
     if tied:

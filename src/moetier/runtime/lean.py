@@ -22,6 +22,7 @@ as transformers' RMSNorm); `run` never writes past a cache's max_len (ConfigErro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from moetier.errors import ConfigError
 from moetier.kernels import decode, ggml
 from moetier.kernels.decode import QDense
 from moetier.runtime.loader import LoadedModel
+from moetier.store import hostmem
 
 
 @dataclass
@@ -172,14 +174,14 @@ class LeanDecoder:
     def _dense(self, w: torch.Tensor, bits: int | None = None) -> torch.Tensor | QDense:
         """A projection's weight as the decoder reads it: quantised to `bits` (default dense_bits) when set."""
         bits = self.dense_bits if bits is None else bits
-        return decode.quantize_dense(w.detach(), bits) if bits else w
+        return _huge(decode.quantize_dense(w.detach(), bits)) if bits else w
 
     def _head(self, w: torch.Tensor) -> torch.Tensor | QDense:
         if self.dense_bits == 4:
             q6 = ggml.quantize("Q6_K", w.detach())
             got = decode.stored_dense("Q6_K", q6, w.shape[1]) if q6 is not None else None
             if got is not None:
-                return got
+                return _huge(got)
         return self._dense(w, 8 if self.dense_bits else 0)
 
     def _stored_or(self, params: tuple[torch.Tensor, ...]) -> QDense | None:
@@ -331,10 +333,19 @@ class LeanDecoder:
         return decode.dense_linear(self.norm(x, self.final_norm), self.lm_head, None, self.native)
 
 
+def _huge(w: QDense) -> QDense:
+    """A quantised dense weight with its quants and scales moved onto huge pages (store/hostmem.py; decode streams
+    them every token): the copies replace the originals, which are freed."""
+    return dataclasses.replace(w, q=hostmem.rehome(w.q), scale=hostmem.rehome(w.scale))
+
+
 def fuse_projections(projs: tuple[Any, ...], attr: str) -> torch.Tensor:
     """Concatenate the projections' weights (or biases) and re-point the modules at views of the
     fused tensor, so the fused copy does not double the attention weights' memory."""
-    fused = torch.cat([getattr(p, attr) for p in projs], 0).contiguous()
+    parts = [getattr(p, attr) for p in projs]
+    # on transparent huge pages where it is a host buffer worth them (store/hostmem.py: decode streams it)
+    fused = hostmem.empty((sum(t.shape[0] for t in parts), *parts[0].shape[1:]), parts[0].dtype, parts[0].device)
+    torch.cat(parts, 0, out=fused)
     start = 0
     for p in projs:
         n = getattr(p, attr).shape[0]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch
 
 from moetier.formats.layout import ExpertLayout
+from moetier.store import hostmem
 
 if TYPE_CHECKING:
     from moetier.kernels.qformat import QExpertViews
@@ -45,7 +46,10 @@ class SlotPool:
             raise ValueError(f"a pool needs at least one slot, got {n_slots}")
         self.layout, self.n_slots, self.dtype, self.device = layout, n_slots, dtype, device
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self.buf = torch.empty((n_slots, layout.numel), dtype=dtype, device=device, pin_memory=pin)  # [S, numel]
+        shape = (n_slots, layout.numel)
+        # [S, numel]; host pools on transparent huge pages (store/hostmem.py: decode streams them)
+        self.buf = torch.empty(shape, dtype=dtype, device=device, pin_memory=True) if pin else hostmem.empty(
+            shape, dtype, device)
         self.slot_bytes = layout.slot_bytes(self.buf.element_size())
         self.nbytes = n_slots * self.slot_bytes
         self.views = [self._views(s) for s in range(n_slots)]
@@ -89,7 +93,9 @@ class RowPool(Generic[V]):
         self.fmt, self.n_slots, self.device = fmt, n_slots, device
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.slot_bytes = fmt.slot_bytes
-        self.buf = torch.empty((n_slots, self.slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+        shape = (n_slots, self.slot_bytes)
+        self.buf = torch.empty(shape, dtype=torch.uint8, device=device, pin_memory=True) if pin else hostmem.empty(
+            shape, torch.uint8, device)
         self.nbytes = n_slots * self.slot_bytes
         self.views: list[V] = [fmt.views(self.buf[s]) for s in range(n_slots)]
 

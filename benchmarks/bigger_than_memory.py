@@ -27,7 +27,9 @@ exists):
      predictor's prefetch; `+preload` fills the expert tier at load (`--preload`, load time not counted, as
      llama.cpp's); `+dint8` / `+dint4` quantise the dense weights (`--dense-precision`); `+wide` runs the native
      step's wide mode (`--residual fp32`, llama.cpp's numerics); `+POLICY` names the cache policy (default
-     LRU), e.g. `moetier-int4+dint4`, `moetier-bf16+prefetch+mrs`.
+     LRU), e.g. `moetier-int4+dint4`, `moetier-bf16+prefetch+mrs`. PRECISION `gguf-TYPE` runs moetier on llama.cpp's
+     own file of that type (precision and residual auto: computed as stored, on the wide step), e.g.
+     `moetier-gguf-Q8_0+preload`.
 3. **Table**: medians per candidate and limit: decode and prefill tok/s, the ratio to llama.cpp bf16 at the same
    limit, GB read from disk over the whole run (load included), moetier's own expert reads per prompt or generated
    token, host hit rate, cgroup peak (page cache included: reclaim holds it at the limit), moetier's own resident
@@ -70,13 +72,15 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     base, *levers = args.variant.split("+")
+    gguf = base.startswith("gguf-")  # llama.cpp's own file (--model is its path): experts computed as stored
     dense = next((lv.removeprefix("d") for lv in levers if lv in ("dint8", "dint4")), "full")
     preload = "preload" in levers
-    residual = "fp32" if "wide" in levers else "bf16"
+    residual = "fp32" if "wide" in levers else ("auto" if gguf else "bf16")
     levers = [lv for lv in levers if lv not in ("dint8", "dint4", "preload", "wide")]
     rt = RuntimeConfig(device="cpu", max_seq_len=args.max_seq_len, dense_precision=dense, preload=preload,
                        residual=residual)
-    precision = {"bf16": PrecisionConfig(mode="full"), "int8": PrecisionConfig(mode="int8"),
+    precision = PrecisionConfig(mode="auto") if gguf else {
+                 "bf16": PrecisionConfig(mode="full"), "int8": PrecisionConfig(mode="int8"),
                  "int4": PrecisionConfig(mode="int4"),
                  "dynamic": PrecisionConfig(mode="dynamic", hi="full", lo="int4")}[base]  # fmt: skip
     prefetch = PrefetchConfig(enabled="prefetch" in levers)
@@ -160,7 +164,8 @@ def run_one(name: str, limit: int, a: argparse.Namespace, model: Path, ggufs: di
         out: dict[str, Any] = {"prefill": pre["avg_ts"], "decode": dec["avg_ts"]}
     else:
         variant = name.removeprefix("moetier-")
-        cmd = [sys.executable, __file__, "child", "--model", str(model), "--memory", str(limit), "--variant", variant,
+        src = ggufs[variant.split("+")[0].removeprefix("gguf-")] if variant.startswith("gguf-") else model
+        cmd = [sys.executable, __file__, "child", "--model", str(src), "--memory", str(limit), "--variant", variant,
                "--prompt-tokens", str(a.prompt_tokens), "--tokens", str(a.tokens), "--threads", str(a.threads),
                "--max-seq-len", str(a.max_seq_len)]  # fmt: skip
         proc, cg = in_cgroup(cmd, limit, env)
@@ -219,7 +224,8 @@ def main() -> None:
     # 0. model, GGUF files, tiers
     model = qwen3_bench_model(cache, layers=a.layers)
     names = [n.strip() for n in a.only.split(",") if n.strip()]
-    types = sorted({n.removeprefix("llamacpp-") for n in names if n.startswith("llamacpp-")})
+    types = sorted({n.removeprefix("llamacpp-") for n in names if n.startswith("llamacpp-")}
+                   | {n.removeprefix("moetier-gguf-").split("+")[0] for n in names if n.startswith("moetier-gguf-")})
     lc = get_llamacpp(cache, "0.3.36", a.skip_build)
     ggufs, _ = make_ggufs(cache, lc, model, [t for t in [*a.gguf_types.split(","), *types] if t])
     if any(n.startswith(("moetier-int4", "moetier-dynamic")) for n in names):

@@ -7,7 +7,8 @@ limit, from the two benchmarks that measure each side.
   from its per-point results under `.bench/quality_frontier/points/`.
 A candidate is placed when both sides measured it: llama.cpp's files (bf16, Q8_0, Q4_K_M, Q2_K...) by their type,
 moetier's configurations by the matching quality point (`bf16` -> moetier bf16 experts, `int4` -> int4 experts, with
-bf16 dense weights unless the candidate names `+dint8` / `+dint4`; `+wide`: the wide step's point). Candidates
+bf16 dense weights unless the candidate names `+dint8` / `+dint4`; `+wide`: the wide step's point; `gguf-TYPE`:
+moetier on that file). Candidates
 without a quality point of their own (prefetch, cache-policy variants: the same output as their precision) take their
 precision's KL. Prints the table it plots.
 
@@ -31,6 +32,9 @@ def kl_of(name: str, points: Path, tokens: int, window: int) -> float | None:
         stem = name
     else:
         base, *levers = name.removeprefix("moetier-").split("+")
+        if base.startswith("gguf-"):  # moetier on llama.cpp's own file: that point of the quality side
+            f = points / f"moetier-{base}-{tokens}-w{window}.json"
+            return float(json.loads(f.read_text())["kl_mean"]) if f.exists() else None
         if base not in QUALITY:
             return None
         dense = [lv for lv in levers if lv in ("dint8", "dint4")]  # quantised dense weights: their own quality point

@@ -10,9 +10,12 @@
   capped at 4096), whether or not the sequence reaches it; serving sets it (Budgets.kv_bytes: its KV budget);
 - scratch: a bound on the native step's buffers for RuntimeConfig.step_rows rows (residual, routing, logits,
   the kernels' scratch, measured at 3.6 MB for the bundled model and 26 MB for the 32000-token benchmark
-  model, where this bound gives 7 and 37 MB);
+  model, where this bound gives 7 and 37 MB); the wide step (RuntimeConfig.residual fp32, and auto for a GGUF
+  file) holds its logits in fp32 beside the kernels' fp32 rows: 10 bytes a vocabulary entry and row, not 6;
 - cache: dynamic precision's host DRAM cache (--host-cache-mem);
-- margin: 64 MiB plus a step's logits in fp32 four times over (sampling, log-softmax and their copies).
+- margin: 64 MiB plus a step's logits in fp32 four times over (sampling, log-softmax and their copies), plus 32
+  MiB and 1/64 of the dense bytes for huge pages (store/hostmem.py: whole 2 MiB pages committed where a buffer's
+  page is touched; measured 26 MB more resident on a 2.5 GiB process, the 40-layer benchmark model's Q8_0 file).
 runtime/wire.py calls it and hands the needs to the store's build (runtime/memory.py fit).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 
 from moetier.config import EngineConfig
+from moetier.formats.gguf import is_gguf
 from moetier.policies.memory import MemoryNeeds
 from moetier.runtime.lean import kv_token_bytes
 from moetier.runtime.loader import Skeleton
@@ -28,6 +32,7 @@ from moetier.runtime.memory import process_rss
 from moetier.types import Precision
 
 MARGIN = 64 * 1024**2
+HUGE_SLACK = 32 * 1024**2  # huge pages' rounding (store/hostmem.py), with 1/64 of the dense bytes: see above
 QUANT_COPY = 0.6  # quantised dense copies beside the bf16 weights, as a share of their bytes (bounds Q8_0's 0.53)
 
 
@@ -50,9 +55,11 @@ def memory_needs(sk: Skeleton, cfg: EngineConfig) -> MemoryNeeds:
     experts = max(info.num_experts, 1)
     heads = int(getattr(model_cfg, "num_attention_heads", 1) or 1)
     threads = max(os.cpu_count() or 1, 1)
-    scratch = rows * (6 * vocab + 64 * hidden + 8 * experts * layers) + threads * heads * max_len * 8
-    # 4. transient tensors: logits of a step, in fp32, four times over
-    margin = MARGIN + 16 * rows * vocab
+    wide = cfg.runtime.residual == "fp32" or (cfg.runtime.residual == "auto" and is_gguf(sk.path))
+    per_vocab = 10 if wide else 6  # bytes a row: bf16 logits + the kernels' fp32 rows; wide: fp32 logits + rows
+    scratch = rows * (per_vocab * vocab + 64 * hidden + 8 * experts * layers) + threads * heads * max_len * 8
+    # 4. transient tensors: logits of a step, in fp32, four times over; huge-page rounding of the buffers
+    margin = MARGIN + 16 * rows * vocab + HUGE_SLACK + dense // 64
     return MemoryNeeds(process_rss(), dense, kv, scratch, cfg.budgets.host_cache_bytes, margin)
 
 

@@ -13,9 +13,10 @@
   model, where this bound gives 7 and 37 MB); the wide step (RuntimeConfig.residual fp32, and auto for a GGUF
   file) holds its logits in fp32 beside the kernels' fp32 rows: 10 bytes a vocabulary entry and row, not 6;
 - cache: dynamic precision's host DRAM cache (--host-cache-mem);
-- margin: 64 MiB plus a step's logits in fp32 four times over (sampling, log-softmax and their copies), plus 32
-  MiB and 1/64 of the dense bytes for huge pages (store/hostmem.py: whole 2 MiB pages committed where a buffer's
-  page is touched; measured 26 MB more resident on a 2.5 GiB process, the 40-layer benchmark model's Q8_0 file).
+- margin: 64 MiB plus a step's logits in fp32 four times over (sampling, log-softmax and their copies), plus 8
+  MiB and 1/32 of the dense bytes for huge pages (store/hostmem.py: whole 2 MiB pages committed where a buffer's
+  page is touched; measured about 26 MB more resident on a 2.5 GiB process, the 40-layer benchmark model's Q8_0
+  file, whose dense bytes are 528 MiB).
 runtime/wire.py calls it and hands the needs to the store's build (runtime/memory.py fit).
 """
 
@@ -32,7 +33,7 @@ from moetier.runtime.memory import process_rss
 from moetier.types import Precision
 
 MARGIN = 64 * 1024**2
-HUGE_SLACK = 32 * 1024**2  # huge pages' rounding (store/hostmem.py), with 1/64 of the dense bytes: see above
+HUGE_SLACK = 8 * 1024**2  # huge pages' rounding of the pools (store/hostmem.py); the dense buffers': 1/32 of them
 QUANT_COPY = 0.6  # quantised dense copies beside the bf16 weights, as a share of their bytes (bounds Q8_0's 0.53)
 
 
@@ -59,7 +60,7 @@ def memory_needs(sk: Skeleton, cfg: EngineConfig) -> MemoryNeeds:
     per_vocab = 10 if wide else 6  # bytes a row: bf16 logits + the kernels' fp32 rows; wide: fp32 logits + rows
     scratch = rows * (per_vocab * vocab + 64 * hidden + 8 * experts * layers) + threads * heads * max_len * 8
     # 4. transient tensors: logits of a step, in fp32, four times over; huge-page rounding of the buffers
-    margin = MARGIN + 16 * rows * vocab + HUGE_SLACK + dense // 64
+    margin = MARGIN + 16 * rows * vocab + HUGE_SLACK + dense // 32
     return MemoryNeeds(process_rss(), dense, kv, scratch, cfg.budgets.host_cache_bytes, margin)
 
 

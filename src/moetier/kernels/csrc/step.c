@@ -53,17 +53,16 @@ static inline int fp4_ok(const mt_w* w) { return !w->fp4 || (w->kind == 4 && w->
 
 static inline float round_bf(float v) { return bf2f(f2bf(v)); }
 
-/* y [H] bf16 = rmsnorm(x) * w, fp32 math, rounded once */
-static void rms_row(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y, float* tmp) {
-    for (int64_t j = 0; j < H; j++) tmp[j] = bf2f(x[j]);
-    const float r = 1.0f / sqrtf(mt_sumsq(tmp, H) / (float)H + eps);
-    for (int64_t j = 0; j < H; j++) y[j] = f2bf(tmp[j] * r * bf2f(w[j]));
-}
-
 /* y [H] bf16 = rmsnorm(x) * w of an fp32 row (the wide residual stream), fp32 math, rounded once */
 static void rms_rowf(const float* x, const uint16_t* w, int64_t H, float eps, uint16_t* y) {
     const float r = 1.0f / sqrtf(mt_sumsq(x, H) / (float)H + eps);
     for (int64_t j = 0; j < H; j++) y[j] = f2bf(x[j] * r * bf2f(w[j]));
+}
+
+/* the same of a bf16 row, through tmp [H] fp32 */
+static void rms_row(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* y, float* tmp) {
+    for (int64_t j = 0; j < H; j++) tmp[j] = bf2f(x[j]);
+    rms_rowf(tmp, w, H, eps, y);
 }
 
 /* the same on fp32 values in place, rounded to bf16 values (wide: kept in fp32) */
@@ -767,16 +766,16 @@ int64_t moetier_head(const mt_head* Hd, const uint16_t* x, const float* xw, int6
         span(V, 4, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
         if (hi > lo) {
             mt_mm(&Hd->w, H, lo, hi, &a, ident, T, yr, NULL);
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t j = lo; j < hi; j++) {
-                    if (logits_w) { /* fp32 logits, written by mt_mm in place */
-                        bad += !isfinite(logits_w[t * V + j]);
-                        continue;
+            if (logits_w) /* fp32 logits, written by mt_mm in place */
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t j = lo; j < hi; j++) bad += !isfinite(logits_w[t * V + j]);
+            else
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t j = lo; j < hi; j++) {
+                        const uint16_t b = f2bf(y[t * V + j]);
+                        logits[t * V + j] = b;
+                        bad += (b & 0x7f80) == 0x7f80; /* exponent all ones: Inf or NaN */
                     }
-                    const uint16_t b = f2bf(y[t * V + j]);
-                    logits[t * V + j] = b;
-                    bad += (b & 0x7f80) == 0x7f80; /* exponent all ones: Inf or NaN */
-                }
         }
     }
     return bad;

@@ -316,6 +316,10 @@ class RuntimeConfig:
     # runs, bf16 otherwise
     residual: str = "auto"
 
+    def wide(self, gguf: bool) -> bool:
+        """Whether the native step runs wide (`residual`: fp32, or auto for a GGUF file, `gguf`)."""
+        return self.residual == "fp32" or (self.residual == "auto" and gguf)
+
     def __post_init__(self) -> None:
         if self.dense_precision not in DENSE_PRECISIONS:
             raise ConfigError(

@@ -56,8 +56,8 @@ def memory_needs(sk: Skeleton, cfg: EngineConfig) -> MemoryNeeds:
     experts = max(info.num_experts, 1)
     heads = int(getattr(model_cfg, "num_attention_heads", 1) or 1)
     threads = max(os.cpu_count() or 1, 1)
-    wide = cfg.runtime.residual == "fp32" or (cfg.runtime.residual == "auto" and is_gguf(sk.path))
-    per_vocab = 10 if wide else 6  # bytes a row: bf16 logits + the kernels' fp32 rows; wide: fp32 logits + rows
+    # bytes a vocabulary entry and row: bf16 logits + the kernels' fp32 rows; wide: fp32 logits + rows
+    per_vocab = 10 if cfg.runtime.wide(is_gguf(sk.path)) else 6
     scratch = rows * (per_vocab * vocab + 64 * hidden + 8 * experts * layers) + threads * heads * max_len * 8
     # 4. transient tensors: logits of a step, in fp32, four times over; huge-page rounding of the buffers
     margin = MARGIN + 16 * rows * vocab + HUGE_SLACK + dense // 32

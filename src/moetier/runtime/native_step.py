@@ -117,7 +117,6 @@ class NativeStep:
         self.step = Step(lib, rows, info.hidden_size, len(lean.layers), info.top_k, info.num_experts,
                          [s.attn for s in self.sites], [s.moe for s in self.sites if s.moe is not None], self.head_,
                          lean.max_len, nthreads, wide)  # fmt: skip
-        self.wide = wide
         self.kv_dtype = torch.float16 if wide else torch.bfloat16  # what the attention half reads and writes
         if lean.kv_dtype != self.kv_dtype:
             lean.set_kv_dtype(self.kv_dtype)
@@ -166,6 +165,11 @@ class NativeStep:
         else:
             self.torch_mlp_layers += 1
         return _Site(attn, moe, None, None, L.mlp, None)
+
+    @property
+    def wide(self) -> bool:
+        """Whether the step runs wide (its Step's fp32 residual stream)."""
+        return self.step.wide
 
     # ------------------------------------------------------------------ calls
 

@@ -292,8 +292,7 @@ def wire(loaded: LoadedModel, cfg: EngineConfig, spec: ExecutorSpec, prepared: o
                 # the chosen executor's own (sparse, dense) on the same routing
                 state = built.state if isinstance(built.state, NativeState) else None
                 # the wide step (fp32 residual, llama.cpp's numerics) when asked, and by default for a GGUF file
-                wide = cfg.runtime.residual == "fp32" or (cfg.runtime.residual == "auto" and gguf)
-                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows, wide)
+                lean.fused = NativeStep(lean, loaded, lib, state, cfg.runtime.step_rows, cfg.runtime.wide(gguf))
             decoder = lean
         else:
             decoder = HFDecoder(loaded.model, loaded.config)

@@ -122,8 +122,8 @@ def tipping_point(profile: Mapping[int, tuple[float, float]], margin: float = 0.
     return 0 if tip == counts[0] else tip
 
 
-def use_sparse(tokens: int, tipping: int) -> bool:
-    """The gather path for an expert call of `tokens` tokens below the tipping point."""
+def use_sparse(tokens: float, tipping: int) -> bool:
+    """The gather path for an expert call of `tokens` tokens (a call's mean, `call_sparse`) below the tipping point."""
     return 0 < tokens < tipping
 
 
@@ -133,7 +133,7 @@ def call_sparse(token_counts: Iterable[int], tipping: int) -> bool:
     benchmark model at 64 tokens a call split by each expert's own count took 9.9 ms, against 8.1-8.3 ms for all of
     it on either path (docs/sparsity.md)."""
     counts = [c for c in token_counts if c > 0]
-    return bool(counts) and tipping > 0 and sum(counts) < tipping * len(counts)
+    return bool(counts) and use_sparse(sum(counts) / len(counts), tipping)
 
 
 def routed_target(target: float, scope: str, routed: int, shared: int, max_routed: float = TARGETS[-1]) -> float:

@@ -40,15 +40,16 @@ def _madvise(addr: int, length: int) -> bool:
     return int(_libc.madvise(addr, length, MADV_HUGEPAGE)) == 0
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+          pin: bool = False) -> torch.Tensor:  # fmt: skip
     """torch.empty(shape, dtype) on the CPU, its 2 MiB-aligned pages advised huge before first touch (see the module
-    docstring); plain torch.empty for small buffers and other devices. The result is a contiguous view that keeps
-    its backing buffer alive."""
+    docstring); plain torch.empty for small buffers, other devices and pinned memory (`pin`: page-locked for CUDA
+    copies, where a CUDA build of torch has it). The result is a contiguous view that keeps its backing buffer
+    alive."""
     dev = torch.device(device)
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    if dev.type != "cpu" or nbytes < MIN_BYTES:
-        return torch.empty(shape, dtype=dtype, device=dev)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if pin or dev.type != "cpu" or nbytes < MIN_BYTES:
+        return torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin)
     base = torch.empty(nbytes + HUGE, dtype=torch.uint8)
     off = -base.data_ptr() % HUGE
     out = base[off : off + nbytes].view(dtype).view(shape)
@@ -68,24 +69,25 @@ def advise_huge(t: torch.Tensor) -> bool:
     return _madvise(start, end - start) if end > start else False
 
 
+def _copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """CPU tensor t copied (converted to `dtype`) into an `empty` buffer."""
+    out = empty(tuple(t.shape), dtype)
+    out.copy_(t)
+    return out
+
+
 def rehome(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor `t` in an `empty` buffer (t itself where it is small or not on the CPU)."""
     if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES:
         return t
-    out = empty(tuple(t.shape), t.dtype)
-    out.copy_(t)
-    return out
+    return _copy(t, t.dtype)
 
 
 def to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype)` on the CPU, a converted copy landing in an `empty` buffer (t itself when it has that dtype)."""
     if t.dtype == dtype:
         return t
-    if t.device.type != "cpu":
-        return t.to(dtype)
-    out = empty(tuple(t.shape), dtype)
-    out.copy_(t)
-    return out
+    return _copy(t, dtype) if t.device.type == "cpu" else t.to(dtype)
 
 
 def anon_huge_bytes() -> int | None:

@@ -46,10 +46,8 @@ class SlotPool:
             raise ValueError(f"a pool needs at least one slot, got {n_slots}")
         self.layout, self.n_slots, self.dtype, self.device = layout, n_slots, dtype, device
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        shape = (n_slots, layout.numel)
         # [S, numel]; host pools on transparent huge pages (store/hostmem.py: decode streams them)
-        self.buf = torch.empty(shape, dtype=dtype, device=device, pin_memory=True) if pin else hostmem.empty(
-            shape, dtype, device)
+        self.buf = hostmem.empty((n_slots, layout.numel), dtype, device, pin)
         self.slot_bytes = layout.slot_bytes(self.buf.element_size())
         self.nbytes = n_slots * self.slot_bytes
         self.views = [self._views(s) for s in range(n_slots)]
@@ -93,9 +91,7 @@ class RowPool(Generic[V]):
         self.fmt, self.n_slots, self.device = fmt, n_slots, device
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.slot_bytes = fmt.slot_bytes
-        shape = (n_slots, self.slot_bytes)
-        self.buf = torch.empty(shape, dtype=torch.uint8, device=device, pin_memory=True) if pin else hostmem.empty(
-            shape, torch.uint8, device)
+        self.buf = hostmem.empty((n_slots, self.slot_bytes), torch.uint8, device, pin)
         self.nbytes = n_slots * self.slot_bytes
         self.views: list[V] = [fmt.views(self.buf[s]) for s in range(n_slots)]
 

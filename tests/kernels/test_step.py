@@ -225,6 +225,22 @@ def _bf16_slot(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, SlotV
     return row, views
 
 
+def _bf16_experts(h: int, inter: int, e: int, g: torch.Generator) -> tuple[
+        list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, SlotViews]], torch.Tensor]:  # fmt: skip
+    """e random bf16 experts (w13 [2I, H], w2 [H, I], N(0, 0.2)), their slots and descriptor table [E, DESC]."""
+    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
+                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
+    slots = [_bf16_slot(*w) for w in experts]
+    return experts, slots, torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)
+
+
+def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """float64 SwiGLU expert of rows x; the down rows read the activation rounded to bf16, as the kernels do."""
+    gu = x @ w13.double().T
+    n = w13.shape[0] // 2
+    return r(torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]) @ w2.double().T
+
+
 def _moe_step(lib: ctypes.CDLL, moe: MoeLayer, h: int, e: int, ids: torch.Tensor, g: torch.Generator) -> tuple[
         Step, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A Step for the MoE half of T rows routed by ids [T, k]: (step, residual x0, input h, weights), random."""
@@ -246,18 +262,9 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
     and a dense MLP layer (E = 0), each added to the residual."""
     h, inter, e, k, ish = 64, 32, 6, 2, 48
     g = torch.Generator().manual_seed(3)
-    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16), (torch.randn(h, inter, generator=g) * 0.2)
-                .to(BF16)) for _ in range(e)]  # fmt: skip
-    slots = [_bf16_slot(*w) for w in experts]
+    experts, slots, table = _bf16_experts(h, inter, e, g)
     sh13, sh2 = (torch.randn(2 * ish, h, generator=g) * 0.2).to(BF16), (torch.randn(h, ish, generator=g) * 0.2).to(BF16)
     gate = (torch.randn(h, generator=g) * 0.3).to(BF16)
-
-    def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        gu = x @ w13.double().T
-        n = w13.shape[0] // 2
-        a = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
-        return r(a) @ w2.double().T  # the down rows read the activation rounded to bf16
-
     for shared in (False, True):
         moe = MoeLayer(h, inter, e, k, (sh13, sh2, gate) if shared else None)
         ids = torch.tensor([[1, 4], [4, 1], [0, 5], [2, 4]], dtype=torch.int32)
@@ -266,7 +273,6 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
             row = desc_row(slots[ex][1])
             assert row is not None
             moe.desc[ex] = None
-        table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)  # [E, DESC]
         for ex in set(ids.reshape(-1).tolist()):
             moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
         step.moe(moe)
@@ -274,10 +280,10 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
         for t in range(4):
             for j in range(k):
                 ex = int(ids[t, j])
-                y[t] += float(wts[t, j]) * swiglu(hin[t : t + 1].double(), *experts[ex])[0]
+                y[t] += float(wts[t, j]) * _swiglu(hin[t : t + 1].double(), *experts[ex])[0]
             if shared:
                 gt = float(r(torch.sigmoid(r(hin[t].double() @ gate.double()))))
-                y[t] += gt * swiglu(hin[t : t + 1].double(), sh13, sh2)[0]
+                y[t] += gt * _swiglu(hin[t : t + 1].double(), sh13, sh2)[0]
         want = r(x0.double() + r(y))
         assert float((step.x[:4].double() - want).abs().max()) <= 2e-2 * float(want.abs().max()), shared
     dense = MoeLayer(h, 0, 0, 0, (sh13, sh2, None))  # a dense MLP layer
@@ -288,7 +294,7 @@ def test_moe_half_matches_float64(lib: ctypes.CDLL) -> None:
     step.x[:2].copy_(x0)
     step.h[:2].copy_(hin)
     step.moe(dense)
-    want = r(x0.double() + r(swiglu(hin.double(), sh13, sh2)))
+    want = r(x0.double() + r(_swiglu(hin.double(), sh13, sh2)))
     assert float((step.x[:2].double() - want).abs().max()) <= 2e-2 * float(want.abs().max())
 
 
@@ -297,9 +303,7 @@ def test_wide_moe_half_and_head_match_float64(lib: ctypes.CDLL) -> None:
     unrounded too), and its head reads that residual and returns fp32 logits, NaN counted."""
     h, inter, e, k, ish, v = 64, 32, 6, 2, 48, 96
     g = torch.Generator().manual_seed(13)
-    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16), (torch.randn(h, inter, generator=g) * 0.2)
-                .to(BF16)) for _ in range(e)]  # fmt: skip
-    slots = [_bf16_slot(*w) for w in experts]
+    experts, _slots, table = _bf16_experts(h, inter, e, g)  # _slots: the memory the table points at
     sh13, sh2 = (torch.randn(2 * ish, h, generator=g) * 0.2).to(BF16), (torch.randn(h, ish, generator=g) * 0.2).to(BF16)
     gate = (torch.randn(h, generator=g) * 0.3).to(BF16)
     moe = MoeLayer(h, inter, e, k, (sh13, sh2, gate))
@@ -316,21 +320,15 @@ def test_wide_moe_half_and_head_match_float64(lib: ctypes.CDLL) -> None:
     step.h[:4].copy_(hin)
     step.ids[0, :4].copy_(ids)
     step.wts[0, :4].copy_(wts)
-    table = torch.tensor([desc_row(sl[1]) for sl in slots], dtype=torch.int64)  # [E, DESC]
     for ex in set(ids.reshape(-1).tolist()):
         moe.desc[ex] = table.data_ptr() + 8 * DESC * ex
     step.moe(moe)
 
-    def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        gu = x @ w13.double().T
-        n = w13.shape[0] // 2
-        return r(torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]) @ w2.double().T  # down rows read bf16
-
     y = torch.zeros(4, h, dtype=torch.float64)
     for t in range(4):
         for j in range(k):
-            y[t] += float(wts[t, j]) * swiglu(hin[t : t + 1].double(), *experts[int(ids[t, j])])[0]
-        y[t] += float(torch.sigmoid(hin[t].double() @ gate.double())) * swiglu(hin[t : t + 1].double(), sh13, sh2)[0]
+            y[t] += float(wts[t, j]) * _swiglu(hin[t : t + 1].double(), *experts[int(ids[t, j])])[0]
+        y[t] += float(torch.sigmoid(hin[t].double() @ gate.double())) * _swiglu(hin[t : t + 1].double(), sh13, sh2)[0]
     want = x0.double() + y  # no rounding: x0 holds values bf16 cannot
     assert float((step.xw[:4].double() - want).abs().max()) <= 1e-4 * float(want.abs().max())
     logits, bad = step.head(head, 4)
@@ -475,10 +473,7 @@ def _run(lib: ctypes.CDLL, h: int, inter: int, e: int, ids: torch.Tensor, wts: t
 def test_skipped_pairs_equal_the_reduced_routing_bit_for_bit(lib: ctypes.CDLL) -> None:
     h, inter, e = 64, 32, 6
     g = torch.Generator().manual_seed(7)
-    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
-                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
-    slots = [_bf16_slot(*w) for w in experts]
-    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)  # [E, DESC]
+    experts, _slots, table = _bf16_experts(h, inter, e, g)  # _slots: the memory the table points at
     x0, hin = torch.randn(4, h, generator=g).to(BF16), torch.randn(4, h, generator=g).to(BF16)
     # top-2 routing with one pair per row skipped (its weight garbage: it must not be read)
     ids = torch.tensor([[1, -1], [-1, 4], [0, -1], [5, -1]], dtype=torch.int32)
@@ -503,10 +498,7 @@ def test_skipped_pairs_equal_the_reduced_routing_bit_for_bit(lib: ctypes.CDLL) -
 def test_a_row_with_every_pair_skipped_adds_nothing(lib: ctypes.CDLL) -> None:
     h, inter, e = 64, 32, 4
     g = torch.Generator().manual_seed(8)
-    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
-                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
-    slots = [_bf16_slot(*w) for w in experts]
-    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)
+    _, _slots, table = _bf16_experts(h, inter, e, g)  # _slots: the memory the table points at
     x0, hin = torch.randn(2, h, generator=g).to(BF16), torch.randn(2, h, generator=g).to(BF16)
     ids = torch.tensor([[-1, -1], [2, 3]], dtype=torch.int32)
     got = _run(lib, h, inter, e, ids, torch.rand(2, 2, generator=g), x0, hin, table)
@@ -516,10 +508,7 @@ def test_a_row_with_every_pair_skipped_adds_nothing(lib: ctypes.CDLL) -> None:
 def test_other_negative_ids_are_refused(lib: ctypes.CDLL) -> None:
     h, inter, e = 64, 32, 4
     g = torch.Generator().manual_seed(9)
-    experts = [((torch.randn(2 * inter, h, generator=g) * 0.2).to(BF16),
-                (torch.randn(h, inter, generator=g) * 0.2).to(BF16)) for _ in range(e)]  # fmt: skip
-    slots = [_bf16_slot(*w) for w in experts]
-    table = torch.tensor([desc_row(s[1]) for s in slots], dtype=torch.int64)
+    _, _slots, table = _bf16_experts(h, inter, e, g)  # _slots: the memory the table points at
     x0, hin = torch.randn(1, h, generator=g).to(BF16), torch.randn(1, h, generator=g).to(BF16)
     with pytest.raises(Exception, match="MoE half"):
         _run(lib, h, inter, e, torch.tensor([[-2, 1]], dtype=torch.int32), torch.rand(1, 2), x0, hin, table)

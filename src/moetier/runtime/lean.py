@@ -67,6 +67,11 @@ class FusedStep(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     @property
+    def wide(self) -> bool:
+        """Whether its residual stream, and the rows `run_sequence(hidden=True)` returns, are fp32 (the wide step)."""
+        ...
+
+    @property
     def checked(self) -> torch.Tensor | None:
         """The last logits it returned when it found every one of them finite (the caller need not scan them)."""
         ...
@@ -328,7 +333,7 @@ class LeanDecoder:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: x [T, H] -> logits [T, V] (rows of the native step's residual stream, fp32 when
         it is wide, through its own head)."""
-        if self.fused is not None and x.dtype == torch.float32 and self.embed.dtype != torch.float32:
+        if self.fused is not None and self.fused.wide:
             return self.fused.head(x)
         return decode.dense_linear(self.norm(x, self.final_norm), self.lm_head, None, self.native)
 

@@ -1,20 +1,24 @@
-"""Our quantized expert tiers against ggml's block formats at equal bytes (issue 28, item 3): quality and quantize
-time, on the bundled model (or any checkpoint with per-expert tensors).
+"""Our quantized expert tiers against ggml's block formats at equal bytes (issue 28, item 3): quality, quantize
+time, dynamic precision's pairs and decode speed.
 
-Candidates (routed experts only; attention, router, embeddings and head stay as the checkpoint has them):
-- ours: `moetier quantize` tiers int8 (per row), int4 and int2 at several group sizes, HQQ fit (the default) and
-  round-to-nearest (`--methods hqq,rtn`), written under `--quant-dir` (kept; timed when written);
-- ggml: every expert matrix quantized by ggml's own quantiser (`kernels/ggml.py quantize`, llama-quantize's code
-  path without an importance matrix) to Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, Q3_K, Q2_K, then decoded by gguf-py's numpy
-  reference (bit-identical to ggml's) into an fp32 twin checkpoint. A matrix whose rows are not whole 256-value
-  super-blocks takes llama-quantize's fallback type for that K-quant (Q6_K -> Q8_0, Q5_K -> Q5_1, Q4_K -> Q5_0,
-  Q3_K / Q2_K -> IQ4_NL), as a GGUF file of the model would hold it; the table says where.
-Every candidate runs in fp32 (the format's values, not a kernel's arithmetic), every expert resident, and is scored
-against the checkpoint in fp32 (runtime/quality.py `reference_config`) over `--tokens` held-out tokens in windows of
-`--window`: KL mean with its standard error, top-1 agreement, perplexity. Bytes: stored bits per expert weight
-(scales, zeros, super-block metadata included) and an expert's bytes against bf16.
+Candidates (routed experts only; attention, router, embeddings and head stay as the checkpoint has them), every one a
+`moetier quantize` tier the engine loads with `--precision NAME`:
+- ours: int8 (per row), int4 and int2 at several group sizes, fitted by `--methods` (search / hqq / rtn);
+- ggml's block types: q6_k, q5_k, q4_k, iq4_xs, q3_k, q2_k, quantised by ggml's own quantiser (llama-quantize's
+  code path, no importance matrix). A matrix whose rows are not whole 256-value super-blocks takes llama-quantize's
+  fallback type (Q6_K -> Q8_0, Q5_K -> Q5_1, Q4_K -> Q5_0, IQ4_XS / Q3_K / Q2_K -> IQ4_NL), as a GGUF file of the
+  model would; the table lists the types.
+1. Quality, fp32 (`--dtype fp32`: the formats' values, not a kernel's arithmetic) and bf16 (the engine as it runs:
+   our native kernels, ggml's dot products), every expert resident, scored against the checkpoint in fp32
+   (runtime/quality.py `reference_config`) over `--tokens` held-out tokens in windows of `--window`: KL mean with its
+   standard error, top-1 agreement, perplexity; stored bits per expert weight (the tier's bytes over the experts'
+   weights: scales, zeros and super-block metadata included); the tier writer's wall time.
+2. Dynamic precision (bf16, synchronous switches, a 512-token warmup) at equal expert budgets: (int4, int2) against
+   (q4_k, q2_k) and (iq4_xs, q2_k), at 1.25x and 1.5x the all-resident budget of the larger low tier.
+3. `--speed`: decode tok/s on the Qwen3-MoE-shaped benchmark model (benchmarks/_models.py; H = 1024, I = 256, so
+   every matrix is whole K-quant super-blocks), every expert resident, `--repeats` interleaved rounds, medians.
 
-    python benchmarks/ggml_tiers.py [--model models/tiny-shakespeare-moe] [--tokens 8192] [--window 256]
+    python benchmarks/ggml_tiers.py [--model models/tiny-shakespeare-moe] [--tokens 8192] [--window 256] [--speed]
 """
 
 from __future__ import annotations
@@ -23,30 +27,32 @@ import argparse
 import json
 import math
 import os
-import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import moetier
-from moetier import EngineConfig, PrecisionConfig, RuntimeConfig
+from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig
+from moetier.formats.quant_ggml import block_type
 from moetier.formats.quantize import quantize_model
 from moetier.kernels import ggml, native
 from moetier.runtime.quality import collect, compare, reference_config
+from moetier.store.store import ExpertStore
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "data" / "shakespeare_heldout.txt"
-GGML_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K")
-FALLBACK = {"Q6_K": "Q8_0", "Q5_K": "Q5_1", "Q4_K": "Q5_0", "Q3_K": "IQ4_NL", "Q2_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
+GGML = ("q6_k", "q5_k", "q4_k", "iq4_xs", "q3_k", "q2_k")
 OURS = (("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("int2", 32), ("int2", 64), ("int2", 128))
+BF16_ROWS = (("int8", None), ("int4", None), ("int2", None), *((p, None) for p in GGML))
+PAIRS = (("int4", "int2"), ("q4_k", "q2_k"), ("iq4_xs", "q2_k"))
+SPEED = ("full", "int8", "q6_k", "q4_k", "int4", "iq4_xs", "q3_k", "q2_k", "int2")
+WARMUP = 512
 _EXPERT = (".gate_proj.weight", ".up_proj.weight", ".down_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 
 
@@ -54,48 +60,18 @@ def is_expert(name: str) -> bool:
     return ".experts." in name and name.endswith(_EXPERT)
 
 
-def ggml_twin(model: Path, out: Path, qtype: str) -> dict[str, Any]:
-    """An fp32 twin of `model` whose expert matrices hold what `qtype` (or its fallback) decodes to."""
-    sd = load_file(model / "model.safetensors")
-    twin, bits, weights, used, t0 = {}, 0, 0, set(), time.perf_counter()
-    secs = 0.0
-    for name, w in sd.items():
-        if not is_expert(name):
-            twin[name] = w
-            continue
-        k = w.shape[1]
-        t = qtype if k % ggml.block_of(qtype) == 0 else FALLBACK.get(qtype, qtype)
-        if k % ggml.block_of(t):
-            raise SystemExit(f"{name}: rows of {k} fit neither {qtype} nor its fallback {t}")
-        used.add(t)
-        s0 = time.perf_counter()
-        q = ggml.quantize(t, w.float())
-        secs += time.perf_counter() - s0
-        if q is None:
-            raise SystemExit(f"ggml cannot quantise {t} here ({ggml.load_error()})")
-        bits += q.numel() * 8
-        weights += w.numel()
-        deq = dequantize(q.numpy(), GGMLQuantizationType[t])  # [N, K] fp32, numpy reference
-        twin[name] = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32).reshape(w.shape))
-    out.mkdir(parents=True, exist_ok=True)
-    for f in model.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy2(f, out / f.name)
-    save_file(twin, out / "model.safetensors", metadata={"format": "pt"})
-    return {"bits_per_weight": bits / weights, "types": sorted(used), "quantize_s": round(secs, 2),
-            "total_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-
-
 def our_tier(model: Path, quant: Path, precision: str, group: int | None, method: str) -> dict[str, Any]:
-    """Write (or reuse) our tier; its stored bits per expert weight from the tier's files."""
+    """Write (or reuse) a tier; its stored bits per expert weight from the tier's files, and the writer's wall time
+    (None when the tier was already there: give a fresh --work to time every tier)."""
     t0 = time.perf_counter()
     groups = {precision: group} if group else None
-    (path,) = quantize_model(model, [precision], out=quant, group_sizes=groups, method=method)
-    secs = time.perf_counter() - t0
+    events: list[Any] = []
+    (path,) = quantize_model(model, [precision], out=quant, group_sizes=groups, method=method, progress=events.append)
+    secs = None if all(e.status == "skipped" for e in events) else round(time.perf_counter() - t0, 2)
     data = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     sd = load_file(model / "model.safetensors")
     weights = sum(w.numel() for n, w in sd.items() if is_expert(n))
-    return {"bits_per_weight": 8 * data / weights, "path": str(path), "quantize_s": round(secs, 2)}
+    return {"bits_per_weight": 8 * data / weights, "path": str(path), "quantize_s": secs}
 
 
 def score(model: Path, cfg: EngineConfig, ids: list[int], window: int, ref: Any, name: str) -> dict[str, Any]:
@@ -105,15 +81,139 @@ def score(model: Path, cfg: EngineConfig, ids: list[int], window: int, ref: Any,
     return {**q.as_dict(), "ppl": q.ppl}
 
 
+def types_of(model: Path, precision: str) -> list[str]:
+    """The GGUF types a ggml precision's matrices take on this model (w13's rows are H long, w2's I)."""
+    cfg = json.loads((model / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    return sorted({block_type(precision, h), block_type(precision, i)})
+
+
+def engine_cfg(precision: str, quant: Path, rt: RuntimeConfig, group: int | None = None, budget: int | None = None,
+               **pc: Any) -> EngineConfig:  # fmt: skip
+    pcfg = PrecisionConfig(mode=precision, quant_dir=str(quant), groups=((precision, group),) if group else (), **pc)
+    return EngineConfig(precision=pcfg, runtime=rt, budgets=Budgets(host_expert_bytes=budget))
+
+
+def quality(args: argparse.Namespace, ids: list[int], ref: Any, dtype: str) -> dict[str, dict[str, Any]]:
+    """Section 1 at `dtype`: every candidate's tier written (or reused) and scored."""
+    rt = RuntimeConfig(device="cpu", dtype=dtype)
+    rows: dict[str, dict[str, Any]] = {}
+    cands: list[tuple[str, str, int | None, str]] = []  # (name, precision, group, method)
+    if dtype == "fp32":
+        cands += [(f"moetier {p}" + (f" g{g}" if g else "") + f" {m}", p, g, m)
+                  for m in args.methods.split(",") if m for p, g in OURS]  # fmt: skip
+    else:
+        cands += [(f"moetier {p} {args.methods.split(',')[0]}", p, g, args.methods.split(",")[0])
+                  for p, g in BF16_ROWS if p not in GGML]  # fmt: skip
+    cands += [(f"ggml {p}", p, None, "search") for p in GGML]
+    for name, precision, group, method in cands:
+        quant = args.work / (f"quant-{method}" if precision not in GGML else "quant-ggml")
+        info = our_tier(args.model, quant, precision, group, method)
+        if precision in GGML:
+            info["types"] = types_of(args.model, precision)
+        rows[name] = {**info, **score(args.model, engine_cfg(precision, quant, rt, group), ids, args.window, ref,
+                                      name)}  # fmt: skip
+        print(f"{dtype} {name}: {rows[name]['bits_per_weight']:.3f} bits, KL {rows[name]['kl_mean']:.5f}", flush=True)
+    return rows
+
+
+def print_quality(rows: dict[str, dict[str, Any]], dtype: str) -> None:
+    print(f"\n{dtype}: {'candidate':22} {'bits/w':>7} {'KL mean':>9} {'± se':>8} {'top-1':>7} {'ppl':>8} "
+          f"{'quant s':>8}  types")
+    for name, r in sorted(rows.items(), key=lambda kv: -kv[1]["bits_per_weight"]):
+        print(f"{'':6}{name:22} {r['bits_per_weight']:7.3f} {r['kl_mean']:9.5f} {r['kl_stderr']:8.5f} "
+              f"{r['top1_pct']:6.2f}% {r['ppl']:8.3f} {r['quantize_s'] or float('nan'):8.2f}  "
+              f"{','.join(r.get('types', []))}")
+
+
+def all_resident_budget(model: Path, precision: str, quant: Path, rt: RuntimeConfig) -> int:
+    with moetier.load(model, engine_cfg(precision, quant, rt)) as eng:
+        assert isinstance(eng.store, ExpertStore)
+        eng.store.preload()
+        s = eng.stats()
+        return int(s["tiers"]["host"]["pool_bytes"] + s["staging_bytes"])
+
+
+def dynamic_pairs(args: argparse.Namespace, ids: list[int]) -> dict[str, dict[str, Any]]:
+    """Section 2: each pair at the same expert budgets (bf16, sync switches, warmed up on the text's head)."""
+    rt = RuntimeConfig(device="cpu", dtype="bf16")
+    method = args.methods.split(",")[0]
+    quant = {p: args.work / ("quant-ggml" if p in GGML else f"quant-{method}") for pair in PAIRS for p in pair}
+    for p, q in quant.items():
+        our_tier(args.model, q, p, None, method)
+    base = max(all_resident_budget(args.model, lo, quant[lo], rt) for _, lo in PAIRS)
+    warm = ids[:WARMUP]
+    scored = ids[WARMUP:]
+    ref_tail = collect_ref(args, scored)
+    rows: dict[str, dict[str, Any]] = {}
+    for factor in (1.25, 1.5):
+        budget = int(base * factor)
+        for hi, lo in PAIRS:
+            name = f"dynamic {hi}/{lo} @{factor}x"
+            assert quant[hi] == quant[lo]  # a pair's tiers share one folder (PrecisionConfig.quant_dir)
+            cfg = engine_cfg("dynamic", quant[hi], rt, budget=budget, hi=hi, lo=lo, sync=True)
+            with moetier.load(args.model, cfg) as eng:
+                eng.warmup(warm)
+                q = compare(eng, scored, args.window, ref_tail, name).summary
+                s = eng.stats()
+            rows[name] = {**q.as_dict(), "ppl": q.ppl, "budget": budget, "n_hot": s["switching"]["n_hot"],
+                          "promotions": s["promotions"]}  # fmt: skip
+            print(f"{name}: budget {budget}, {rows[name]['n_hot']} hot, KL {q.kl_mean:.5f}", flush=True)
+    return rows
+
+
+def collect_ref(args: argparse.Namespace, ids: list[int]) -> Any:
+    rt = RuntimeConfig(device="cpu", dtype="fp32")
+    with moetier.load(args.model, reference_config(EngineConfig(runtime=rt))) as ref_engine:
+        return collect(ref_engine, ids, args.window, {"model": str(args.model), "text": str(TEXT)})
+
+
+def speed(args: argparse.Namespace) -> dict[str, float]:
+    """Section 3: decode tok/s of each precision on the benchmark model, every expert resident, interleaved."""
+    from benchmarks._models import qwen3_bench_model
+
+    bench = qwen3_bench_model()
+    quant = args.work / "quant-bench"
+    tiers = [p for p in SPEED if p != "full"]
+    t0 = time.perf_counter()
+    for p in tiers:  # rtn for ours: the fit does not change speed
+        quantize_model(bench, [p], out=quant, method="rtn")
+    print(f"benchmark-model tiers ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    rt = RuntimeConfig(device="cpu", dtype="bf16")
+    prompt = list(range(100, 116))
+    engines = {}
+    for p in SPEED:
+        eng = moetier.load(bench, engine_cfg(p, quant, rt))
+        assert isinstance(eng.store, ExpertStore)
+        eng.store.preload()
+        eng.generate(prompt, 8, stop_at_eos=False)
+        engines[p] = eng
+    runs: dict[str, list[float]] = {p: [] for p in engines}
+    for _ in range(args.repeats):
+        for p, eng in engines.items():
+            runs[p].append(eng.generate(prompt, args.decode_tokens, stop_at_eos=False).decode_tok_s)
+    for eng in engines.values():
+        eng.close()
+    out = {p: statistics.median(v) for p, v in runs.items()}
+    print(f"\ndecode tok/s, benchmark model, every expert resident, median of {args.repeats} interleaved rounds:")
+    for p, v in out.items():
+        print(f"  {p:8} {v:8.2f}  ({v / out['int4']:.2f}x int4; rounds {', '.join(f'{x:.1f}' for x in runs[p])})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "models" / "tiny-shakespeare-moe")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--methods", default="hqq,rtn")
-    ap.add_argument("--types", default=",".join(GGML_TYPES))
+    ap.add_argument("--methods", default="search,rtn", help="our fits, the first also for the bf16 and dynamic rows")
     ap.add_argument("--work", type=Path, default=REPO / ".bench" / "ggml-tiers")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-dynamic", action="store_true")
+    ap.add_argument("--speed", action="store_true", help="also section 3 (the benchmark model's decode speed)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not ggml.available():
@@ -121,36 +221,27 @@ def main() -> None:
     rt = RuntimeConfig(device="cpu", dtype="fp32")
     with moetier.load(args.model, reference_config(EngineConfig(runtime=rt))) as ref_engine:
         ids = ref_engine.encode(TEXT.read_text())[: args.tokens + 1]
-        ref = collect(ref_engine, ids, args.window, {"model": str(args.model), "text": str(TEXT)})
+    ref = collect_ref(args, ids)
     model_cpu, flags = native.cpu_info()
-    rows: dict[str, dict[str, Any]] = {}
-    for method in [m for m in args.methods.split(",") if m]:
-        quant = args.work / f"quant-{method}"
-        for precision, group in OURS:
-            name = f"moetier {precision}" + (f" g{group}" if group else "") + f" {method}"
-            info = our_tier(args.model, quant, precision, group, method)
-            pc = PrecisionConfig(mode=precision, quant_dir=str(quant),
-                                 groups=((precision, group),) if group else ())  # fmt: skip
-            rows[name] = {**info, **score(args.model, EngineConfig(precision=pc, runtime=rt), ids, args.window, ref,
-                                          name)}  # fmt: skip
-            print(f"{name}: {rows[name]['bits_per_weight']:.3f} bits, KL {rows[name]['kl_mean']:.5f}", flush=True)
-    for qtype in [t for t in args.types.split(",") if t]:
-        twin = args.work / f"twin-{qtype}"
-        info = ggml_twin(args.model, twin, qtype)
-        name = f"ggml {qtype}"
-        rows[name] = {**info, **score(twin, EngineConfig(runtime=rt), ids, args.window, ref, name)}
-        print(f"{name}: {rows[name]['bits_per_weight']:.3f} bits, KL {rows[name]['kl_mean']:.5f}", flush=True)
-        shutil.rmtree(twin)
-    print(f"cpu: {model_cpu}; flags: {' '.join(f for f in flags if f.startswith(('avx', 'amx')))}; "
-          f"{len(ids) - 1} tokens of {TEXT.name}, windows of {args.window}; reference: the checkpoint in fp32")
-    print(f"{'candidate':24} {'bits/w':>7} {'x bf16':>7} {'KL mean':>9} {'± se':>8} {'top-1':>7} {'ppl':>8} "
-          f"{'quant s':>8}  types")
-    for name, r in sorted(rows.items(), key=lambda kv: -kv[1]["bits_per_weight"]):
-        print(f"{name:24} {r['bits_per_weight']:7.3f} {r['bits_per_weight'] / 16:7.3f} {r['kl_mean']:9.5f} "
-              f"{r['kl_stderr']:8.5f} {r['top1_pct']:6.2f}% {r['ppl']:8.3f} {r['quantize_s']:8.2f}  "
-              f"{','.join(r.get('types', []))}")  # fmt: skip
-    print(json.dumps({"benchmark": "ggml_tiers", "model": str(args.model), "tokens": len(ids) - 1,
-                      "window": args.window, "ref_ppl": math.exp(ref.nll_sum / ref.tokens), "rows": rows}))
+    result: dict[str, Any] = {"benchmark": "ggml_tiers", "model": str(args.model), "tokens": len(ids) - 1,
+                              "window": args.window, "ref_ppl": math.exp(ref.nll_sum / ref.tokens), "cpu": model_cpu,
+                              "isa": [f for f in flags if f.startswith(("avx", "amx"))]}  # fmt: skip
+    print(f"cpu: {model_cpu}; flags: {' '.join(result['isa'])}; {len(ids) - 1} tokens of {TEXT.name}, windows of "
+          f"{args.window}; reference: the checkpoint in fp32")
+    if not args.skip_quality:
+        for dtype in ("fp32", "bf16"):
+            result[f"quality_{dtype}"] = quality(args, ids, ref, dtype)
+            print_quality(result[f"quality_{dtype}"], dtype)
+    if not args.skip_dynamic:
+        result["dynamic"] = dynamic_pairs(args, ids)
+        print(f"\ndynamic (bf16, warmup {WARMUP} tokens, scored on the rest): {'pair':30} {'budget':>9} {'hot':>4} "
+              f"{'KL mean':>9} {'± se':>8} {'top-1':>7} {'ppl':>8}")
+        for name, r in result["dynamic"].items():
+            print(f"{'':8}{name:30} {r['budget']:9d} {r['n_hot']:4d} {r['kl_mean']:9.5f} {r['kl_stderr']:8.5f} "
+                  f"{r['top1_pct']:6.2f}% {r['ppl']:8.3f}")
+    if args.speed:
+        result["speed"] = speed(args)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from moetier.specs import (
     spec_from_trace_metadata,
     spec_names,
 )
-from moetier.types import PRECISION_BITS
+from moetier.types import GGML_PRECISIONS, PRECISION_BITS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_SPECS = ("mixtral-8x7b", "qwen2-57b-a14b", "deepseek-v2-lite", "deepseek-v2", "qwen3-30b-a3b",
@@ -162,7 +162,9 @@ def test_one_precision_bit_table_and_full_bytes_use_the_dtype() -> None:
     """config, hwprofile and specs read types.PRECISION_BITS; a full-precision expert is priced at the model's
     dtype (not at the table's 16 bits), a quantised one at its bits plus a bf16 scale and zero per group."""
     assert dict(PRECISION_BITS) == {"full": 16, "int8": 8, "int4": 4, "int2": 2}
-    assert config._BITS is PRECISION_BITS and hwprofile.PRECISIONS == ("full", "int8", "int4", "int2")
+    assert hwprofile.PRECISIONS == ("full", "int8", "int4", "int2")
+    # config's precisions: this table's and ggml's block types (types.GGML_PRECISIONS, bits from the same module)
+    assert (*PRECISION_BITS, *GGML_PRECISIONS) == config.TIER_PRECISIONS
     s = load_spec("mixtral-8x7b")
     h, i = s.hidden, s.moe_inter
     for dtype_bytes in (2, 4):

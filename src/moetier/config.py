@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moetier.errors import ConfigError
-from moetier.types import PRECISION_BITS
+from moetier.types import GGML_PRECISIONS, PRECISION_BITS, precision_bits
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DtypeName = Literal["auto", "bf16", "fp32", "fp16"]
@@ -121,9 +121,9 @@ class SchedulerConfig:
     profile: str | None = None
 
 
-PRECISION_MODES = ("auto", "full", "int8", "int4", "int2", "stored", "dynamic")
+PRECISION_MODES = ("auto", "full", "int8", "int4", "int2", *GGML_PRECISIONS, "stored", "dynamic")
 STORED = "stored"  # slots hold the checkpoint's own (quantised) bytes; its bits depend on the checkpoint
-_BITS = PRECISION_BITS
+TIER_PRECISIONS = (*PRECISION_BITS, *GGML_PRECISIONS)  # what --hi / --lo take besides "stored"
 
 
 @dataclass(frozen=True)
@@ -169,16 +169,20 @@ class PrecisionConfig:
         if self.mode not in PRECISION_MODES:
             raise ConfigError(f"precision must be one of {', '.join(PRECISION_MODES)}, got {self.mode!r}")
         for name in ("hi", "lo"):
-            if getattr(self, name) not in _BITS and getattr(self, name) != STORED:
+            if getattr(self, name) not in TIER_PRECISIONS and getattr(self, name) != STORED:
                 value = getattr(self, name)
-                raise ConfigError(f"--{name} precision must be one of full, int8, int4, int2, stored, got {value!r}")
+                raise ConfigError(
+                    f"--{name} precision must be one of {', '.join(TIER_PRECISIONS)}, stored, got {value!r}"
+                )
         # "stored" has no fixed bits: with it, hi above lo is checked by slot bytes when the store is built
-        below = self.hi == self.lo or (STORED not in (self.hi, self.lo) and _BITS[self.hi] <= _BITS[self.lo])
+        hi_bits, lo_bits = precision_bits(self.hi), precision_bits(self.lo)
+        below = self.hi == self.lo or (hi_bits is not None and lo_bits is not None and hi_bits <= lo_bits)
         if self.mode == "dynamic" and below:
             raise ConfigError(f"dynamic precision needs hi above lo, got hi={self.hi} lo={self.lo}")
         for prec, group in self.groups:
             if prec not in ("int8", "int4", "int2"):
-                raise ConfigError(f"group size given for {prec!r}; only int8, int4 and int2 have groups")
+                why = " (a ggml block type: its blocks are its groups)" if prec in GGML_PRECISIONS else ""
+                raise ConfigError(f"group size given for {prec!r}{why}; only int8, int4 and int2 have groups")
             if group not in (32, 64, 128, 256) and not (prec == "int8" and group == 0):
                 raise ConfigError(f"{prec} group size must be 32, 64, 128 or 256, got {group}")
         if not 0 < self.alpha < 1:

@@ -41,6 +41,13 @@ class Precision(StrEnum):
     INT4 = "int4"
     INT2 = "int2"
     STORED = "stored"  # as the checkpoint stores it (FP8, MXFP4, GPTQ ...), dequantised per call; no fixed bits
+    # ggml's block formats, written by `moetier quantize` with ggml's own quantiser (formats/quant_ggml.py)
+    Q6_K = "q6_k"
+    Q5_K = "q5_k"
+    Q4_K = "q4_k"
+    IQ4_XS = "iq4_xs"
+    Q3_K = "q3_k"
+    Q2_K = "q2_k"
 
 
 # Bits per stored weight of each precision, highest first: the one table (config, hwprofile, specs). "full" is a
@@ -48,6 +55,31 @@ class Precision(StrEnum):
 PRECISION_BITS: Mapping[str, int] = MappingProxyType({
     Precision.FULL.value: 16, Precision.INT8.value: 8, Precision.INT4.value: 4, Precision.INT2.value: 2,
 })  # fmt: skip
+
+# The ggml block precisions: precision -> (GGUF type name, bits a weight including the block scales, the integer
+# precision the cost model prices it as). The bits are the type's block bytes * 8 / values a block (gguf's
+# GGML_QUANT_SIZES; a test holds them to it); a matrix whose rows are not whole super-blocks of 256 takes
+# llama-quantize's fallback type (formats/quant_ggml.py), so its expert's bits may differ.
+GGML_PRECISIONS: Mapping[str, tuple[str, float, str]] = MappingProxyType({
+    Precision.Q6_K.value: ("Q6_K", 6.5625, "int8"), Precision.Q5_K.value: ("Q5_K", 5.5, "int8"),
+    Precision.Q4_K.value: ("Q4_K", 4.5, "int4"), Precision.IQ4_XS.value: ("IQ4_XS", 4.25, "int4"),
+    Precision.Q3_K.value: ("Q3_K", 3.4375, "int4"), Precision.Q2_K.value: ("Q2_K", 2.625, "int2"),
+})  # fmt: skip
+
+
+def precision_bits(precision: str) -> float | None:
+    """Bits a weight of `precision` (full: 16), None for "stored" (the checkpoint's) or an unknown name."""
+    if precision in PRECISION_BITS:
+        return float(PRECISION_BITS[precision])
+    gg = GGML_PRECISIONS.get(precision)
+    return gg[1] if gg is not None else None
+
+
+def priced_as(precision: str) -> str:
+    """The precision of PRECISION_BITS the cost model prices `precision` as (a ggml block precision: the integer
+    precision of its kernel class; any other name: itself)."""
+    gg = GGML_PRECISIONS.get(precision)
+    return gg[2] if gg is not None else precision
 
 
 class Domain(StrEnum):

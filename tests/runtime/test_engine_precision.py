@@ -49,7 +49,7 @@ KEYS = [ExpertKey(layer, e) for layer in (0, 1) for e in range(6)]
 
 MODELS: dict[str, tuple[str, torch.dtype, dict[str, int], tuple[str, ...]]] = {
     "qwen3_bf16": ("qwen3_moe", torch.bfloat16, {"moe_intermediate_size": 64, "hidden_size": 128},
-                   ("int8", "int4", "int2")),
+                   ("int8", "int4", "int2", "q4_k", "q2_k")),
     "mixtral_fp32": ("mixtral", torch.float32, {"intermediate_size": 64}, ("int8", "int4", "int2")),
     "gpt_oss_bf16": ("gpt_oss", torch.bfloat16, {"intermediate_size": 64}, ("int8",)),
 }  # fmt: skip
@@ -229,7 +229,9 @@ class Sizes:
         return self.all_lo + n_hot * self.step + slack + transient * self.hi
 
 
-PAIRS = [("full", "int4"), ("int4", "int2")]
+# q4_k over q2_k: ggml's block types (hidden 128 and I = 64 are no whole super-blocks, so every matrix takes
+# llama-quantize's fallback, Q5_0 over IQ4_NL); tests/runtime/test_engine_ggml_tiers.py runs the K-quants themselves
+PAIRS = [("full", "int4"), ("int4", "int2"), ("q4_k", "q2_k")]
 
 
 @pytest.fixture(scope="module")

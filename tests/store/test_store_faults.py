@@ -151,7 +151,8 @@ def test_quant_source_read_error_names_tier_file_and_expert(tmp_path):
         def close(self) -> None:
             pass
 
-    src = QuantSource(Tier(), SimpleNamespace(slot_bytes=64, pack_scratch_bytes=0))  # type: ignore[arg-type]
+    fmt = SimpleNamespace(slot_bytes=64, pack_scratch_bytes=0, device=torch.device("cpu"))
+    src = QuantSource(Tier(), fmt)  # type: ignore[arg-type]
     with pytest.raises(ExpertReadError) as err:
         src.read_into(K(3, 1), None)
     file = str(tmp_path / "int4-g32" / "layer-003.safetensors")

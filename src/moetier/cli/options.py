@@ -147,18 +147,21 @@ PrecisionMode = Annotated[
     typer.Option("--precision", rich_help_panel=_PREC,
                  help="Expert precision: auto (stored where the native kernels compute the checkpoint's experts "
                       "as stored: GGUF blocks, GPTQ/AWQ/compressed-tensors int4, FP8, MXFP4; else full), full, "
-                      "int8, int4, int2 (static; quantized tiers from `moetier quantize`), stored (a quantized "
+                      "int8, int4, int2 or a ggml block type q6_k, q5_k, q4_k, iq4_xs, q3_k, q2_k (static; "
+                      "quantized tiers from `moetier quantize`), stored (a quantized "
                       "checkpoint's experts kept in slots as stored, computed natively where the kernels read "
                       "them, else decoded per call), or dynamic (hot experts at --hi, cold at --lo, under the "
                       "expert budget)."),
 ]  # fmt: skip
 HiPrecision = Annotated[
     str,
-    typer.Option("--hi", rich_help_panel=_PREC, help="dynamic: precision of hot experts (full, stored, int8, int4)."),
+    typer.Option("--hi", rich_help_panel=_PREC,
+                 help="dynamic: precision of hot experts (full, stored, int8, q6_k, q5_k, q4_k, int4 ...)."),
 ]
 LoPrecision = Annotated[
     str,
-    typer.Option("--lo", rich_help_panel=_PREC, help="dynamic: precision of cold experts (stored, int8, int4, int2)."),
+    typer.Option("--lo", rich_help_panel=_PREC,
+                 help="dynamic: precision of cold experts (stored, int4, iq4_xs, q3_k, q2_k, int2 ...)."),
 ]
 Groups = Annotated[
     list[str] | None,

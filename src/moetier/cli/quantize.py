@@ -25,7 +25,14 @@ from moetier.formats.quantize import quantize_model
 
 def quantize(
     model: Model,
-    precisions: Annotated[str, typer.Option("--precisions", help="Comma-separated, of int8, int4, int2.")] = "int4",
+    precisions: Annotated[
+        str,
+        typer.Option(
+            "--precisions",
+            help="Comma-separated, of int8, int4, int2 (our groups) and q6_k, q5_k, q4_k, iq4_xs, q3_k, q2_k "
+            "(ggml's block types, by ggml's own quantiser; docs/precision.md compares them).",
+        ),
+    ] = "int4",
     group: Groups = None,
     out: Annotated[
         Path | None,
@@ -38,7 +45,8 @@ def quantize(
         str,
         typer.Option(
             help="search (scale search with least-squares refits, default), hqq (the earlier range search + "
-            "half-quadratic zero solve: slower, no better) or rtn (min/max, round to nearest)."
+            "half-quadratic zero solve: slower, no better) or rtn (min/max, round to nearest); int8, int4 and int2 "
+            "only: the ggml block types are quantised by ggml."
         ),
     ] = DEFAULT_METHOD,
     force: Annotated[bool, typer.Option("--force", help="Delete an incompatible existing tier, start over.")] = False,

@@ -240,9 +240,12 @@ def quant_table(tiers: Iterable[Mapping[str, Any]]) -> Table:
                 "path"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("precision", "layout", "status", "path") else "right")
     for t in tiers:
-        gs, err = t.get("group_sizes", {}), t.get("error", {})
+        gs, err, types = t.get("group_sizes", {}), t.get("error", {}), t.get("types") or {}
+        groups = f"{gs.get('w13', '?')} / {gs.get('w2', '?')}"
+        if types:  # a ggml block precision: its blocks are its groups, of the type each matrix takes
+            groups = f"{types.get('w13', '?')} / {types.get('w2', '?')}"
         table.add_row(
-            str(t["precision"]), str(t.get("layout", "packed")), f"{gs.get('w13', '?')} / {gs.get('w2', '?')}",
+            str(t["precision"]), str(t.get("layout", "packed")), groups,
             format_size(t.get("bytes", 0)),
             f"{err.get('w13', float('nan')):.4f}", f"{err.get('w2', float('nan')):.4f}",
             str(t.get("status", "ok" if t.get("complete") else "incomplete")), str(t["path"]),

@@ -78,7 +78,10 @@ TensorSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 def group_label(spec: QuantSpec) -> str:
-    """`128` for an explicit or default group of 128; `K` for the per-channel default (int8)."""
+    """`128` for an explicit or default group of 128; `K` for the per-channel default (int8); `ggml` for a ggml
+    block precision (its blocks are its groups)."""
+    if spec.ggml:
+        return "ggml"
     group = spec.group_size if spec.group_size is not None else DEFAULT_GROUP.get(spec.precision)
     return "K" if group is None else str(group)
 
@@ -94,8 +97,10 @@ def tier_dir(
     down_rows: bool = False,
 ) -> Path:  # fmt: skip
     """`default_root(MODEL)`/<precision>-g<group>, with a `-rows` suffix for the layout sparse execution
-    needs (down projection stored as rows [I, H], quantised along H)."""
+    needs (down projection stored as rows [I, H], quantised along H). A ggml block precision: `<precision>`."""
     base = Path(root) if root is not None else default_root(model_dir)
+    if spec.ggml:
+        return base / f"{spec.precision.value}{'-rows' if down_rows else ''}"
     return base / f"{spec.precision.value}-g{group_label(spec)}{'-rows' if down_rows else ''}"
 
 
@@ -527,7 +532,7 @@ def check_layer_file(file: Path, rec: dict[str, Any], fix: str, verify: bool) ->
 def spec_of(manifest: dict[str, Any]) -> QuantSpec:
     """The QuantSpec a manifest was written for (its precision and group label; the default group as None)."""
     precision = Precision(manifest["precision"])
-    group = None if manifest["group"] == "K" else int(manifest["group"])
+    group = None if manifest["group"] in ("K", "ggml") else int(manifest["group"])
     return QuantSpec(precision, None if group == DEFAULT_GROUP.get(precision) else group)
 
 
@@ -590,8 +595,9 @@ def list_tiers(
 
 def tier_summary(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """One tier from its manifest alone: precision, bits, group, group_sizes, method, layers_done,
-    layers_total, bytes, the relative weight error per matrix (`error_summary`) and the layout
-    ("rows" for `--for-sparsity` tiers, else "packed")."""
+    layers_total, bytes, the relative weight error per matrix (`error_summary`), the layout
+    ("rows" for `--for-sparsity` tiers, else "packed") and, for a ggml block precision, the GGUF type of each
+    matrix (`types`; None otherwise)."""
     m = manifest if manifest is not None else load_manifest(path / MANIFEST)
     layers = m.get("layers", [])
     return {
@@ -600,6 +606,7 @@ def tier_summary(path: Path, manifest: dict[str, Any] | None = None) -> dict[str
         "layers_done": len(layers), "layers_total": len(m["moe_layers"]),
         "bytes": sum(int(r["bytes"]) for r in layers), "error": error_summary(m),
         "layout": "rows" if (m.get("layout") or {}).get("down_rows") else "packed",
+        "types": m.get("types"),  # a ggml block precision: the GGUF type of each matrix
     }  # fmt: skip
 
 

@@ -36,10 +36,17 @@ from dataclasses import dataclass
 import torch
 
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats import quant_ggml
 from moetier.formats.layout import ExpertLayout
-from moetier.types import Precision
+from moetier.kernels import ggml
+from moetier.types import GGML_PRECISIONS, Precision
 
 BITS = {Precision.INT8: 8, Precision.INT4: 4, Precision.INT2: 2}
+# ggml block precisions (formats/quant_ggml.py): the integer class of each, for what counts bits in whole numbers
+# (a tier manifest's "bits"); their exact bits a weight are types.GGML_PRECISIONS'
+GGML_BITS = {Precision.Q6_K: 6, Precision.Q5_K: 5, Precision.Q4_K: 4, Precision.IQ4_XS: 4, Precision.Q3_K: 3,
+             Precision.Q2_K: 2}  # fmt: skip
+QUANTIZED = (*(p.value for p in BITS), *GGML_PRECISIONS)  # what `moetier quantize` writes
 DEFAULT_GROUP = {Precision.INT4: 128, Precision.INT2: 64}  # int8: one group per row (g = K)
 FALLBACK_GROUPS = (256, 128, 64, 32)
 METHODS = ("search", "hqq", "rtn")
@@ -76,7 +83,8 @@ SEARCH_PLANS = {
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How to quantise: a precision below FULL and a requested group size (None: the precision's default)."""
+    """How to quantise: a precision below FULL and a requested group size (None: the precision's default). A ggml
+    block precision (q4_k ...: formats/quant_ggml.py) has no group size: its blocks are its groups."""
 
     precision: Precision
     group_size: int | None = None
@@ -85,11 +93,15 @@ class QuantSpec:
         try:
             precision = Precision(self.precision)
         except ValueError:
-            raise ConfigError(f"unknown precision {self.precision!r}; expected one of int8, int4, int2") from None
-        if precision not in BITS:
-            raise ConfigError(f"QuantSpec needs a quantised precision (int8, int4, int2), got {precision.value!r}")
+            raise ConfigError(f"unknown precision {self.precision!r}; expected one of {', '.join(QUANTIZED)}") from None
+        if precision not in BITS and precision not in GGML_BITS:
+            raise ConfigError(
+                f"QuantSpec needs a quantised precision ({', '.join(QUANTIZED)}), got {precision.value!r}"
+            )
         object.__setattr__(self, "precision", precision)
         g = self.group_size
+        if precision in GGML_BITS and g is not None:
+            raise ConfigError(f"{precision.value} is a ggml block type: its blocks are its groups; give no group size")
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 32 or g % 32):
             raise ConfigError(
                 f"group_size must be None (the precision's default) or a positive multiple of 32 "
@@ -98,12 +110,21 @@ class QuantSpec:
 
     @property
     def bits(self) -> int:
-        return BITS[self.precision]
+        """Bits a weight (a ggml block precision: its integer class, GGML_BITS)."""
+        return BITS[self.precision] if self.precision in BITS else GGML_BITS[self.precision]
+
+    @property
+    def ggml(self) -> bool:
+        """Whether this is a ggml block precision (formats/quant_ggml.py)."""
+        return self.precision in GGML_BITS
 
 
 def resolve_group(spec: QuantSpec, k: int, *, shape: tuple[int, int] | None = None) -> int:
     """Group size used for a matrix with `k` in features: the requested (or default) group if it
-    divides k, else the largest of (256, 128, 64, 32) not above it that does. int8 defaults to k."""
+    divides k, else the largest of (256, 128, 64, 32) not above it that does. int8 defaults to k. A ggml block
+    precision: the values a block of the type the matrix takes (quant_ggml.block_type)."""
+    if spec.ggml:
+        return ggml.block_of(quant_ggml.block_type(spec.precision, k, shape))
     want = spec.group_size if spec.group_size is not None else DEFAULT_GROUP.get(spec.precision, k)
     if k > 0 and k % want == 0:
         return want
@@ -415,6 +436,8 @@ def quantize_matrix(w: torch.Tensor, spec: QuantSpec, method: str = DEFAULT_METH
     others, so quantising rows together or apart gives the same bytes."""
     if method not in METHODS:
         raise ConfigError(f"unknown quantisation method {method!r}; expected one of {METHODS}")
+    if spec.ggml:
+        raise ConfigError(f"{spec.precision.value} is a ggml block type: quantise it with formats/quant_ggml.py")
     if w.dim() != 2 or not w.is_floating_point():
         raise CheckpointError(f"can only quantise a 2-D float matrix, got {w.dtype} of shape {list(w.shape)}")
     n, k = w.shape
@@ -488,7 +511,15 @@ def expert_tensor_specs(
     """The canonical quantised tensors of one expert: name -> (dtype, shape). Biases stay in `dtype`."""
     h, i, b = layout.hidden, layout.inter, spec.bits
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if spec.ggml and layout.down_rows:
+        raise ConfigError(
+            f"{spec.precision.value} tiers have no down-rows layout for --sparsity; sparse execution reads full, "
+            "int8, int4 or int2 experts"
+        )
     for m, (n, k) in zip(MATRICES, ((2 * i, h), (i, h) if layout.down_rows else (h, i)), strict=True):
+        if spec.ggml:  # the type's blocks, rows as a GGUF file stores them
+            out[f"{m}.q"] = (torch.uint8, (n, quant_ggml.row_bytes(spec.precision, k)))
+            continue
         groups = k // resolve_group(spec, k, shape=(n, k))
         out[f"{m}.q"] = (torch.uint8, (n, k * b // 8))
         out[f"{m}.scale"] = (torch.bfloat16, (n, groups))
@@ -537,6 +568,11 @@ def quantize_expert(
         raise CheckpointError(f"expert has biases {present} but not all of {list(bias_names)}")
     out: dict[str, torch.Tensor] = {}
     for m, w in (("w13", torch.cat([gate, up])), ("w2", down)):  # w13 [2I, H], w2 [H, I]
+        if spec.ggml:  # rows of the type's blocks (formats/quant_ggml.py)
+            out[f"{m}.q"] = quant_ggml.quantize_rows(
+                w, quant_ggml.block_type(spec.precision, w.shape[1], (w.shape[0], w.shape[1]))
+            )
+            continue
         qm = quantize_matrix(w, spec, method)
         out[f"{m}.q"], out[f"{m}.scale"], out[f"{m}.zero"] = qm.q, qm.scale, qm.zero
     if present:

@@ -6,8 +6,9 @@ For each precision, a directory `<model>/moetier-quant/<precision>-g<group>/` (o
 batches (about BATCH_ELEMENTS fp32 weights, at least one expert) through the model's
 ExpertReader in fp32, checked finite, quantised in fp32 by formats/quant.py's
 `quantize_stack` (the w13 rows of every expert of the batch in one fit, the w2 rows in
-another) and streamed into the layer file expert by expert, so memory stays at one batch
-whatever the model size. Each expert is read once for all precisions.
+another; a ggml block precision such as q4_k by ggml's own quantiser, formats/quant_ggml.py,
+whose tier records method "ggml") and streamed into the layer file expert by expert, so memory
+stays at one batch whatever the model size. Each expert is read once for all precisions.
 
 Invariants:
 - a layer file is written to `<name>.tmp`, fsynced and renamed, and only then recorded
@@ -44,6 +45,7 @@ from rich.progress import Progress, TaskID
 
 from moetier import __version__
 from moetier.errors import CheckpointError, ConfigError
+from moetier.formats import quant_ggml
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.qtier import (
     DTYPE_NAMES,
@@ -64,7 +66,15 @@ from moetier.formats.qtier import (
     source_record,
     tier_dir,
 )
-from moetier.formats.quant import DEFAULT_METHOD, MATRICES, METHODS, QuantSpec, expert_tensor_specs, quantize_stack
+from moetier.formats.quant import (
+    DEFAULT_METHOD,
+    MATRICES,
+    METHODS,
+    QUANTIZED,
+    QuantSpec,
+    expert_tensor_specs,
+    quantize_stack,
+)
 from moetier.formats.safetensors import ExpertReader
 from moetier.models.open import expert_dtype, open_checkpoint, resolve_dtype
 from moetier.types import ExpertKey, Precision
@@ -74,6 +84,7 @@ log = logging.getLogger(__name__)
 _IDENTITY = ("precision", "bits", "group", "group_sizes", "method", "dtype", "layout", "num_experts", "moe_layers")
 # experts read and fitted together: about this many fp32 weights (32 MiB), at least one expert
 BATCH_ELEMENTS = 8 << 20
+GGML_METHOD = "ggml"  # the method a ggml block precision's tier records: ggml's own quantiser, whatever --method says
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,7 @@ def parse_specs(precisions: Sequence[Precision | str], group_sizes: dict[Any, in
     for p, g in (group_sizes or {}).items():
         groups[_precision(p)] = g
     if not precisions:
-        raise ConfigError("no precision to quantize to; choose from int8, int4, int2")
+        raise ConfigError(f"no precision to quantize to; choose from {', '.join(QUANTIZED)}")
     for p in dict.fromkeys(_precision(p) for p in precisions):
         specs.append(QuantSpec(p, groups.pop(p, None)))  # QuantSpec refuses a bad group size
     if groups:
@@ -110,7 +121,7 @@ def _precision(p: Precision | str) -> Precision:
     try:
         prec = Precision(p)
     except ValueError:
-        raise ConfigError(f"unknown precision {p!r}; choose from int8, int4, int2") from None
+        raise ConfigError(f"unknown precision {p!r}; choose from {', '.join(QUANTIZED)}") from None
     if prec is Precision.FULL:
         raise ConfigError("precision 'full' is the checkpoint itself and needs no quantized tier")
     return prec
@@ -199,13 +210,18 @@ class _TierWriter:
     def add_batch(self, batch: _Batch, method: str) -> None:
         """Quantise the batch's experts (one fit per matrix kind) and append them to the layer file."""
         n = batch.count
-        fits = {}
+        fits: dict[str, list[dict[str, torch.Tensor]]] = {}
         for m, w in (("w13", batch.w13[:n]), ("w2", batch.w2[:n])):  # [B, 2I, H], [B, H, I] or [B, I, H]
-            fits[m], sq_err = quantize_stack(w, self.spec, method)
+            if self.spec.ggml:  # rows of ggml blocks, by ggml's quantiser
+                rows, sq_err = quant_ggml.quantize_stack(w, self.spec.precision)
+                fits[m] = [{"q": q} for q in rows]
+            else:
+                qms, sq_err = quantize_stack(w, self.spec, method)
+                fits[m] = [{"q": qm.q, "scale": qm.scale, "zero": qm.zero} for qm in qms]
             self._sq["sq_err"][m] += sq_err
             self._sq["sq_ref"][m] += batch.sq_ref[m]
         for e in range(n):
-            tensors = {f"{m}.{part}": getattr(fits[m][e], part) for m in MATRICES for part in ("q", "scale", "zero")}
+            tensors = {f"{m}.{part}": t for m in MATRICES for part, t in fits[m][e].items()}
             if batch.b13 is not None and batch.b2 is not None:
                 tensors |= {"b13": batch.b13[e], "b2": batch.b2[e]}  # [2I], [H]
             for name, (dt, shape) in self.specs.items():
@@ -270,16 +286,22 @@ def quantize_model(
             )
         dtype = resolve_dtype("auto", o.config, cpu, expert_dtype(o.index))  # biases are kept in this dtype
         layout, layers = o.reader.layout, [s.layer for s in o.sites]
+        for spec in specs:  # a ggml type refuses a layout it has no tier for, or rows its blocks cannot tile
+            expert_tensor_specs(layout, spec, dtype)
         paths = [tier_dir(model_dir, spec, out, down_rows) for spec in specs]
         source = source_record(o.index, known=_known_source([p for p in paths if (p / MANIFEST).exists()]))
         writers = []
         for spec, path in zip(specs, paths, strict=True):
-            identity = {
+            identity: dict[str, Any] = {
                 "precision": spec.precision.value, "bits": spec.bits, "group": group_label(spec),
-                "group_sizes": resolved_groups(layout, spec), "method": method, "dtype": DTYPE_NAMES[dtype],
+                "group_sizes": resolved_groups(layout, spec), "method": GGML_METHOD if spec.ggml else method,
+                "dtype": DTYPE_NAMES[dtype],
                 "layout": layout.as_dict(),
                 "num_experts": o.num_experts, "moe_layers": layers, "family": o.family.name,
             }  # fmt: skip
+            if spec.ggml:  # the GGUF type each matrix takes (w2's rows may take llama-quantize's fallback)
+                identity["types"] = {"w13": quant_ggml.block_type(spec.precision, layout.hidden),
+                                     "w2": quant_ggml.block_type(spec.precision, layout.inter)}  # fmt: skip
             writers.append(_TierWriter(path, spec, identity, source))
         for w in writers:  # every refusal before the first write
             w.check(force)

@@ -89,6 +89,11 @@ def isa(lib: ctypes.CDLL) -> str:
     return name.decode()
 
 
+def loaded() -> ctypes.CDLL | None:
+    """The kernel library `load` bound, None before it did."""
+    return _bound[0] if _bound else None
+
+
 def _lib() -> ctypes.CDLL:
     if not _bound:
         raise RuntimeError("moetier decode kernels are not loaded (kernels.decode.load)")

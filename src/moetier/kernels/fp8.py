@@ -82,5 +82,6 @@ def fill(w: QLinearWeight, r0: int, weight: torch.Tensor, grid: torch.Tensor, bn
     """Rows [r0, r0 + N) of slot matrix `w` from one stored FP8 tensor: weight uint8 (or float8) [N, K] as stored,
     its scale grid [ceil(N / bn), K / bk] (fp32 or bf16: widened exactly) expanded to one row per weight row."""
     n = weight.shape[0]
+    assert w.scale is not None
     w.q[r0 : r0 + n].copy_(weight.view(torch.uint8))
     w.scale[r0 : r0 + n].copy_(grid.float().repeat_interleave(bn, dim=0)[:n])  # [N, K / bk]

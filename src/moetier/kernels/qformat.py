@@ -26,6 +26,11 @@ Formats (per matrix; `kind` of QLinearWeight), W = (q - zero) * scale in canonic
   canonical bf16 [N, G]. The C kernel quantises x to int8 per block of 32 and takes integer dot products.
 - "generic" (anything else: fp32/fp16 models, CUDA, shapes the kernels refuse, int8 with g < K):
   the canonical q/scale/zero; dequantised to x's dtype per call, then matmul.linear.
+- "gg" (a ggml block precision, formats/quant_ggml.py: q4_k, iq4_xs, q2_k ...): q uint8 [N, row bytes], the rows
+  of the matrix's GGUF block type as the tier stores them (no scale or zero pieces: they are in the blocks);
+  `bits` is its kernel kind (ggml.KIND_BASE + the type), computed by ggml's dot product through the native
+  kernels (the MoE call and `gemv`, as a GGUF file's experts are). "gg-decode": the same bytes where ggml or the
+  native kernels are not available (or CUDA, fp32 / fp16 models): decoded by gguf-py's reference per call.
 
 The stored form (a checkpoint's experts kept in the slot in its own coding) is kernels/stored.py; `linear`
 decodes its StoredWeight per call.
@@ -51,9 +56,10 @@ from dataclasses import dataclass
 import torch
 
 from moetier.errors import CheckpointError
+from moetier.formats import quant_ggml
 from moetier.formats.layout import ExpertLayout
 from moetier.formats.quant import QuantSpec, dequantize_into, expert_tensor_specs, resolve_group, unpack_bits
-from moetier.kernels import decode, matmul
+from moetier.kernels import decode, ggml, matmul
 from moetier.kernels.slots import ALIGN, Slice, align, check_row, slice_view
 from moetier.kernels.stored import StoredWeight
 from moetier.types import Precision
@@ -100,15 +106,16 @@ class QLinearWeight:
     """One quantised matrix inside a slot, in the compute format `kind` (see the module docstring
     for what q, scale and zero hold per kind)."""
 
-    kind: str  # "int8" | "int4" | "int2" | "n8" | "n4" | "n2" | "f8" (kernels/fp8.py) | "generic"
+    kind: str  # "int8" | "int4" | "int2" | "n8" | "n4" | "n2" | "f8" (kernels/fp8.py) | "gg" | "gg-decode" | "generic"
     n: int
     k: int
     group: int
-    bits: int
+    bits: int  # "gg": the ggml kernel kind
     q: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor | None  # None: "gg", "gg-decode" (the scales are in the blocks)
     zero: torch.Tensor | None
     scratch: _Int2Scratch | None = None
+    gtype: str | None = None  # "gg", "gg-decode": the GGUF block type of the rows
 
 
 @dataclass
@@ -125,8 +132,10 @@ class QExpertViews:
 Pieces = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def _pieces(kind: str, n: int, k: int, g: int, bits: int) -> Pieces:
+def _pieces(kind: str, n: int, k: int, g: int, bits: int, gtype: str | None = None) -> Pieces:
     """Piece name -> (dtype, shape) of one matrix in format `kind`; names are QLinearWeight fields."""
+    if gtype is not None:  # "gg", "gg-decode": the rows of the type's blocks
+        return {"q": (torch.uint8, (n, ggml.row_bytes(gtype, k)))}
     if kind in NATIVE_KINDS:
         qshape = (n, k) if bits == 8 else (n, k * bits // 8)
         qtype = torch.int8 if bits == 8 else torch.uint8
@@ -211,6 +220,11 @@ def _int4_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.q, w.group, w.scale)  # [M, N]
 
 
+def _gg_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
+    """Rows of a GGUF block type by ggml's dot product (the native kernels' kind w.bits)."""
+    return decode.gemv(x, w.q, None, None, w.bits, 0)  # [M, N]
+
+
 def _native_mm(x: torch.Tensor, w: QLinearWeight) -> torch.Tensor:
     return decode.gemv(x, w.q, w.scale, w.zero, w.bits, w.group)  # [M, N]
 
@@ -239,6 +253,7 @@ _KERNELS: dict[str, Callable[[torch.Tensor, QLinearWeight], torch.Tensor]] = {
     "n4": _native_mm,
     "n2": _native_mm,
     "f8": _f8_mm,
+    "gg": _gg_mm,
 }
 
 
@@ -254,8 +269,11 @@ def linear(
         return matmul.linear(x, w.decode(x.dtype), bias)
     if w.kind == "generic":  # unverified on GPU (no CUDA device here)
         wd = torch.empty((w.n, w.k), dtype=x.dtype, device=x.device)  # [N, K]
-        assert w.zero is not None
+        assert w.zero is not None and w.scale is not None
         return matmul.linear(x, dequantize_into(w.q, w.scale, w.zero, w.bits, wd), bias)
+    if w.kind == "gg-decode":  # ggml blocks without ggml's kernels: gguf-py's decoder per call
+        assert w.gtype is not None
+        return matmul.linear(x, quant_ggml.dequantize_rows(w.q, w.gtype, w.k, x.dtype), bias)
     if x.shape[-1] != w.k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the {w.kind} weight [{w.n}, {w.k}] wants {w.k}")
     x2 = x.reshape(-1, w.k)  # [M, K]
@@ -299,15 +317,28 @@ class ExpertFormat:
         self._scratch: dict[tuple[int, int, int], _Int2Scratch] = {}
         off = 0
         groups = {m: resolve_group(spec, k, shape=(n, k)) for m, (n, k) in self.shapes.items()}
+        ggml_native = native and kernels  # a ggml block precision: ggml's dot products through the native kernels
         # native formats for both matrices or neither: the native executor reads an expert in one format
         native = native and all(
             _pick(spec, n, k, groups[m], dtype, device, True) in NATIVE_KINDS for m, (n, k) in self.shapes.items()
         )
+        # a ggml block precision: each matrix's GGUF type, and its kernel kind where ggml computes both matrices
+        self.gtypes: dict[str, str] = {}
+        self.gkinds: dict[str, int] = {}
+        if spec.ggml:
+            if layout.down_rows:
+                expert_tensor_specs(layout, spec, dtype)  # refuses, naming the layouts sparse execution reads
+            self.gtypes = {m: quant_ggml.block_type(spec.precision, k, (n, k)) for m, (n, k) in self.shapes.items()}
+            lib = decode.loaded() if ggml_native and device.type == "cpu" and dtype == _BF16 else None
+            found = {m: ggml.kind_of(t, lib) if lib is not None else None for m, t in self.gtypes.items()}
+            self.gkinds = {m: kk for m, kk in found.items() if kk is not None}
         for m, (n, k) in self.shapes.items():
             g = groups[m]
             kind = _pick(spec, n, k, g, dtype, device, native) if kernels else "generic"
+            if spec.ggml:
+                kind = "gg" if len(self.gkinds) == len(self.shapes) else "gg-decode"
             self.groups[m], self.kinds[m], self.slices[m] = g, kind, {}
-            for piece, (dt, shape) in _pieces(kind, n, k, g, spec.bits).items():
+            for piece, (dt, shape) in _pieces(kind, n, k, g, spec.bits, self.gtypes.get(m)).items():
                 if piece == "scale" and kind in NATIVE_KINDS:
                     dt = scale_dtype
                 self.slices[m][piece] = sl = Slice(align(off), dt, shape)
@@ -329,6 +360,8 @@ class ExpertFormat:
     def _pack_temp_bytes(self, m: str) -> int:
         """Upper bound of the bytes pack_into allocates while converting matrix `m` (see _convert)."""
         (n, k), g, kind = self.shapes[m], self.groups[m], self.kinds[m]
+        if kind in ("gg", "gg-decode"):
+            return 0  # the tier's bytes are the slot's: copied as they are
         if kind in NATIVE_KINDS:
             return 2 * n * k  # unpacked values and the re-packed copy
         if kind == "int8":
@@ -354,11 +387,12 @@ class ExpertFormat:
                 n=n,
                 k=k,
                 group=self.groups[m],
-                bits=self.spec.bits,
+                bits=self.gkinds.get(m, 0) if self.spec.ggml else self.spec.bits,
                 q=p["q"],
-                scale=p["scale"],
+                scale=p.get("scale"),
                 zero=p.get("zero"),
                 scratch=self._scratch.get((n, k, self.groups[m])),
+                gtype=self.gtypes.get(m),
             )
         bias = {piece: slice_view(row, sl) for piece, sl in self.slices["bias"].items()}
         return QExpertViews(w13=mats["w13"], w2=mats["w2"], b13=bias.get("b13"), b2=bias.get("b2"), row=row)
@@ -377,6 +411,9 @@ class ExpertFormat:
                     f"quantised tensor {name!r} is {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}{where}"
                 )
         for m, w in (("w13", views.w13), ("w2", views.w2)):
+            if self.spec.ggml:  # the tier's rows of blocks are the slot's
+                w.q.copy_(canonical[f"{m}.q"])
+                continue
             q, scale, zero = (canonical[f"{m}.{p}"].to(self.device) for p in ("q", "scale", "zero"))
             kind, n = self.kinds[m], w.n
             rows = _pack_rows(kind, n)

@@ -358,7 +358,7 @@ def dense_weights(views: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
         w13, w2 = views.w13, views.w2
         d13 = torch.empty((w13.n, w13.k), dtype=dtype, device=w13.q.device)
         d2 = torch.empty((w2.n, w2.k), dtype=dtype, device=w2.q.device)
-        assert w13.zero is not None and w2.zero is not None
+        assert w13.zero is not None and w2.zero is not None and w13.scale is not None and w2.scale is not None
         dequantize_into(w13.q, w13.scale, w13.zero, w13.bits, d13)
         dequantize_into(w2.q, w2.scale, w2.zero, w2.bits, d2)
         return d13, d2.t(), d2

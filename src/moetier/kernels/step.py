@@ -330,16 +330,26 @@ def _matrices_row(views: Any, lib: ctypes.CDLL | None) -> list[int] | None:
         base = views.row.data_ptr()
         row = [base, KIND_F8]
         for w in (views.w13, views.w2):
+            if w.scale is None:
+                return None
             row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, -1]
         return [*row, KIND_F8]
+    if isinstance(views, QExpertViews) and views.w13.kind == "gg":  # ggml blocks (kernels/qformat.py): bits = kind
+        if views.w2.kind != "gg" or not views.row.is_cpu:
+            return None
+        base = views.row.data_ptr()
+        return [base, views.w13.bits, 0, views.w13.q.data_ptr() - base, -1, -1, 0, views.w2.q.data_ptr() - base, -1,
+                -1, views.w2.bits]  # fmt: skip
     if isinstance(views, QExpertViews):
         if views.w13.kind not in NATIVE_KINDS or views.w2.kind != views.w13.kind or not views.row.is_cpu:
+            return None
+        if views.w13.scale is None:  # every native kind has scale pieces
             return None
         base = views.row.data_ptr()
         kind = views.w13.bits | (SF16 if views.w13.scale.dtype == torch.float16 else 0)  # a checkpoint's fp16 scales
         row = [base, kind]
         for w in (views.w13, views.w2):
-            if w.zero is None or w.scale.dtype != views.w13.scale.dtype:
+            if w.zero is None or w.scale is None or w.scale.dtype != views.w13.scale.dtype:
                 return None
             row += [w.group, w.q.data_ptr() - base, w.scale.data_ptr() - base, w.zero.data_ptr() - base]
         return [*row, kind]

@@ -22,6 +22,7 @@ from moetier.policies.schedule_base import Scheduler
 from moetier.policies.schedulers import make_scheduler
 from moetier.runtime.loader import LoadedModel
 from moetier.specs import ModelSpec, load_spec
+from moetier.types import priced_as
 
 DEFAULT_PROFILE = "this-machine"  # yours (`moetier profile`) first, else the shipped one
 PRICING_SCHEDULER = "hybrimoe"  # prices prefetch choices when no --scheduler is given
@@ -78,7 +79,7 @@ def make_pricing(loaded: LoadedModel, config: EngineConfig, precision: str, hybr
     gpu = loaded.device.type == "cuda"
     if gpu and profile.gpu is None:
         raise ConfigError(f"hardware profile {profile.name!r} has no GPU; pass a GPU machine's --profile")
-    cost = CostModel(profile, engine_spec(loaded), precision)
+    cost = CostModel(profile, engine_spec(loaded), priced_as(precision))  # a ggml block type: its integer class
     scheduler = make_scheduler(config.scheduler.name or PRICING_SCHEDULER)
     return Pricing(cost, scheduler, "gpu" if gpu else "cpu", "cpu" if gpu and hybrid else None,
                    "pcie" if gpu else "disk")  # fmt: skip

@@ -38,6 +38,7 @@ from moetier.errors import CheckpointError, ConfigError, ExpertReadError
 from moetier.formats.codecs_quant import INT4_INTS
 from moetier.formats.qtier import QuantTier, layer_file
 from moetier.formats.quant import QuantSpec
+from moetier.formats.quant_ggml import is_ggml
 from moetier.formats.safetensors import ExpertReader, StoredTensor
 from moetier.kernels import decode
 from moetier.kernels.fp8 import Fp8Format, fill, fits_fp8
@@ -141,8 +142,12 @@ class QuantSource:
         self.tier, self.fmt = tier, fmt
         self.precision = tier.spec.precision
         self.slot_bytes = fmt.slot_bytes
-        # one expert's canonical tensors, allocated once; the mover and demand loads share it
-        self._staging = {name: torch.empty(shape, dtype=dt) for name, (dt, shape) in tier.tensor_specs.items()}
+        # a ggml block tier in host slots: the tier's rows of blocks are the slot's, read straight into it
+        self.direct = is_ggml(self.precision) and fmt.device.type == "cpu"
+        # otherwise one expert's canonical tensors, allocated once; the mover and demand loads share it
+        self._staging = {} if self.direct else {
+            name: torch.empty(shape, dtype=dt) for name, (dt, shape) in tier.tensor_specs.items()
+        }  # fmt: skip
         canonical = sum(t.numel() * t.element_size() for t in self._staging.values())
         bounce = tier.io.staging_bytes if tier.io is not None else 0  # formats/diskio.py's O_DIRECT buffers
         self.staging_bytes = canonical + fmt.pack_scratch_bytes + bounce
@@ -150,8 +155,12 @@ class QuantSource:
 
     def read_into(self, key: ExpertKey, views: Any) -> int:
         with self._lock:
+            dest = self._staging
+            if self.direct:
+                dest = {"w13.q": views.w13.q, "w2.q": views.w2.q}
+                dest |= {b: t for b in ("b13", "b2") if (t := getattr(views, b)) is not None}
             try:
-                n = self.tier.read_into(key, self._staging)
+                n = self.tier.read_into(key, dest)
             except (OSError, CheckpointError) as exc:  # the tier's own errors name the file, not the expert
                 file = self.tier.path / layer_file(key.layer)
                 reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
@@ -160,7 +169,8 @@ class QuantSource:
                     f"{reason}",
                     key=key, path=str(file),
                 ) from exc  # fmt: skip
-            self.fmt.pack_into(self._staging, views)
+            if not self.direct:
+                self.fmt.pack_into(self._staging, views)
         return n
 
     def make_pool(self, n_slots: int, device: torch.device, pin: bool = False) -> QuantPool:

@@ -100,6 +100,14 @@ def test_stacked_quantisation_gives_each_experts_own_bytes_and_error():
     assert 0.05 < (sq / float((w**2).sum())) ** 0.5 < 0.15  # Q4_K's relative error on gaussian rows: about 0.09
 
 
+@pytest.mark.parametrize("gtype", ["Q4_K", "IQ4_XS"])
+def test_threads_and_chunks_do_not_change_the_bytes(lib, gtype: str):
+    w = torch.randn(40, 512, generator=torch.Generator().manual_seed(5))  # [N, K]
+    one = ggml.quantize(gtype, w, threads=1)
+    assert one is not None and one.shape == (40, ggml.row_bytes(gtype, 512))
+    assert torch.equal(ggml.quantize(gtype, w, rows=7, threads=3), one)  # 6 chunks of up to 7 rows on 3 threads
+
+
 def test_without_ggml_quantising_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setattr(ggml, "quantize", lambda *a, **k: None)
     monkeypatch.setitem(ggml._errors, "load", "ggml-python is not installed (pip install ggml-python)")

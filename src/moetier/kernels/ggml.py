@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +191,12 @@ def block_of(type_name: str) -> int:
     return int(GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0])
 
 
-def quantize(type_name: str, w: torch.Tensor, rows: int = 4096) -> torch.Tensor | None:
+def quantize(type_name: str, w: torch.Tensor, rows: int = 4096, threads: int | None = None) -> torch.Tensor | None:
     """w [N, K] (any float dtype) in GGUF type `type_name`'s blocks by ggml's own quantiser (`ggml_quantize_chunk`,
     what llama-quantize runs; no importance matrix), uint8 [N, row bytes]; None without ggml, for a type that needs
-    an importance matrix, or K not a whole number of blocks. Rows go `rows` at a time (bounded fp32 temporaries)."""
+    an importance matrix, or K not a whole number of blocks. Rows go `rows` at a time (bounded fp32 temporaries),
+    on `threads` threads (default torch's; ctypes releases the GIL, and every row is quantised on its own, so the
+    bytes do not depend on it)."""
     if _ggml() is None or not _quantizer or type_name not in GGMLQuantizationType.__members__ or w.dim() != 2:
         return None
     n, k = w.shape
@@ -201,9 +204,19 @@ def quantize(type_name: str, w: torch.Tensor, rows: int = 4096) -> torch.Tensor 
     if k % block_of(type_name) or _quantizer[1](t):
         return None
     out = torch.empty((n, row_bytes(type_name, k)), dtype=torch.uint8)
-    for r in range(0, n, rows):
+
+    def one(r: int) -> None:
         chunk = w[r : r + rows].float().contiguous()  # [rows, K]
         got = _quantizer[0](t, chunk.data_ptr(), out[r].data_ptr(), 0, chunk.shape[0], k, None)
         if got != chunk.shape[0] * out.shape[1]:
             raise RuntimeError(f"ggml_quantize_chunk wrote {got} bytes for {chunk.shape[0]} rows of {type_name}")
+
+    starts = range(0, n, rows)
+    workers = min(len(starts), threads or torch.get_num_threads())
+    if workers <= 1:
+        for r in starts:
+            one(r)
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="moetier-ggml-quantize") as pool:
+            list(pool.map(one, starts))  # re-raises a worker's error
     return out

@@ -33,7 +33,7 @@ from moetier.types import GGML_PRECISIONS, Precision
 FALLBACK: Mapping[str, str] = MappingProxyType({
     "Q6_K": "Q8_0", "Q5_K": "Q5_1", "Q4_K": "Q5_0", "IQ4_XS": "IQ4_NL", "Q3_K": "IQ4_NL", "Q2_K": "IQ4_NL",
 })  # fmt: skip
-ROWS = 4096  # rows quantised at a time (bounded fp32 temporaries)
+ROWS = 512  # rows quantised at a time: bounded fp32 temporaries, and chunks enough to share among the threads
 
 
 def is_ggml(precision: Precision | str) -> bool:

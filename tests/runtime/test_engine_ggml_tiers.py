@@ -129,3 +129,21 @@ def test_dynamic_q4_k_over_q2_k_switches_and_matches_the_static_tiers(model: Pat
         hot = {k for k in engine.store.keys if engine.store.precision_of(k) == Precision.Q4_K}
         assert len(hot) == 4 and all(isinstance(k, ExpertKey) for k in hot)
         engine.store.check()
+
+
+@needs_native
+def test_expert_biases_and_gpt_oss_experts_ride_along(tmp_path: Path) -> None:
+    """GPT-OSS (biased, clamped experts; rows of 64: Q4_K's fallback Q5_0 on both matrices) in the native MoE
+    call as the decoded weights compute them."""
+    path = build_tiny_checkpoint("gpt_oss", tmp_path / "g", dtype=BF16, intermediate_size=64)
+    quantize_model(path, ["q4_k"])
+    out = {}
+    for native in (True, False):
+        with load(path, PrecisionConfig(mode="q4_k"), native=native) as engine:
+            fmt = engine.store.source.fmt
+            assert set(fmt.kinds.values()) == {"gg" if native else "gg-decode"} and "b13" in fmt.slices["bias"]
+            out[native] = engine.logits(PROBE)
+            if native:
+                s = engine.stats()["native_step"]
+                assert s["unreadable_slots"] == 0 and s["torch_moe_calls"] == 0 and s["calls"] > 0
+    assert torch.isfinite(out[True]).all() and rel_err(out[True], out[False]) < 0.05, rel_err(out[True], out[False])

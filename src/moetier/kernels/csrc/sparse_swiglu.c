@@ -464,7 +464,9 @@ int64_t moetier_sparse_moe_quant(const void* x, int x_bf16, int64_t n_tok, int64
             }
         } else if (fast) {
             const int64_t per_item = (16 + block - 1) / block; /* active blocks a work item: 16 rows or more */
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t f0 = 0; f0 < n_flat; f0 += per_item) {
+            /* each thread a contiguous share of the active blocks (ascending: the rows stream from memory in
+               order); dynamic scheduling handed them out alternately, 1.8x slower at 64 tokens */
+            _Pragma("omp for schedule(static)") for (int64_t f0 = 0; f0 < n_flat; f0 += per_item) {
                 const int64_t f1 = f0 + per_item < n_flat ? f0 + per_item : n_flat;
                 for (int64_t f = f0; f < f1; f++) {
                     const int64_t e = flat[f] / nb, r0 = flat[f] % nb * block, p0 = start[e], np = start[e + 1] - p0;

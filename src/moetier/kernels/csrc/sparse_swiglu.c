@@ -305,9 +305,10 @@ static inline __attribute__((always_inline)) void down_tile(
     for (int c = 0; c < TB; c++)
         for (int k = 0; k < 128; k++) acc[c][k] = 0.0f;
 #endif
+    const int64_t eb0 = flat[f0] / nb * nb; /* every flat[f0..f1) is this expert's: its blocks without a division */
     for (int64_t f = f0; f < f1; f++) {
-        const int64_t i0 = flat[f] % nb * block;
-        if (f + 4 < f1) __builtin_prefetch(q2 + flat[f + 4] % nb * block * rb + c0); /* scattered rows */
+        const int64_t i0 = (flat[f] - eb0) * block;
+        if (f + 4 < f1) __builtin_prefetch(q2 + (flat[f + 4] - eb0) * block * rb + c0); /* scattered rows */
         for (int64_t i = i0; i < i0 + block; i++) {
             float h[DT_MAX];
             int any = 0;

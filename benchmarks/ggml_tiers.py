@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 import moetier
 from benchmarks._models import qwen3_bench_model
 from moetier import Budgets, EngineConfig, PrecisionConfig, RuntimeConfig
-from moetier.formats.quant_ggml import block_type
+from moetier.formats.qtier import tier_summary
 from moetier.formats.quantize import quantize_model
 from moetier.kernels import ggml, native
 from moetier.runtime.quality import collect, compare, reference_config
@@ -85,13 +85,6 @@ def score(model: Path, cfg: EngineConfig, ids: list[int], window: int, ref: Any,
     return {**q.as_dict(), "ppl": q.ppl}
 
 
-def types_of(model: Path, precision: str) -> list[str]:
-    """The GGUF types a ggml precision's matrices take on this model (w13's rows are H long, w2's I)."""
-    cfg = json.loads((model / "config.json").read_text())
-    h, i = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    return sorted({block_type(precision, h), block_type(precision, i)})
-
-
 def engine_cfg(precision: str, quant: Path, rt: RuntimeConfig, group: int | None = None, budget: int | None = None,
                **pc: Any) -> EngineConfig:  # fmt: skip
     pcfg = PrecisionConfig(mode=precision, quant_dir=str(quant), groups=((precision, group),) if group else (), **pc)
@@ -114,7 +107,7 @@ def quality(args: argparse.Namespace, ids: list[int], ref: Any, dtype: str) -> d
         quant = args.work / (f"quant-{method}" if precision not in GGML else "quant-ggml")
         info = our_tier(args.model, quant, precision, group, method)
         if precision in GGML:
-            info["types"] = types_of(args.model, precision)
+            info["types"] = sorted(set(tier_summary(Path(info["path"]))["types"].values()))  # as the tier records
         rows[name] = {**info, **score(args.model, engine_cfg(precision, quant, rt, group), ids, args.window, ref,
                                       name)}  # fmt: skip
         print(f"{dtype} {name}: {rows[name]['bits_per_weight']:.3f} bits, KL {rows[name]['kl_mean']:.5f}", flush=True)

@@ -42,10 +42,9 @@ from moetier.kernels import ggml
 from moetier.types import GGML_PRECISIONS, Precision
 
 BITS = {Precision.INT8: 8, Precision.INT4: 4, Precision.INT2: 2}
-# ggml block precisions (formats/quant_ggml.py): the integer class of each, for what counts bits in whole numbers
-# (a tier manifest's "bits"); their exact bits a weight are types.GGML_PRECISIONS'
-GGML_BITS = {Precision.Q6_K: 6, Precision.Q5_K: 5, Precision.Q4_K: 4, Precision.IQ4_XS: 4, Precision.Q3_K: 3,
-             Precision.Q2_K: 2}  # fmt: skip
+# ggml block precisions (formats/quant_ggml.py): the whole bits of each (Q4_K's 4.5 -> 4), for what counts bits in
+# whole numbers (a tier manifest's "bits"); their exact bits a weight are types.GGML_PRECISIONS'
+GGML_BITS = {Precision(p): int(bits) for p, (_, bits, _) in GGML_PRECISIONS.items()}
 QUANTIZED = (*(p.value for p in BITS), *GGML_PRECISIONS)  # what `moetier quantize` writes
 DEFAULT_GROUP = {Precision.INT4: 128, Precision.INT2: 64}  # int8: one group per row (g = K)
 FALLBACK_GROUPS = (256, 128, 64, 32)

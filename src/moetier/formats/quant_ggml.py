@@ -26,6 +26,7 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.formats.codecs_gguf import dequantize as dequantize_gguf
+from moetier.formats.layout import ExpertLayout
 from moetier.kernels import ggml
 from moetier.types import GGML_PRECISIONS, Precision
 
@@ -57,6 +58,12 @@ def block_type(precision: Precision | str, k: int, shape: tuple[int, int] | None
         f"cannot quantize {what} to {precision}: its rows are not whole blocks of {base} "
         f"({ggml.block_of(base)} values) nor of its fallback {FALLBACK[base]} ({ggml.block_of(FALLBACK[base])})"
     )
+
+
+def matrix_types(precision: Precision | str, layout: ExpertLayout) -> dict[str, str]:
+    """The GGUF type each matrix of an expert takes at `precision`: w13 [2I, H] has rows of H, w2 [H, I] rows of I."""
+    h, i = layout.hidden, layout.inter
+    return {"w13": block_type(precision, h, (2 * i, h)), "w2": block_type(precision, i, (h, i))}
 
 
 def row_bytes(precision: Precision | str, k: int) -> int:
@@ -93,5 +100,5 @@ def quantize_stack(w: torch.Tensor, precision: Precision | str) -> tuple[list[to
     return [rows[e] for e in range(b)], sq
 
 
-__all__ = ["FALLBACK", "base_type", "block_type", "dequantize_rows", "is_ggml", "quantize_rows", "quantize_stack",
-           "row_bytes"]  # fmt: skip
+__all__ = ["FALLBACK", "base_type", "block_type", "dequantize_rows", "is_ggml", "matrix_types", "quantize_rows",
+           "quantize_stack", "row_bytes"]  # fmt: skip

@@ -300,8 +300,7 @@ def quantize_model(
                 "num_experts": o.num_experts, "moe_layers": layers, "family": o.family.name,
             }  # fmt: skip
             if spec.ggml:  # the GGUF type each matrix takes (w2's rows may take llama-quantize's fallback)
-                identity["types"] = {"w13": quant_ggml.block_type(spec.precision, layout.hidden),
-                                     "w2": quant_ggml.block_type(spec.precision, layout.inter)}  # fmt: skip
+                identity["types"] = quant_ggml.matrix_types(spec.precision, layout)
             writers.append(_TierWriter(path, spec, identity, source))
         for w in writers:  # every refusal before the first write
             w.check(force)

@@ -328,7 +328,7 @@ class ExpertFormat:
         if spec.ggml:
             if layout.down_rows:
                 expert_tensor_specs(layout, spec, dtype)  # refuses, naming the layouts sparse execution reads
-            self.gtypes = {m: quant_ggml.block_type(spec.precision, k, (n, k)) for m, (n, k) in self.shapes.items()}
+            self.gtypes = quant_ggml.matrix_types(spec.precision, layout)
             lib = decode.loaded() if ggml_native and device.type == "cpu" and dtype == _BF16 else None
             found = {m: ggml.kind_of(t, lib) if lib is not None else None for m, t in self.gtypes.items()}
             self.gkinds = {m: kk for m, kk in found.items() if kk is not None}

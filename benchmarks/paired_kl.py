@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moetier
 from benchmarks.gguf_vs_llamacpp import read_logits_dump
+from benchmarks.quality_frontier import common_args
 from benchmarks.vs_llamacpp import LLAMACPP_VERSION, cpu_isa, get_llamacpp, log, run
 from moetier.runtime.quality import RefLogprobs, compare
 
@@ -184,12 +185,7 @@ def ensure_g32(cache: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache-dir", type=Path, default=REPO / ".bench" / "quality_frontier")
-    ap.add_argument("--llamacpp-cache", type=Path, default=REPO / ".bench", help="where vs_llamacpp.py built llama.cpp")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--only", default="*", help="comma-separated globs of configuration names")
+    common_args(ap, "comma-separated globs of configuration names")
     a = ap.parse_args()
     cache = a.cache_dir.resolve()
     ref = cache / f"ref-fp32-{a.tokens}-w{a.window}.safetensors"

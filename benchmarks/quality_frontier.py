@@ -548,14 +548,20 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 # ---------------------------------------------------------------- main
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_args(ap: argparse.ArgumentParser, only_help: str) -> None:
+    """The flags benchmarks/paired_kl.py shares with this script: it reads this script's cache (the reference
+    logits named by --tokens and --window, the text, the GGUF files), so their defaults must be the same."""
     ap.add_argument("--cache-dir", type=Path, default=REPO / ".bench" / "quality_frontier")
     ap.add_argument("--llamacpp-cache", type=Path, default=REPO / ".bench", help="where vs_llamacpp.py built llama.cpp")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--only", default="*", help="comma-separated globs of point names")
+    ap.add_argument("--only", default="*", help=only_help)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(ap, "comma-separated globs of point names")
     ap.add_argument("--force", action="store_true", help="rerun points whose results are cached")
     ap.add_argument("--plot", type=Path, default=None)
     a = ap.parse_args()
